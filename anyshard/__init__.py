@@ -1,0 +1,23 @@
+"""anyshard: save training state as it is sharded; load it under any layout, reading only what is needed."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from anyshard import errors
+from anyshard._load import load
+from anyshard._open import CheckpointView, TensorMetadata, TensorSlice, open_checkpoint as open
+from anyshard._save import save
+from anyshard.errors import AnyshardError
+
+__all__ = [
+    "AnyshardError",
+    "CheckpointView",
+    "TensorMetadata",
+    "TensorSlice",
+    "__version__",
+    "errors",
+    "load",
+    "open",
+    "save",
+]

@@ -1,0 +1,76 @@
+"""Small JSON messages between ranks over tensor collectives (never pickle)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["active", "broadcast_json", "gather_json", "rank", "world_size"]
+
+
+def active(group=None) -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank(group=None) -> int:
+    return dist.get_rank(group) if active(group) else 0
+
+
+def world_size(group=None) -> int:
+    return dist.get_world_size(group) if active(group) else 1
+
+
+def _device(group) -> torch.device:
+    backend = dist.get_backend(group)
+    if "nccl" in str(backend) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _encode(obj: Any, device: torch.device) -> torch.Tensor:
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if data else torch.empty(0, dtype=torch.uint8, device=device)
+
+
+def _decode(t: torch.Tensor, n: int) -> Any:
+    return json.loads(bytes(t[:n].cpu().numpy()))
+
+
+def gather_json(obj: Any, group=None, dst: int = 0) -> list[Any] | None:
+    """Every rank's ``obj`` on group rank ``dst`` (None elsewhere)."""
+    if not active(group):
+        return [obj]
+    device = _device(group)
+    payload = _encode(obj, device)
+    n = world_size(group)
+    lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(n)]
+    dist.all_gather(lengths, torch.tensor([payload.numel()], dtype=torch.int64, device=device), group=group)
+    sizes = [int(x.item()) for x in lengths]
+    longest = max(sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: payload.numel()] = payload
+    me = rank(group)
+    outs = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(n)] if me == dst else None
+    dst_global = dist.get_global_rank(group, dst) if group is not None else dst
+    dist.gather(padded, outs, dst=dst_global, group=group)
+    if me != dst:
+        return None
+    return [_decode(t, s) for t, s in zip(outs, sizes, strict=True)]
+
+
+def broadcast_json(obj: Any, group=None, src: int = 0) -> Any:
+    """``obj`` of group rank ``src`` on every rank."""
+    if not active(group):
+        return obj
+    device = _device(group)
+    src_global = dist.get_global_rank(group, src) if group is not None else src
+    payload = _encode(obj, device) if rank(group) == src else None
+    length = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64, device=device)
+    dist.broadcast(length, src=src_global, group=group)
+    buf = payload if payload is not None else torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    if int(length.item()):
+        dist.broadcast(buf, src=src_global, group=group)
+    return _decode(buf, int(length.item()))

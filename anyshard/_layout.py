@@ -1,0 +1,191 @@
+"""From torch objects to layouts: the mesh and the mapping of a DTensor's or a plain tensor's shard.
+
+Shard(d) placements apply in mesh-dim order, each as ``chunk(d, axis)`` (torch.chunk, as DTensor
+computes uneven shards). FSDP2 over TP marks the earlier mesh dim ``_StridedShard(d, sf)``:
+it applies after the later mesh dims that shard ``d`` (their sizes multiply to ``sf``).
+Mesh dims of the root mesh that a sub-mesh leaves out replicate the tensor, except
+pipeline dims (named ``pp`` or starting with ``pp``), where other stages hold other tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from anyshard.errors import LayoutError
+from anyshard.format.manifest import MeshEntry
+from anyshard.ucl.compile import Shard, chunk_bounds, compile_mapping
+from anyshard.ucl.mapping import Chunk, Mapping, On, Op, Replicate
+
+__all__ = ["TensorLayout", "layout_of", "SPREAD_MIN_BYTES"]
+
+# Replicated tensors at least this large are split among their replicas for writing.
+SPREAD_MIN_BYTES = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class TensorLayout:
+    """What this rank holds of a logical tensor, and which part of it this rank writes."""
+
+    mesh: MeshEntry
+    coords: dict[str, int]
+    hold: Mapping  # the mapping of the local tensor (replicate() on replicated dims)
+    local: torch.Tensor  # the local tensor (a plain tensor)
+    global_shape: tuple[int, ...]
+
+    def shard(self) -> Shard:
+        shard = compile_mapping(self.hold, self.global_shape, self.mesh.axis_sizes, self.coords)
+        assert shard is not None
+        return shard
+
+    def write_plan(self, fqn: str) -> tuple[Mapping, torch.Tensor | None]:
+        """The stored mapping (``hold`` with each replicated dim resolved to one writer, or
+        split among the replicas), and the part of the local tensor this rank writes (None if
+        another replica writes it)."""
+        replicated = [op.axis for op in self.hold.ops if isinstance(op, Replicate)]
+        base = Mapping(tuple(op for op in self.hold.ops if not isinstance(op, Replicate)))
+        if not replicated:
+            return base, self.local
+        sizes = self.mesh.axis_sizes
+        nbytes = self.local.numel() * self.local.element_size()
+        if self.local.dim() >= 1 and nbytes >= SPREAD_MIN_BYTES:
+            part = self.local
+            for a in replicated:
+                start, stop = chunk_bounds(part.shape[0], sizes[a], self.coords[a])
+                part = part[start:stop]
+            return base.then(*(Chunk(dim=0, axis=a) for a in replicated)), part
+        # Small: one replica writes it all; pick it by name so writes spread over replicas.
+        writer = zlib.crc32(fqn.encode()) % math.prod(sizes[a] for a in replicated)
+        ops: list[Op] = []
+        for a in reversed(replicated):
+            writer, k = divmod(writer, sizes[a])
+            ops.append(On(axis=a, index=k))
+        ops.reverse()
+        mine = all(self.coords[op.axis] == op.index for op in ops)
+        return base.then(*ops), self.local if mine else None
+
+
+def _group_rank(global_rank: int, group) -> int:
+    if group is None or not dist.is_initialized():
+        return global_rank
+    return dist.get_group_rank(group, global_rank)
+
+
+def _mesh_names(mesh) -> tuple[str, ...]:
+    names = mesh.mesh_dim_names
+    return tuple(names) if names else tuple(f"mesh_dim_{i}" for i in range(mesh.ndim))
+
+
+def _is_pipeline(name: str) -> bool:
+    return name == "pp" or name.startswith("pp_")
+
+
+def _root_view(mesh) -> tuple[object, tuple[str, ...]]:
+    """The root mesh of ``mesh`` when ``mesh`` is a plain slice of it, else ``mesh`` itself."""
+    root = getattr(mesh, "_get_root_mesh", lambda: mesh)()
+    if root is mesh or root is None:
+        return mesh, _mesh_names(mesh)
+    names, root_names = _mesh_names(mesh), _mesh_names(root)
+    if not set(names) <= set(root_names):  # a flattened dim: describe the mesh on its own
+        return mesh, names
+    return root, root_names
+
+
+def _shard_ops(placements, names: tuple[str, ...], sizes: tuple[int, ...], fqn: str) -> list[Op]:
+    from torch.distributed.tensor import Partial, Replicate as TReplicate, Shard as TShard
+
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:  # pragma: no cover - older torch
+        _StridedShard = ()
+    by_dim: dict[int, list[tuple[int, object]]] = {}
+    replicated: list[Op] = []
+    for i, p in enumerate(placements):
+        if isinstance(p, Partial):
+            raise LayoutError(
+                f"{fqn}: placement Partial on mesh dim {names[i]!r} holds unreduced partial sums; "
+                "reduce it first (e.g. dtensor.redistribute(placements=[Replicate()...])) and save that"
+            )
+        if isinstance(p, TShard) or (_StridedShard and isinstance(p, _StridedShard)):
+            by_dim.setdefault(p.dim, []).append((i, p))
+        elif isinstance(p, TReplicate):
+            replicated.append(Replicate(axis=names[i]))
+        else:
+            raise LayoutError(f"{fqn}: placement {p!r} on mesh dim {names[i]!r} is not supported")
+    chunks: list[Op] = []
+    for d in sorted(by_dim):
+        chunks += [Chunk(dim=d, axis=names[i]) for i in _application_order(by_dim[d], sizes, names, fqn)]
+    return chunks + replicated
+
+
+def _application_order(entries, sizes, names, fqn) -> list[int]:
+    """Mesh dims sharding one tensor dim, in the order the chunks apply."""
+    order: list[int] = []
+    pending: list[tuple[int, int]] = []  # strided (mesh dim, remaining split factor)
+    for i, p in entries:
+        sf = getattr(p, "split_factor", None)
+        if sf is not None and type(p).__name__ == "_StridedShard":
+            pending.append((i, sf))
+            continue
+        order.append(i)
+        still = []
+        for j, rest in pending:
+            if rest % sizes[i]:
+                raise LayoutError(f"{fqn}: _StridedShard on {names[j]!r} with split factor does not match the mesh")
+            rest //= sizes[i]
+            if rest == 1:
+                order.append(j)
+            else:
+                still.append((j, rest))
+        pending = still
+    if pending:
+        raise LayoutError(
+            f"{fqn}: _StridedShard on mesh dim(s) {[names[j] for j, _ in pending]} is not followed by "
+            "Shard placements whose sizes make up its split factor; this layout is not supported"
+        )
+    return order
+
+
+def layout_of(fqn: str, value: torch.Tensor, group=None) -> TensorLayout:
+    """The layout of a DTensor (from its mesh and placements) or a plain tensor (replicated)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return _dtensor_layout(fqn, value, group)
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    mesh = MeshEntry(dims=("world",), sizes=(world,), offset=0, strides=(1,))
+    hold = Mapping((Replicate(axis="world"),))
+    return TensorLayout(mesh, {"world": rank}, hold, value.detach(), tuple(value.shape))
+
+
+def _dtensor_layout(fqn: str, value, group) -> TensorLayout:
+    mesh = value.device_mesh
+    root, root_names = _root_view(mesh)
+    names = _mesh_names(mesh)
+    sizes = tuple(mesh.mesh.shape)
+    ops = _shard_ops(value.placements, names, sizes, fqn)
+    grid = root.mesh
+    root_sizes = tuple(grid.shape)
+    me = dist.get_rank() if dist.is_initialized() else 0
+    where = (grid == me).nonzero()
+    if where.numel() == 0:
+        raise LayoutError(f"{fqn}: this rank ({me}) is not in the tensor's device mesh")
+    coords = dict(zip(root_names, (int(c) for c in where[0]), strict=True))
+    for name in root_names:
+        if name not in names:
+            ops.append(On(axis=name, index=coords[name]) if _is_pipeline(name) else Replicate(axis=name))
+    ranks = [_group_rank(int(r), group) for r in grid.reshape(-1).tolist()]
+    entry = MeshEntry.from_rank_grid(root_names, root_sizes, ranks)
+    layout = TensorLayout(entry, coords, Mapping(tuple(ops)), value.to_local().detach(), tuple(value.shape))
+    shard = layout.shard()
+    if tuple(shard.shape) != tuple(layout.local.shape):
+        raise LayoutError(
+            f"{fqn}: placements {value.placements} on mesh {dict(zip(names, sizes, strict=True))} give a "
+            f"local shape {list(shard.shape)} here, but the local tensor has {list(layout.local.shape)}"
+        )
+    return layout

@@ -1,0 +1,70 @@
+"""Filling target regions from a checkpoint: match shards, read headers, plan, execute."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from anyshard.errors import CorruptCheckpointError
+from anyshard.format.checkpoint import data_path, read_headers
+from anyshard.format.datafile import ST_TO_DTYPE, DataFileHeader
+from anyshard.format.manifest import Manifest
+from anyshard.reshard.boxes import Piece
+from anyshard.reshard.executor import execute_plan
+from anyshard.reshard.planner import ReadPlan, StoredShardInfo, Transfer, match_shards, plan_reads
+
+__all__ = ["Fill", "fill_regions"]
+
+
+@dataclass(frozen=True, slots=True)
+class Fill:
+    """Fill ``pieces`` of ``dest`` (each holding a region of logical tensor ``fqn``)."""
+
+    fqn: str
+    dest: torch.Tensor
+    pieces: tuple[Piece, ...]
+
+
+def fill_regions(
+    path: str,
+    manifest: Manifest,
+    fills: Sequence[Fill],
+    *,
+    headers: dict[int, DataFileHeader] | None = None,
+    threads: int = 8,
+) -> ReadPlan:
+    """Read what ``fills`` need, only that, and write it into their tensors."""
+    transfers: list[Transfer] = []
+    shapes: dict[tuple[int, str], tuple[int, ...]] = {}
+    for i, f in enumerate(fills):
+        entry = manifest.tensors[f.fqn]
+        mesh = manifest.meshes[entry.mesh]
+        transfers += match_shards(f.fqn, i, f.pieces, entry.parsed, entry.shape, mesh.axis_sizes, mesh.rank, shapes)
+    headers = headers if headers is not None else {}
+    missing = {r for r, _ in shapes} - set(headers)
+    headers.update(read_headers(path, manifest, missing))
+    info: dict[tuple[int, str], StoredShardInfo] = {}
+    dtypes: dict[tuple[int, str], torch.dtype] = {}
+    for (rank, fqn), shape in shapes.items():
+        header = headers[rank]
+        stored = header.shards.get(fqn)
+        entry = manifest.tensors[fqn]
+        if stored is None or stored.shape != tuple(shape) or stored.dtype != entry.dtype:
+            found = "nothing" if stored is None else f"{stored.dtype} {list(stored.shape)}"
+            raise CorruptCheckpointError(
+                f"{header.path}: expected the shard of {fqn!r} as {entry.dtype} {list(shape)}, found {found}; "
+                "the data file does not belong to this manifest"
+            )
+        dtype = ST_TO_DTYPE[stored.dtype]
+        info[(rank, fqn)] = StoredShardInfo(stored.start, stored.stop, dtype.itemsize, stored.crc32c)
+        dtypes[(rank, fqn)] = dtype
+    direct_ok = [
+        f.dest.device.type == "cpu" and f.dest.is_contiguous() and f.dest.dtype == ST_TO_DTYPE[manifest.tensors[f.fqn].dtype]
+        for f in fills
+    ]
+    plan = plan_reads(transfers, info, direct_ok)
+    paths = {r: data_path(path, manifest, r) for r in {t.rank for t in plan.transfers}}
+    execute_plan(plan, [f.dest for f in fills], dtypes, paths, threads=threads)
+    return plan

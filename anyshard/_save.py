@@ -1,0 +1,161 @@
+"""``anyshard.save``: every rank writes the shards it holds, as they are; one rank commits."""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+import torch
+
+from anyshard import _collectives as coll
+from anyshard._layout import TensorLayout, layout_of
+from anyshard._state import flatten_state, json_roundtrip
+from anyshard.errors import AnyshardError, SaveError
+from anyshard.format import storage
+from anyshard.format.datafile import DTYPE_TO_ST, write_datafile
+from anyshard.format.manifest import MANIFEST_NAME, Manifest, MeshEntry, TensorEntry
+from anyshard.ucl.compile import enumerate_shards
+from anyshard.ucl.mapping import On
+
+__all__ = ["save"]
+
+DATA_DIR = "data"
+
+
+def _file_name(rank: int) -> str:
+    return f"{DATA_DIR}/rank-{rank:05d}.safetensors"
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    return t.contiguous()
+
+
+def _is_representative(layout: TensorLayout) -> bool:
+    pinned = {op.axis for op in layout.hold.ops if isinstance(op, On)}
+    return all(c == 0 for axis, c in layout.coords.items() if axis not in pinned)
+
+
+def _plan_local(state: Any, group) -> tuple[list[tuple[str, torch.Tensor]], dict, dict]:
+    """This rank's shards to write, the tensor entries it reports, and its JSON values."""
+    writes: list[tuple[str, torch.Tensor]] = []
+    entries: dict[str, dict] = {}
+    values: dict[str, Any] = {}
+    for fqn, leaf in flatten_state(state).items():
+        value = leaf.value
+        if not isinstance(value, torch.Tensor):
+            values[fqn] = json_roundtrip(value)
+            continue
+        if value.dtype not in DTYPE_TO_ST:
+            raise AnyshardError(f"{fqn}: dtype {value.dtype} cannot be stored in safetensors")
+        layout = layout_of(fqn, value, group)
+        write, part = layout.write_plan(fqn)
+        if part is not None:
+            writes.append((fqn, _host(part)))
+        if _is_representative(layout):
+            entries[fqn] = {
+                "dtype": DTYPE_TO_ST[value.dtype],
+                "shape": list(layout.global_shape),
+                "mesh": layout.mesh.to_json(),
+                "mapping": str(write),
+            }
+    return writes, entries, values
+
+
+def _merge(reports: list[dict], path: str) -> Manifest:
+    """Rank 0: the manifest from every rank's report; raises SaveError on any failure."""
+    failed = [(r, rep["error"]) for r, rep in enumerate(reports) if rep["error"]]
+    if failed:
+        lines = "\n".join(f"  rank {r}: {e.strip().splitlines()[-1]}" for r, e in failed[:8])
+        raise SaveError(f"save to {path} failed on {len(failed)} rank(s); nothing was committed:\n{lines}")
+    meshes: list[MeshEntry] = []
+    mesh_ids: dict[str, int] = {}
+    tensors: dict[str, TensorEntry] = {}
+    values: dict[str, Any] = {}
+    for rep in reports:
+        for fqn, e in rep["entries"].items():
+            if fqn in tensors:
+                continue
+            key = repr(e["mesh"])
+            if key not in mesh_ids:
+                mesh_ids[key] = len(meshes)
+                meshes.append(MeshEntry.from_json(e["mesh"]))
+            tensors[fqn] = TensorEntry(dtype=e["dtype"], shape=tuple(e["shape"]), mesh=mesh_ids[key], mapping=e["mapping"])
+        for k, v in rep["values"].items():
+            values.setdefault(k, v)
+    files = {r: rep["file"] for r, rep in enumerate(reports) if rep["file"]}
+    manifest = Manifest(
+        world_size=len(reports), meshes=tuple(meshes), files=files, tensors=dict(sorted(tensors.items())),
+        values=dict(sorted(values.items())), library=_library(),
+    )
+    _check_writers(manifest, reports, path)
+    return manifest
+
+
+def _check_writers(manifest: Manifest, reports: list[dict], path: str) -> None:
+    """Every rank wrote exactly the shards the manifest says it holds; else nothing commits."""
+    expected = [0] * len(reports)
+    for fqn, t in manifest.tensors.items():
+        mesh = manifest.meshes[t.mesh]
+        for coords, _ in enumerate_shards(t.parsed, t.shape, mesh.axis_sizes):
+            expected[mesh.rank(coords)] += 1
+    bad = [(r, rep["count"], expected[r]) for r, rep in enumerate(reports) if rep["count"] != expected[r]]
+    if bad:
+        r, got, want = bad[0]
+        raise SaveError(
+            f"save to {path}: rank {r} wrote {got} shard(s) but the layouts say it holds {want}; "
+            "ranks hold different tensors under the same names (pipeline stages with local layer "
+            "names, or a plain tensor that is not the same on every rank?). Name pipeline mesh "
+            "dims 'pp' and give every logical tensor one global name"
+        )
+
+
+def _library() -> str:
+    from anyshard import __version__
+
+    return f"anyshard {__version__}"
+
+
+def save(path: str, state_dict: dict[str, Any], *, process_group=None) -> None:
+    """Save ``state_dict`` to ``path`` (a directory or URL), collectively over ``process_group``.
+
+    Each rank writes the shards it holds into its own safetensors file (replicated regions once,
+    spread over their holders); then rank 0 writes ``manifest.json``, the commit.
+
+    >>> import torch, anyshard, tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> anyshard.save(d + "/step-1", {"w": torch.arange(6.0).reshape(2, 3), "step": 1})
+    >>> anyshard.open(d + "/step-1").get_tensor("w")[1]
+    tensor([3., 4., 5.])
+    """
+    me = coll.rank(process_group)
+    report: dict[str, Any] = {"error": None, "file": None, "count": 0, "entries": {}, "values": {}}
+    local_error: BaseException | None = None
+    try:
+        if me == 0 and storage.exists(storage.join(path, MANIFEST_NAME)):
+            raise SaveError(f"{path} already holds a committed checkpoint; save to a new path (e.g. the next step)")
+        writes, entries, values = _plan_local(state_dict, process_group)
+        report.update(entries=entries, values=values if me == 0 or values else {}, count=len(writes))
+        if writes:
+            storage.makedirs(storage.join(path, DATA_DIR))
+            write_datafile(storage.join(path, *_file_name(me).split("/")), writes)
+            report["file"] = _file_name(me)
+    except Exception as e:  # reported to rank 0 so that no rank waits forever
+        local_error = e
+        report["error"] = "".join(traceback.format_exception_only(type(e), e))
+    reports = coll.gather_json(report, process_group)
+    outcome: dict[str, Any] = {"ok": True}
+    if me == 0:
+        try:
+            manifest = _merge(reports, path)
+            storage.write_bytes_atomic(storage.join(path, MANIFEST_NAME), manifest.dumps())
+        except Exception as e:
+            outcome = {"ok": False, "error": str(e)}
+    outcome = coll.broadcast_json(outcome, process_group)
+    if local_error is not None:
+        raise local_error
+    if not outcome["ok"]:
+        raise SaveError(outcome["error"])
+
+

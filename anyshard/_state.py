@@ -1,0 +1,100 @@
+"""Flattening nested state dicts into ``fqn -> leaf`` and writing leaves back in place."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from anyshard.errors import AnyshardError
+
+__all__ = ["Leaf", "flatten_state", "is_json_value"]
+
+_SCALARS = (type(None), bool, int, float, str)
+
+
+class Leaf:
+    """A leaf of a state dict: its value, and the container slot to write a loaded value to."""
+
+    __slots__ = ("container", "key", "value")
+
+    def __init__(self, container: Any, key: Any, value: Any):
+        self.container, self.key, self.value = container, key, value
+
+    def replace(self, value: Any) -> None:
+        if isinstance(self.value, tuple) and isinstance(value, list):
+            value = tuple(value)
+        try:
+            self.container[self.key] = value
+        except TypeError as e:  # a tuple container: immutable
+            raise AnyshardError(
+                f"cannot write a loaded value into an immutable container at key {self.key!r}; "
+                "use lists instead of tuples in the state dict"
+            ) from e
+
+
+def _has_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(_has_tensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_has_tensor(v) for v in value)
+    return False
+
+
+def is_json_value(value: Any) -> bool:
+    if isinstance(value, _SCALARS):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(is_json_value(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and is_json_value(v) for k, v in value.items())
+    return False
+
+
+def flatten_state(state: Any, prefix: str = "") -> dict[str, Leaf]:
+    """``{"model": {"w": t}, "optim": [...]}`` -> ``{"model.w": Leaf, "optim.0": Leaf, ...}``.
+
+    Dicts are walked always; lists and tuples only where they hold tensors, otherwise they
+    are one JSON value. Two paths that flatten to the same name are an error.
+    """
+    out: dict[str, Leaf] = {}
+    for fqn, leaf in _walk(state, prefix):
+        if fqn in out:
+            raise AnyshardError(
+                f"two entries of the state dict flatten to the same name {fqn!r} "
+                "(a key containing '.' next to a nested dict); rename one of them"
+            )
+        out[fqn] = leaf
+    return out
+
+
+def _walk(node: Any, prefix: str) -> Iterator[tuple[str, Leaf]]:
+    if isinstance(node, dict):
+        items = [(str(k), k) for k in node]
+    elif isinstance(node, (list, tuple)):
+        items = [(str(i), i) for i in range(len(node))]
+    else:
+        raise AnyshardError(f"state must be a dict, got {type(node).__name__}")
+    for name, key in items:
+        value = node[key]
+        fqn = f"{prefix}.{name}" if prefix else name
+        if isinstance(value, dict) and value and (_has_tensor(value) or not is_json_value(value)):
+            yield from _walk(value, fqn)
+        elif isinstance(value, (list, tuple)) and _has_tensor(value):
+            yield from _walk(value, fqn)
+        else:
+            if not isinstance(value, torch.Tensor) and not is_json_value(value):
+                raise AnyshardError(
+                    f"{fqn}: a {type(value).__name__} cannot be stored; anyshard stores tensors and "
+                    "JSON values (numbers, strings, lists, dicts) and never pickles. Convert it "
+                    "to one of those (e.g. a tensor or a dict) before saving"
+                )
+            yield fqn, Leaf(node, key, value)
+
+
+def json_roundtrip(value: Any) -> Any:
+    return json.loads(json.dumps(value))

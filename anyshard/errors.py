@@ -1,0 +1,79 @@
+"""The exception hierarchy: every error anyshard raises is an `AnyshardError`.
+
+Messages say what was expected, what was found (names, paths, values) and one fix.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AnyshardError",
+    "CheckpointNotFoundError",
+    "ChecksumError",
+    "CorruptCheckpointError",
+    "FormatVersionError",
+    "LayoutError",
+    "MappingSyntaxError",
+    "MappingError",
+    "SaveError",
+    "StateDictMismatchError",
+    "StorageError",
+]
+
+
+class AnyshardError(Exception):
+    """Base class of every error raised by anyshard."""
+
+
+class StorageError(AnyshardError, OSError):
+    """A file or object could not be read or written (after retries where they apply)."""
+
+
+class CheckpointNotFoundError(AnyshardError, FileNotFoundError):
+    """The path holds no committed checkpoint (no manifest.json)."""
+
+
+class CorruptCheckpointError(AnyshardError):
+    """A checkpoint is committed but its files are missing, truncated or inconsistent."""
+
+
+class ChecksumError(CorruptCheckpointError):
+    """The bytes of a stored shard do not match the checksum written at save time."""
+
+
+class FormatVersionError(AnyshardError):
+    """The checkpoint was written in a format version this anyshard cannot read."""
+
+
+class MappingError(AnyshardError, ValueError):
+    """A mapping expression is well formed but does not fit the tensor or the mesh."""
+
+
+class MappingSyntaxError(MappingError):
+    """A mapping expression could not be parsed; carries ``line``, ``column`` and an excerpt."""
+
+    def __init__(self, message: str, *, text: str, line: int, column: int, expected: str):
+        self.text = text
+        self.line = line
+        self.column = column
+        self.expected = expected
+        lines = text.splitlines() or [""]
+        src = lines[line - 1] if 0 < line <= len(lines) else ""
+        caret = " " * max(column - 1, 0) + "^"
+        super().__init__(
+            f"{message} at line {line}, column {column}; expected {expected}:\n  {src}\n  {caret}"
+        )
+
+
+class LayoutError(AnyshardError, ValueError):
+    """A tensor's placement cannot be represented (e.g. a Partial placement)."""
+
+
+class StateDictMismatchError(AnyshardError, KeyError):
+    """The state dict to load does not match the checkpoint (keys, shapes or dtypes)."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class SaveError(AnyshardError):
+    """A save failed on at least one rank; nothing was committed."""

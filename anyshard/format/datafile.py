@@ -1,0 +1,148 @@
+"""Data files: plain safetensors files, one per writing rank, with per-shard crc32c checksums.
+
+The file is written straight from tensor memory (no serialised copy of the tensors is built):
+an 8-byte little-endian header size, the JSON header padded with spaces to a multiple of 8,
+then each shard's bytes back to back. The header's ``__metadata__["anyshard"]`` is a JSON
+string holding the format version and the crc32c of every shard.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import crc32c
+import torch
+
+from anyshard.errors import CorruptCheckpointError
+from anyshard.format import storage
+
+__all__ = [
+    "DATAFILE_VERSION",
+    "DTYPE_TO_ST",
+    "ST_TO_DTYPE",
+    "DataFileHeader",
+    "ShardEntry",
+    "read_header",
+    "tensor_bytes",
+    "write_datafile",
+]
+
+DATAFILE_VERSION = 1
+_MAX_HEADER = 100 * 1024 * 1024
+
+DTYPE_TO_ST: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+    torch.complex64: "C64",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+ST_TO_DTYPE = {v: k for k, v in DTYPE_TO_ST.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class ShardEntry:
+    """Where one stored shard's bytes lie in a data file (absolute byte offsets)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    stop: int
+    crc32c: int
+
+
+@dataclass(frozen=True, slots=True)
+class DataFileHeader:
+    path: str
+    shards: dict[str, ShardEntry]
+    file_size: int | None = None
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    if t.numel() == 0:
+        return memoryview(b"")
+    flat = t.reshape(-1)
+    if flat.dtype is not torch.uint8:
+        flat = flat.view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B")
+
+
+def _checksum(mv: memoryview) -> int:
+    return crc32c.crc32c(mv)
+
+
+def write_datafile(path: str, shards: Sequence[tuple[str, torch.Tensor]], *, threads: int = 4) -> int:
+    """Write ``shards`` (contiguous CPU tensors) into a new safetensors file; returns its size."""
+    views = [tensor_bytes(t) for _, t in shards]
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        crcs = list(pool.map(_checksum, views))
+    header: dict[str, object] = {}
+    offset = 0
+    for (name, t), mv, crc in zip(shards, views, crcs, strict=True):
+        header[name] = {"dtype": DTYPE_TO_ST[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + mv.nbytes]}
+        offset += mv.nbytes
+    meta = {"format_version": DATAFILE_VERSION, "crc32c": {name: c for (name, _), c in zip(shards, crcs, strict=True)}}
+    header["__metadata__"] = {"format": "pt", "anyshard": json.dumps(meta, separators=(",", ":"))}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with storage.open_writer(path) as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for mv in views:
+            if mv.nbytes:
+                f.write(mv)
+    return 8 + len(raw) + offset
+
+
+def read_header(path: str) -> DataFileHeader:
+    """Parse a data file's header; raises `CorruptCheckpointError` naming the file on any defect."""
+    try:
+        with storage.FileReader(path) as r:
+            head = bytearray(8)
+            r.read_into(0, memoryview(head))
+            (n,) = struct.unpack("<Q", head)
+            if n > _MAX_HEADER:
+                raise CorruptCheckpointError(f"{path}: header size {n} is not plausible; the file is corrupt")
+            raw = bytearray(n)
+            r.read_into(8, memoryview(raw))
+    except FileNotFoundError:
+        raise CorruptCheckpointError(
+            f"{path}: data file is missing; the checkpoint was copied incompletely or files were deleted"
+        ) from None
+    except EOFError as e:
+        raise CorruptCheckpointError(f"{path}: data file is truncated ({e})") from None
+    try:
+        header = json.loads(raw)
+        meta = json.loads(header.pop("__metadata__")["anyshard"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptCheckpointError(f"{path}: not an anyshard data file (bad header: {e})") from None
+    if meta.get("format_version") != DATAFILE_VERSION:
+        raise CorruptCheckpointError(
+            f"{path}: data file format_version {meta.get('format_version')!r} is not {DATAFILE_VERSION}"
+        )
+    base = 8 + n
+    crcs = meta["crc32c"]
+    shards = {
+        name: ShardEntry(
+            dtype=e["dtype"], shape=tuple(e["shape"]), start=base + e["data_offsets"][0],
+            stop=base + e["data_offsets"][1], crc32c=int(crcs[name]),
+        )
+        for name, e in header.items()
+    }
+    return DataFileHeader(path=path, shards=shards)

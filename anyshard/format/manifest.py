@@ -1,0 +1,210 @@
+"""The manifest: the JSON document whose presence commits a checkpoint.
+
+It grows with the number of tensors, not tensors x ranks: each tensor's mapping is stored once,
+parameterised by mesh coordinates; byte offsets and checksums live in the data files' headers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import posixpath
+from collections.abc import Mapping as MappingType
+from dataclasses import dataclass, field
+from typing import Any
+
+from anyshard.errors import CorruptCheckpointError, FormatVersionError
+from anyshard.ucl.mapping import Mapping, parse_mapping
+
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST_NAME", "Manifest", "MeshEntry", "TensorEntry"]
+
+FORMAT_NAME = "anyshard-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+KNOWN_VERSIONS = (1,)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MeshEntry:
+    """A device mesh: named dims with sizes, and the global rank at each coordinate.
+
+    Ranks are ``offset + sum(coord * stride)`` when ``strides`` is given (every mesh cut from a
+    row-major world is), else listed in ``ranks`` in row-major order of the coordinates.
+    """
+
+    dims: tuple[str, ...]
+    sizes: tuple[int, ...]
+    offset: int = 0
+    strides: tuple[int, ...] | None = None
+    ranks: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.dims) != len(self.sizes) or len(set(self.dims)) != len(self.dims):
+            raise ValueError(f"mesh dims {self.dims} and sizes {self.sizes} do not match")
+        if (self.strides is None) == (self.ranks is None):
+            raise ValueError("a mesh needs exactly one of strides or ranks")
+        if self.ranks is not None and len(self.ranks) != math.prod(self.sizes):
+            raise ValueError(f"mesh of sizes {self.sizes} lists {len(self.ranks)} ranks")
+
+    @classmethod
+    def from_rank_grid(cls, dims: tuple[str, ...], sizes: tuple[int, ...], ranks: list[int]) -> MeshEntry:
+        """Describe a mesh from its ranks in row-major order, compactly when they are affine."""
+        strides = []
+        for d in range(len(sizes)):
+            step = math.prod(sizes[d + 1 :])
+            strides.append(ranks[step] - ranks[0] if sizes[d] > 1 else 0)
+        entry = cls(dims=dims, sizes=sizes, offset=ranks[0], strides=tuple(strides))
+        if all(entry.rank_at_index(i) == r for i, r in enumerate(ranks)):
+            return entry
+        return cls(dims=dims, sizes=sizes, ranks=tuple(ranks))
+
+    @property
+    def axis_sizes(self) -> dict[str, int]:
+        return dict(zip(self.dims, self.sizes, strict=True))
+
+    def rank_at_index(self, flat: int) -> int:
+        coords = []
+        for n in reversed(self.sizes):
+            coords.append(flat % n)
+            flat //= n
+        return self.rank(dict(zip(self.dims, reversed(coords), strict=True)))
+
+    def rank(self, coords: MappingType[str, int]) -> int:
+        """Global rank at ``coords``; dims missing from ``coords`` take coordinate 0."""
+        c = [coords.get(d, 0) for d in self.dims]
+        if self.strides is not None:
+            return self.offset + sum(i * s for i, s in zip(c, self.strides, strict=True))
+        flat = 0
+        for i, n in zip(c, self.sizes, strict=True):
+            flat = flat * n + i
+        return self.ranks[flat]
+
+    def coords_of(self, rank: int) -> dict[str, int] | None:
+        """The coordinates of ``rank`` in this mesh, or None when it is not in the mesh."""
+        for flat in range(math.prod(self.sizes)):
+            if self.rank_at_index(flat) == rank:
+                out, f = {}, flat
+                for d, n in zip(reversed(self.dims), reversed(self.sizes), strict=True):
+                    out[d] = f % n
+                    f //= n
+                return out
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"dims": list(self.dims), "sizes": list(self.sizes)}
+        if self.strides is not None:
+            out["offset"], out["strides"] = self.offset, list(self.strides)
+        else:
+            out["ranks"] = list(self.ranks)
+        return out
+
+    @classmethod
+    def from_json(cls, j: MappingType[str, Any]) -> MeshEntry:
+        return cls(
+            dims=tuple(j["dims"]), sizes=tuple(j["sizes"]), offset=j.get("offset", 0),
+            strides=tuple(j["strides"]) if "strides" in j else None,
+            ranks=tuple(j["ranks"]) if "ranks" in j else None,
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TensorEntry:
+    """A logical tensor: global shape and dtype, and the mapping of its stored shards.
+
+    Every coordinate tuple of the mapping's mesh dims holds one stored shard, written into the
+    data file of the rank at those coordinates (under the key ``fqn``).
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    mesh: int
+    mapping: str
+
+    def __post_init__(self) -> None:
+        if any(n < 0 for n in self.shape):
+            raise ValueError(f"negative size in shape {self.shape}")
+
+    @property
+    def parsed(self) -> Mapping:
+        return parse_mapping(self.mapping)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "shape": list(self.shape), "mesh": self.mesh, "mapping": self.mapping}
+
+    @classmethod
+    def from_json(cls, j: MappingType[str, Any]) -> TensorEntry:
+        return cls(dtype=j["dtype"], shape=tuple(j["shape"]), mesh=int(j["mesh"]), mapping=j["mapping"])
+
+
+def _check_relative(name: str, where: str) -> str:
+    if (
+        not isinstance(name, str)
+        or not name
+        or "\\" in name
+        or name.startswith("/")
+        or "://" in name
+        or any(part in ("..", "") for part in name.split("/"))
+        or posixpath.normpath(name) != name
+    ):
+        raise CorruptCheckpointError(
+            f"{where}: file name {name!r} points outside the checkpoint; refusing to read it "
+            "(the manifest is corrupt or was crafted)"
+        )
+    return name
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Manifest:
+    world_size: int
+    meshes: tuple[MeshEntry, ...]
+    files: dict[int, str]
+    tensors: dict[str, TensorEntry]
+    values: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    library: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "library": self.library,
+            "world_size": self.world_size,
+            "meshes": [m.to_json() for m in self.meshes],
+            "files": {str(r): f for r, f in sorted(self.files.items())},
+            "tensors": {k: v.to_json() for k, v in self.tensors.items()},
+            "values": self.values,
+            "metadata": self.metadata,
+        }
+
+    def dumps(self) -> bytes:
+        return json.dumps(self.to_json(), separators=(",", ":"), sort_keys=False).encode()
+
+    @classmethod
+    def loads(cls, data: bytes, where: str) -> Manifest:
+        try:
+            j = json.loads(data)
+        except ValueError as e:
+            raise CorruptCheckpointError(f"{where}: manifest is not valid JSON ({e})") from None
+        if not isinstance(j, dict) or j.get("format") != FORMAT_NAME:
+            raise CorruptCheckpointError(f"{where}: not an anyshard manifest (format={j.get('format') if isinstance(j, dict) else None!r})")
+        version = j.get("format_version")
+        if version not in KNOWN_VERSIONS:
+            raise FormatVersionError(
+                f"{where}: format_version {version!r} is not one this anyshard reads "
+                f"({', '.join(map(str, KNOWN_VERSIONS))}); upgrade anyshard to read it"
+            )
+        try:
+            files = {int(r): _check_relative(f, where) for r, f in j["files"].items()}
+            return cls(
+                world_size=int(j["world_size"]),
+                meshes=tuple(MeshEntry.from_json(m) for m in j["meshes"]),
+                files=files,
+                tensors={k: TensorEntry.from_json(v) for k, v in j["tensors"].items()},
+                values=j.get("values", {}),
+                metadata=j.get("metadata", {}),
+                library=j.get("library", ""),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, CorruptCheckpointError):
+                raise
+            raise CorruptCheckpointError(f"{where}: manifest is malformed ({type(e).__name__}: {e})") from None
