@@ -198,7 +198,7 @@ def enumerate_shards(
     st = _initial(logical_shape)
 
     def prune(state: _State) -> bool:
-        return needed is not None and not any(intersect(p.logical_box, needed) for p in state.pieces)
+        return needed is not None and all(intersect(p.logical_box, needed) is None for p in state.pieces)
 
     def walk(i: int, state: _State, coords: dict[str, int]) -> Iterator[tuple[dict[str, int], Shard]]:
         if prune(state):
