@@ -1,0 +1,137 @@
+"""Task functions run on every rank by the harness: a toy model under several parallel layouts."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import anyshard
+
+
+class Toy(nn.Module):
+    """Sizes chosen not to divide evenly by 4: 10 hidden rows, 13 embedding rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(13, 16)
+        self.norm = nn.RMSNorm(16)
+        self.up = nn.Linear(16, 10)
+        self.down = nn.Linear(10, 16, bias=False)
+
+    def forward(self, ids):
+        x = self.norm(self.emb(ids))
+        return self.down(torch.relu(self.up(x)))
+
+
+TP_PLAN = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+
+
+def build(layout: str, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    model = Toy()
+    if layout == "fsdp4":
+        fully_shard(model, mesh=init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",)))
+    elif layout == "fsdp2_tp2":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+        parallelize_module(model, mesh["tp"], TP_PLAN)
+        fully_shard(model, mesh=mesh["dp_shard"])
+    elif layout == "ddp2_tp2":
+        mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        parallelize_module(model, mesh["tp"], TP_PLAN)
+        fully_shard(model, mesh=mesh["dp_replicate", "dp_shard"])
+    elif layout in ("tp4", "tp2"):
+        n = int(layout[2:])
+        parallelize_module(model, init_device_mesh("cpu", (n,), mesh_dim_names=("tp",)), TP_PLAN)
+    else:
+        raise ValueError(layout)
+    return model
+
+
+def train_state(layout: str, seed: int) -> dict:
+    model = build(layout, seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, foreach=False)
+    for p in model.parameters():  # deterministic gradients with the parameters' own placements
+        p.grad = p.detach() * 0.5 + 0.25
+    opt.step()
+    model_sd, optim_sd = get_state_dict(model, opt)
+    return {"model": model_sd, "optim": optim_sd, "meta": {"step": 1, "layout": layout}}
+
+
+def _flat(state, prefix=""):
+    for k, v in state.items():
+        name = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, dict) and any(isinstance(x, (torch.Tensor, dict)) for x in v.values()):
+            yield from _flat(v, name)
+        else:
+            yield name, v
+
+
+def full(v):
+    return v.full_tensor() if isinstance(v, DTensor) else v
+
+
+def save_task(layout: str, ckpt: str, truth_dir: str, seed: int) -> int:
+    state = train_state(layout, seed)
+    anyshard.save(ckpt, state)
+    tensors = {k: full(v).contiguous() for k, v in _flat(state) if isinstance(v, torch.Tensor)}
+    if dist.get_rank() == 0:
+        os.makedirs(truth_dir, exist_ok=True)
+        save_file(tensors, os.path.join(truth_dir, "truth.safetensors"))
+        others = {k: v for k, v in _flat(state) if not isinstance(v, torch.Tensor)}
+        with open(os.path.join(truth_dir, "values.json"), "w") as f:
+            json.dump(others, f)
+    return len(tensors)
+
+
+def load_check_task(layout: str, ckpt: str, truth_dir: str, seed: int) -> int:
+    state = train_state(layout, seed)  # other values, the target layout's shapes and placements
+    anyshard.load(ckpt, state)
+    truth = load_file(os.path.join(truth_dir, "truth.safetensors"))
+    with open(os.path.join(truth_dir, "values.json")) as f:
+        values = json.load(f)
+    checked = 0
+    for k, v in _flat(state):
+        if isinstance(v, torch.Tensor):
+            got = full(v)
+            assert got.dtype == truth[k].dtype and torch.equal(got, truth[k]), f"{k} differs after load"
+            checked += 1
+        else:
+            assert json.loads(json.dumps(v)) == values[k], f"{k}: {v!r} != {values[k]!r}"
+    assert checked == len(truth), (checked, len(truth))
+    return checked
+
+
+def partial_save_task(ckpt: str) -> str:
+    """A Partial DTensor cannot be saved: every rank raises, nothing is committed."""
+    from torch.distributed.tensor import Partial, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    good = distribute_tensor(torch.arange(8.0), mesh, (Shard(0), Shard(0)))
+    bad = DTensor.from_local(torch.ones(3), mesh, (Shard(0), Partial()), run_check=False)
+    try:
+        anyshard.save(ckpt, {"good": good, "bad": bad})
+    except anyshard.AnyshardError as e:
+        return f"{type(e).__name__}: {e}"
+    raise AssertionError("saving a Partial DTensor did not raise")
+
+
+def one_rank_fails_task(ckpt: str) -> str:
+    """A failure on one rank fails the save on every rank and commits nothing."""
+    state = {"w": torch.arange(6.0)}
+    if dist.get_rank() == 1:
+        state["oops"] = {1, 2}  # not JSON
+    try:
+        anyshard.save(ckpt, state)
+    except anyshard.AnyshardError as e:
+        return type(e).__name__
+    raise AssertionError("the save did not fail")

@@ -1,0 +1,99 @@
+"""A small multi-process harness: a pool of gloo ranks that runs test functions on every rank.
+
+Workers are spawned once per pool (per test module) and join one process group through a
+FileStore; each task runs a top-level function of a test module on every rank, with a timeout.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import multiprocessing as mp
+import os
+import queue
+import sys
+import time
+import traceback
+from typing import Any
+
+_CTX = mp.get_context("spawn")
+
+
+def _import(path: str):
+    name = "_dist_task_" + os.path.splitext(os.path.basename(path))[0]
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _worker(rank: int, world: int, store_path: str, tasks, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    sys.path.insert(0, os.path.dirname(__file__))
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        path, fn, args = task
+        try:
+            out = getattr(_import(path), fn)(*args)
+            results.put((rank, True, out))
+        except BaseException:  # report everything, including assertion failures
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class DistPool:
+    def __init__(self, world: int, tmpdir: str):
+        self.world = world
+        self._tasks = [_CTX.Queue() for _ in range(world)]
+        self._results = _CTX.Queue()
+        store = os.path.join(tmpdir, f"store-{world}")
+        self._procs = [
+            _CTX.Process(target=_worker, args=(r, world, store, self._tasks[r], self._results), daemon=True)
+            for r in range(world)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def run(self, path: str, fn: str, *args: Any, timeout: float = 240) -> list[Any]:
+        """Run ``fn(*args)`` from the module file ``path`` on every rank; results by rank."""
+        for q in self._tasks:
+            q.put((path, fn, args))
+        out: dict[int, Any] = {}
+        errors = []
+        deadline = time.monotonic() + timeout
+        for _ in range(self.world):
+            while True:
+                try:
+                    rank, ok, value = self._results.get(timeout=1.0)
+                    break
+                except queue.Empty:
+                    dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                    if dead or time.monotonic() > deadline:
+                        self.close(kill=True)
+                        why = f"rank(s) {dead} died" if dead else f"not done within {timeout}s"
+                        raise TimeoutError(f"{fn}: {why}") from None
+            if ok:
+                out[rank] = value
+            else:
+                errors.append(f"--- rank {rank} ---\n{value}")
+        if errors:
+            raise AssertionError(f"{fn} failed:\n" + "\n".join(sorted(errors)))
+        return [out[r] for r in range(self.world)]
+
+    def close(self, kill: bool = False) -> None:
+        if not kill:
+            for q in self._tasks:
+                q.put(None)
+        for p in self._procs:
+            p.join(timeout=0 if kill else 20)
+            if p.is_alive():
+                p.kill()

@@ -1,0 +1,90 @@
+"""Save under one parallel layout, load under every other: bit-exact against torch's own gather."""
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import anyshard
+
+TASKS = os.path.join(os.path.dirname(__file__), "_layouts.py")
+LAYOUTS4 = ["fsdp4", "fsdp2_tp2", "ddp2_tp2", "tp4"]
+
+
+@pytest.fixture(scope="module")
+def saved(pool4, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpts")
+    out = {}
+    for i, layout in enumerate(LAYOUTS4):
+        ckpt, truth = str(root / layout), str(root / f"{layout}-truth")
+        counts = pool4.run(TASKS, "save_task", layout, ckpt, truth, 100 + i)
+        assert counts[0] > 10
+        out[layout] = (ckpt, truth)
+    return out
+
+
+@pytest.mark.parametrize("src", LAYOUTS4)
+def test_checkpoint_loads_bit_exact_under_every_4_rank_layout(pool4, saved, src):
+    ckpt, truth = saved[src]
+    for dst in LAYOUTS4:
+        if dst != src:
+            checked = pool4.run(TASKS, "load_check_task", dst, ckpt, truth, 7)
+            assert min(checked) == max(checked) > 10
+
+
+@pytest.mark.parametrize("src", LAYOUTS4)
+def test_checkpoint_loads_bit_exact_under_tp2_on_2_processes(pool2, saved, src):
+    ckpt, truth = saved[src]
+    checked = pool2.run(TASKS, "load_check_task", "tp2", ckpt, truth, 7)
+    assert checked[0] > 10
+
+
+@pytest.mark.parametrize("src", LAYOUTS4)
+def test_checkpoint_loads_in_one_process_as_plain_tensors(saved, src):
+    ckpt, truth_dir = saved[src]
+    truth = load_file(os.path.join(truth_dir, "truth.safetensors"))
+    with anyshard.open(ckpt) as view:
+        values = {k: None for k in view.value_keys()}
+    state = {k: torch.full_like(v, -1) for k, v in truth.items()} | values
+    anyshard.load(ckpt, state)
+    for k, v in truth.items():
+        assert torch.equal(state[k], v), k
+    assert state["meta"] == {"step": 1, "layout": src}
+
+
+@pytest.mark.parametrize("src", LAYOUTS4)
+def test_save_stores_every_logical_element_exactly_once(saved, src):
+    from safetensors import safe_open
+
+    from anyshard.format.verify import verify_checkpoint
+
+    ckpt, truth_dir = saved[src]
+    report = verify_checkpoint(ckpt)
+    truth = load_file(os.path.join(truth_dir, "truth.safetensors"))
+    logical = sum(v.numel() * v.element_size() for v in truth.values())
+    stored = 0
+    data = os.path.join(ckpt, "data")
+    for name in os.listdir(data):
+        with safe_open(os.path.join(data, name), "pt") as f:
+            stored += sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
+    assert stored == logical == report.bytes_checked
+    assert report.tensors == len(truth)
+
+
+def test_replicated_tensors_are_written_by_several_ranks(saved):
+    ckpt, _ = saved["ddp2_tp2"]
+    data = os.path.join(ckpt, "data")
+    assert len(os.listdir(data)) == 4  # replicas over dp_replicate share the writing
+
+
+def test_partial_placement_is_refused_on_every_rank(pool4, tmp_path):
+    out = pool4.run(TASKS, "partial_save_task", str(tmp_path / "p"))
+    assert all(o.startswith("LayoutError") and "Partial" in o for o in out), out
+    assert not (tmp_path / "p" / "manifest.json").exists()
+
+
+def test_a_failure_on_one_rank_commits_nothing(pool4, tmp_path):
+    out = pool4.run(TASKS, "one_rank_fails_task", str(tmp_path / "f"))
+    assert out[1] == "AnyshardError" and {out[0], out[2], out[3]} == {"SaveError"}, out
+    assert not (tmp_path / "f" / "manifest.json").exists()
