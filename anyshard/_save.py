@@ -96,7 +96,7 @@ def _merge(reports: list[dict], path: str) -> Manifest:
 def _check_writers(manifest: Manifest, reports: list[dict], path: str) -> None:
     """Every rank wrote exactly the shards the manifest says it holds; else nothing commits."""
     expected = [0] * len(reports)
-    for fqn, t in manifest.tensors.items():
+    for t in manifest.tensors.values():
         mesh = manifest.meshes[t.mesh]
         for coords, _ in enumerate_shards(t.parsed, t.shape, mesh.axis_sizes):
             expected[mesh.rank(coords)] += 1

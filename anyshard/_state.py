@@ -16,23 +16,39 @@ _SCALARS = (type(None), bool, int, float, str)
 
 
 class Leaf:
-    """A leaf of a state dict: its value, and the container slot to write a loaded value to."""
+    """A leaf of a state dict: its value, and the container slot to write a loaded value to.
 
-    __slots__ = ("container", "key", "value")
+    ``owner`` is the leaf-like slot that holds ``container`` when ``container`` is a tuple:
+    a tuple cannot be assigned into, so a loaded value rebuilds it and writes it there.
+    """
 
-    def __init__(self, container: Any, key: Any, value: Any):
-        self.container, self.key, self.value = container, key, value
+    __slots__ = ("container", "key", "owner", "value")
+
+    def __init__(self, container: Any, key: Any, value: Any, owner: Leaf | None = None):
+        self.container, self.key, self.value, self.owner = container, key, value, owner
+
+    def _current_container(self) -> Any:
+        return self.container if self.owner is None else self.owner.get()
+
+    def get(self) -> Any:
+        return self._current_container()[self.key]
 
     def replace(self, value: Any) -> None:
         if isinstance(self.value, tuple) and isinstance(value, list):
             value = tuple(value)
-        try:
-            self.container[self.key] = value
-        except TypeError as e:  # a tuple container: immutable
+        container = self._current_container()
+        if not isinstance(container, tuple):
+            container[self.key] = value
+            return
+        if self.owner is None:
             raise AnyshardError(
-                f"cannot write a loaded value into an immutable container at key {self.key!r}; "
-                "use lists instead of tuples in the state dict"
-            ) from e
+                f"cannot write the loaded value at index {self.key} into the top-level tuple of the "
+                "state dict; pass a dict (or a list) instead"
+            )
+        items = list(container)
+        items[self.key] = value
+        rebuilt = type(container)(*items) if hasattr(container, "_fields") else type(container)(items)
+        self.owner.replace(rebuilt)
 
 
 def _has_tensor(value: Any) -> bool:
@@ -72,7 +88,7 @@ def flatten_state(state: Any, prefix: str = "") -> dict[str, Leaf]:
     return out
 
 
-def _walk(node: Any, prefix: str) -> Iterator[tuple[str, Leaf]]:
+def _walk(node: Any, prefix: str, owner: Leaf | None = None) -> Iterator[tuple[str, Leaf]]:
     if isinstance(node, dict):
         items = [(str(k), k) for k in node]
     elif isinstance(node, (list, tuple)):
@@ -82,18 +98,20 @@ def _walk(node: Any, prefix: str) -> Iterator[tuple[str, Leaf]]:
     for name, key in items:
         value = node[key]
         fqn = f"{prefix}.{name}" if prefix else name
+        # Only a tuple child needs its slot: loading rebuilds the tuple and writes it there.
+        slot = Leaf(node, key, value, owner if isinstance(node, tuple) else None)
         if isinstance(value, dict) and value and (_has_tensor(value) or not is_json_value(value)):
-            yield from _walk(value, fqn)
+            yield from _walk(value, fqn, slot)
         elif isinstance(value, (list, tuple)) and _has_tensor(value):
-            yield from _walk(value, fqn)
+            yield from _walk(value, fqn, slot)
         else:
             if not isinstance(value, torch.Tensor) and not is_json_value(value):
                 raise AnyshardError(
-                    f"{fqn}: a {type(value).__name__} cannot be stored; anyshard stores tensors and "
-                    "JSON values (numbers, strings, lists, dicts) and never pickles. Convert it "
-                    "to one of those (e.g. a tensor or a dict) before saving"
+                    f"{fqn}: a value of type {type(value).__qualname__} cannot be stored; anyshard "
+                    "stores tensors and JSON values (numbers, strings, lists, dicts) and never "
+                    "pickles. Convert it to one of those (e.g. a tensor or a dict) before saving"
                 )
-            yield fqn, Leaf(node, key, value)
+            yield fqn, slot
 
 
 def json_roundtrip(value: Any) -> Any:

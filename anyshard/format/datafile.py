@@ -9,6 +9,7 @@ string holding the format version and the crc32c of every shard.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import crc32c
 import torch
 
-from anyshard.errors import CorruptCheckpointError
+from anyshard.errors import CorruptCheckpointError, FormatVersionError
 from anyshard.format import storage
 
 __all__ = [
@@ -94,7 +95,7 @@ def write_datafile(path: str, shards: Sequence[tuple[str, torch.Tensor]], *, thr
         crcs = list(pool.map(_checksum, views))
     header: dict[str, object] = {}
     offset = 0
-    for (name, t), mv, crc in zip(shards, views, crcs, strict=True):
+    for (name, t), mv in zip(shards, views, strict=True):
         header[name] = {"dtype": DTYPE_TO_ST[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + mv.nbytes]}
         offset += mv.nbytes
     meta = {"format_version": DATAFILE_VERSION, "crc32c": {name: c for (name, _), c in zip(shards, crcs, strict=True)}}
@@ -118,7 +119,10 @@ def read_header(path: str) -> DataFileHeader:
             r.read_into(0, memoryview(head))
             (n,) = struct.unpack("<Q", head)
             if n > _MAX_HEADER:
-                raise CorruptCheckpointError(f"{path}: header size {n} is not plausible; the file is corrupt")
+                raise CorruptCheckpointError(
+                    f"{path}: header size {n} is not plausible (at most {_MAX_HEADER}); the file is "
+                    "corrupt or not a safetensors file"
+                )
             raw = bytearray(n)
             r.read_into(8, memoryview(raw))
     except FileNotFoundError:
@@ -126,23 +130,49 @@ def read_header(path: str) -> DataFileHeader:
             f"{path}: data file is missing; the checkpoint was copied incompletely or files were deleted"
         ) from None
     except EOFError as e:
-        raise CorruptCheckpointError(f"{path}: data file is truncated ({e})") from None
+        raise CorruptCheckpointError(
+            f"{path}: data file is truncated inside its header ({e}); the checkpoint was copied "
+            "incompletely. Restore the file or load an earlier step"
+        ) from None
     try:
         header = json.loads(raw)
         meta = json.loads(header.pop("__metadata__")["anyshard"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise CorruptCheckpointError(f"{path}: not an anyshard data file (bad header: {e})") from None
-    if meta.get("format_version") != DATAFILE_VERSION:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CorruptCheckpointError(
-            f"{path}: data file format_version {meta.get('format_version')!r} is not {DATAFILE_VERSION}"
-        )
-    base = 8 + n
-    crcs = meta["crc32c"]
-    shards = {
-        name: ShardEntry(
-            dtype=e["dtype"], shape=tuple(e["shape"]), start=base + e["data_offsets"][0],
-            stop=base + e["data_offsets"][1], crc32c=int(crcs[name]),
-        )
-        for name, e in header.items()
-    }
-    return DataFileHeader(path=path, shards=shards)
+            f"{path}: not an anyshard data file (bad header: {type(e).__name__}: {e})"
+        ) from None
+    version = meta.get("format_version") if isinstance(meta, dict) else None
+    if version != DATAFILE_VERSION:
+        if type(version) is int:
+            raise FormatVersionError(
+                f"{path}: data file format_version {version} is not one this anyshard reads "
+                f"({DATAFILE_VERSION}); upgrade anyshard to read it"
+            )
+        raise CorruptCheckpointError(f"{path}: not an anyshard data file (format_version {version!r})")
+    return DataFileHeader(path=path, shards=_shard_entries(path, header, meta, 8 + n))
+
+
+def _shard_entries(path: str, header: dict, meta: dict, base: int) -> dict[str, ShardEntry]:
+    """The header's tensor entries, checked: known dtype, whole sizes, bytes that fit the shape."""
+    shards: dict[str, ShardEntry] = {}
+    for name, e in header.items():
+        try:
+            dtype, shape, (begin, end) = e["dtype"], tuple(e["shape"]), e["data_offsets"]
+            crc = meta["crc32c"][name]
+            ok = (
+                dtype in ST_TO_DTYPE
+                and all(type(x) is int and x >= 0 for x in (*shape, begin, end, crc))
+                and end - begin == math.prod(shape) * ST_TO_DTYPE[dtype].itemsize
+            )
+        except (KeyError, TypeError, ValueError) as ex:
+            raise CorruptCheckpointError(
+                f"{path}: the header entry of {name!r} is malformed ({type(ex).__name__}: {ex}); "
+                "the file is corrupt"
+            ) from None
+        if not ok:
+            raise CorruptCheckpointError(
+                f"{path}: the header entry of {name!r} is inconsistent (dtype {dtype!r}, shape "
+                f"{list(shape)}, data_offsets {[begin, end]}); the file is corrupt"
+            )
+        shards[name] = ShardEntry(dtype=dtype, shape=shape, start=base + begin, stop=base + end, crc32c=crc)
+    return shards

@@ -188,6 +188,8 @@ class Manifest:
         if not isinstance(j, dict) or j.get("format") != FORMAT_NAME:
             raise CorruptCheckpointError(f"{where}: not an anyshard manifest (format={j.get('format') if isinstance(j, dict) else None!r})")
         version = j.get("format_version")
+        if type(version) is not int:  # bool is an int to Python, not to JSON
+            raise CorruptCheckpointError(f"{where}: format_version {version!r} is not an integer; the manifest is corrupt")
         if version not in KNOWN_VERSIONS:
             raise FormatVersionError(
                 f"{where}: format_version {version!r} is not one this anyshard reads "
@@ -195,7 +197,7 @@ class Manifest:
             )
         try:
             files = {int(r): _check_relative(f, where) for r, f in j["files"].items()}
-            return cls(
+            manifest = cls(
                 world_size=int(j["world_size"]),
                 meshes=tuple(MeshEntry.from_json(m) for m in j["meshes"]),
                 files=files,
@@ -204,7 +206,33 @@ class Manifest:
                 metadata=j.get("metadata", {}),
                 library=j.get("library", ""),
             )
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             if isinstance(e, CorruptCheckpointError):
                 raise
             raise CorruptCheckpointError(f"{where}: manifest is malformed ({type(e).__name__}: {e})") from None
+        _check_tensors(manifest, where)
+        return manifest
+
+
+def _check_tensors(manifest: Manifest, where: str) -> None:
+    """Each tensor entry names a known dtype, an existing mesh, and a mapping over that mesh."""
+    from anyshard.format.datafile import ST_TO_DTYPE
+
+    for fqn, t in manifest.tensors.items():
+        if t.dtype not in ST_TO_DTYPE:
+            why = f"dtype {t.dtype!r} is not one of {', '.join(sorted(ST_TO_DTYPE))}"
+        elif not 0 <= t.mesh < len(manifest.meshes):
+            why = f"mesh {t.mesh} does not exist (the manifest lists {len(manifest.meshes)})"
+        else:
+            try:
+                extra = set(t.parsed.axes) - set(manifest.meshes[t.mesh].dims)
+            except (ValueError, TypeError) as e:  # MappingSyntaxError is a ValueError
+                why = f"mapping {t.mapping!r} does not parse ({e})"
+            else:
+                if not extra:
+                    continue
+                why = f"mapping {t.mapping!r} names mesh dim(s) {sorted(extra)} that its mesh lacks"
+        raise CorruptCheckpointError(
+            f"{where}: the entry of tensor {fqn!r} is malformed: {why}; the manifest is corrupt "
+            "or was written by an incompatible tool"
+        )

@@ -105,7 +105,7 @@ def read_bytes(path: str) -> bytes:
             return fs.cat_file(p)
         with open(_local(path), "rb") as f:
             return f.read()
-    except FileNotFoundError:
+    except (FileNotFoundError, IsADirectoryError):  # callers say what the path should have been
         raise
     except OSError as e:
         raise StorageError(f"cannot read {path}: {e}") from e
@@ -179,18 +179,24 @@ class FileReader:
             raise StorageError(f"cannot open {path}: {e}") from e
 
     def read_into(self, offset: int, buf: memoryview) -> None:
+        """Fill ``buf`` from ``offset``; `EOFError` when the file ends first, `StorageError` on I/O errors."""
         n = buf.nbytes
-        if self._fd is not None:
-            done = 0
-            while done < n:
-                got = os.preadv(self._fd, [buf[done:]], offset + done)
-                if got == 0:
-                    raise EOFError(f"{self.path}: expected {n} bytes at offset {offset}, file ends early")
-                done += got
-            return
-        data = self._fs.cat_file(self._p, start=offset, end=offset + n)
+        try:
+            if self._fd is not None:
+                done = 0
+                while done < n:
+                    got = os.preadv(self._fd, [buf[done:]], offset + done)
+                    if got == 0:
+                        raise EOFError(f"expected {n} bytes at offset {offset}, the file ends at {offset + done}")
+                    done += got
+                return
+            data = self._fs.cat_file(self._p, start=offset, end=offset + n)
+        except FileNotFoundError:  # a URL is opened lazily: callers say which file is missing
+            raise
+        except OSError as e:
+            raise StorageError(f"{self.path}: read of {n} bytes at offset {offset} failed: {e}") from e
         if len(data) != n:
-            raise EOFError(f"{self.path}: expected {n} bytes at offset {offset}, got {len(data)}")
+            raise EOFError(f"expected {n} bytes at offset {offset}, got {len(data)}")
         buf[:] = data
 
     def close(self) -> None:

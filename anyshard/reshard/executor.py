@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from collections.abc import Mapping as MappingType, Sequence
+from collections.abc import Mapping as MappingType
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -46,7 +47,10 @@ class _Readers:
                 try:
                     r = storage.FileReader(path)
                 except FileNotFoundError:
-                    raise CorruptCheckpointError(f"{path}: data file is missing") from None
+                    raise CorruptCheckpointError(
+                        f"{path}: data file is missing; the checkpoint was copied incompletely or "
+                        "files were deleted"
+                    ) from None
                 self._open[rank] = r
             return r
 
@@ -70,11 +74,11 @@ def execute_plan(
         with ThreadPoolExecutor(max_workers=threads) as pool:
             for batch in plan.batches:
                 memory = _batch_memory(plan, batch, targets, src_dtypes)
-                for checks in pool.map(lambda r: _run_request(r, memory, readers), batch):
+                for checks in pool.map(lambda r, memory=memory: _run_request(r, memory, readers), batch):
                     for shard, offset, length, crc in checks:
                         parts[shard].append((offset, length, crc))
                 staged = sorted({s.transfer for r in batch for s in r.segments if not plan.direct[s.transfer]})
-                list(pool.map(lambda i: _finish(plan, i, memory[i], targets, src_dtypes), staged))
+                list(pool.map(lambda i, memory=memory: _finish(plan, i, memory[i], targets, src_dtypes), staged))
     finally:
         readers.close()
     _verify(plan, parts, paths)
@@ -111,7 +115,10 @@ def _run_request(r: Request, memory: dict[int, memoryview], readers: _Readers) -
                 a = s.offset - r.offset
                 memory[s.transfer][s.pos : s.pos + s.length] = buf[a : a + s.length]
     except EOFError as e:
-        raise CorruptCheckpointError(f"data file is truncated: {e}") from None
+        raise CorruptCheckpointError(
+            f"{reader.path}: data file is truncated ({e}); the checkpoint was copied incompletely "
+            "or the file was cut short. Restore the file or load an earlier step"
+        ) from None
     except OSError as e:
         if isinstance(e, StorageError):
             raise
