@@ -78,7 +78,8 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
     if t.numel() == 0:
         return memoryview(b"")
-    flat = t.reshape(-1)
+    # as_strided, not reshape: a contiguous tensor may still carry odd strides on size-1 dims
+    flat = torch.as_strided(t, (t.numel(),), (1,), t.storage_offset())
     if flat.dtype is not torch.uint8:
         flat = flat.view(torch.uint8)
     return memoryview(flat.numpy()).cast("B")

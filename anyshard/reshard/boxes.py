@@ -63,12 +63,12 @@ def flat_range_to_boxes(shape: Sequence[int], start: int, stop: int) -> list[Box
     at most ``2 * ndim - 1`` of them.
     """
     shape = tuple(int(n) for n in shape)
-    if not shape:
-        return [()] if start < stop and start == 0 else []
     total = math.prod(shape)
     start, stop = max(0, start), min(stop, total)
     if start >= stop:
         return []
+    if not shape:
+        return [()]
     return list(_flat_boxes(shape, start, stop))
 
 

@@ -234,7 +234,12 @@ def _coalesce(segments, transfers, shard_info, shard_ids, plan, max_gap, slack, 
             same_file = transfers[last.transfer].rank == transfers[s.transfer].rank
             gap = s.offset - (last.offset + last.length)
             span = s.offset + s.length - prev[0].offset
-            if same_file and 0 <= gap <= min(max_gap, slack * last.length) and span <= max_request:
+            if (
+                same_file
+                and 0 <= gap <= min(max_gap, slack * last.length)
+                and span <= max_request
+                and _in_shards(last.offset + last.length, s.offset, (last, s), transfers, shard_info)
+            ):
                 prev.append(s)
                 continue
         groups.append([s])
@@ -244,6 +249,18 @@ def _coalesce(segments, transfers, shard_info, shard_ids, plan, max_gap, slack, 
         start, stop = g[0].offset, g[-1].offset + g[-1].length
         requests.append(Request(rank, start, stop - start, tuple(g), _checks(g, transfers, shard_info, shard_ids, plan)))
     return requests
+
+
+def _in_shards(lo: int, hi: int, segments, transfers, shard_info) -> bool:
+    """Whether file bytes ``[lo, hi)`` (a gap read through) lie in the segments' stored shards.
+
+    Other bytes of the file (another tensor's shard, padding, the header) are never read.
+    """
+    infos = (shard_info[(transfers[s.transfer].rank, transfers[s.transfer].fqn)] for s in segments)
+    for start, stop in sorted((i.start, i.stop) for i in infos):
+        if start <= lo < stop:
+            lo = stop
+    return lo >= hi
 
 
 def _checks(group, transfers, shard_info, shard_ids, plan) -> tuple[ShardCheck, ...]:

@@ -115,6 +115,12 @@ def _apply(st: _State, op: Op, coord: int | None, size: int | None) -> None:
     if isinstance(op, (Chunk, Split, Slice, Range)):
         dim = 0 if isinstance(op, Range) else op.dim
         _check_dim(st, op, dim)
+        if isinstance(op, Range) and len(st.shape) != 1:
+            # Without this, range() would take rows of dim 0, not elements.
+            raise MappingError(
+                f"{op}: range() takes elements of a flat shard, but the shard has shape {list(st.shape)}; "
+                "put flatten() before it"
+            )
         extent = st.shape[dim]
         if isinstance(op, Chunk):
             parts, index = (size, coord) if op.axis is not None else (op.parts, op.index)
@@ -214,7 +220,8 @@ def enumerate_shards(
             _apply(nxt, op, None, None)
             yield from walk(i + 1, nxt, coords)
             return
-        if axis in coords:
+        named_before = axis in coords  # by an earlier op, whose frame owns the entry
+        if named_before:
             choices = [coords[axis]]
         elif isinstance(op, On):
             choices = [op.index]
@@ -230,7 +237,8 @@ def enumerate_shards(
                 _apply(nxt, op, c, size)
             coords[axis] = c
             yield from walk(i + 1, nxt, coords)
-            del coords[axis]
+            if not named_before:
+                del coords[axis]
 
     yield from walk(0, st, {})
 

@@ -242,17 +242,32 @@ def _check(op: Op, text: str) -> None:
         raise bad("on() index must be >= 0")
 
 
+_TERMINAL_WORDS = {"NAME": "a name", "SIGNED_INT": "an integer", "$END": "the end of the expression"}
+
+
+def _describe(terminals) -> str:
+    """Lark's terminal names (``RPAR``) as the text a user would type (``')'``)."""
+    literals = {t.name: t.pattern.value for t in _parser().terminals if isinstance(t.pattern, lark.lexer.PatternStr)}
+    words = [_TERMINAL_WORDS.get(n) or (repr(literals[n]) if n in literals else n) for n in terminals]
+    return ", ".join(sorted(words))
+
+
 @functools.lru_cache(maxsize=4096)
 def parse_mapping(text: str) -> Mapping:
     """Parse a mapping expression; raises `MappingSyntaxError` with line and column."""
     try:
         tree = _parser().parse(text)
     except lark.exceptions.UnexpectedInput as e:
-        expected = sorted(getattr(e, "expected", None) or getattr(e, "allowed", None) or [])
+        expected = getattr(e, "expected", None) or getattr(e, "allowed", None) or []
+        line, column, what = e.line, e.column, "malformed mapping expression"
+        token = getattr(e, "token", None)
+        if token is not None and token.type == "$END":
+            # lark places the end of input at the last token; the error is just after it.
+            line, column = token.end_line or line, token.end_column or column
+            what = "unexpected end of mapping expression"
         raise MappingSyntaxError(
-            "malformed mapping expression",
-            text=text, line=e.line if e.line > 0 else 1, column=e.column if e.column > 0 else 1,
-            expected=", ".join(expected) or "an operation such as chunk(0, tp)",
+            what, text=text, line=line if line > 0 else 1, column=column if column > 0 else 1,
+            expected=_describe(expected) or "an operation such as chunk(0, tp)",
         ) from None
     ops = tuple(_build_op(t, text) for t in tree.children if t is not None)
     for op in ops:

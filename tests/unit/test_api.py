@@ -36,7 +36,8 @@ def raw_bytes(t: torch.Tensor) -> bytes:
     """The tensor's memory as safetensors stores it (C order), independent of anyshard."""
     if t.numel() == 0:
         return b""
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    flat = torch.empty(t.numel(), dtype=t.dtype).copy_(t.detach().reshape(-1))
+    return flat.view(torch.uint8).numpy().tobytes()
 
 
 def assert_bit_exact(got: torch.Tensor, want: torch.Tensor) -> None:
