@@ -199,6 +199,36 @@ class FileReader:
             raise EOFError(f"expected {n} bytes at offset {offset}, got {len(data)}")
         buf[:] = data
 
+    def readv(self, offset: int, buffers: list[memoryview]) -> None:
+        """Fill ``buffers`` in order from the contiguous bytes at ``offset`` (one ``preadv``)."""
+        if self._fd is None or len(buffers) == 1:
+            if len(buffers) == 1:
+                self.read_into(offset, buffers[0])
+                return
+            total = sum(len(b) for b in buffers)
+            data = memoryview(bytearray(total))
+            self.read_into(offset, data)
+            pos = 0
+            for b in buffers:
+                b[:] = data[pos : pos + len(b)]
+                pos += len(b)
+            return
+        total = sum(len(b) for b in buffers)
+        try:
+            got = os.preadv(self._fd, buffers, offset)
+        except OSError as e:
+            raise StorageError(f"{self.path}: read of {total} bytes at offset {offset} failed: {e}") from e
+        if got == total:
+            return
+        # A short read (rare on regular files): finish buffer by buffer.
+        pos = 0
+        for b in buffers:
+            n = len(b)
+            if pos + n > got:
+                skip = max(got - pos, 0)
+                self.read_into(offset + pos + skip, b[skip:])
+            pos += n
+
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from collections.abc import Mapping as MappingType
-from collections.abc import Sequence
+from collections.abc import Mapping as MappingType, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -15,9 +14,14 @@ from anyshard.format import storage
 from anyshard.format.checksum import crc32c, crc32c_combine
 from anyshard.format.datafile import tensor_bytes
 from anyshard.reshard.boxes import Piece, box_shape
-from anyshard.reshard.planner import ReadPlan, Request
+from anyshard.reshard.planner import GAP, TARGET, ReadPlan, Request
 
 __all__ = ["execute_plan", "piece_view"]
+
+# A worker task holds consecutive requests worth at least this many bytes (or this many
+# requests), so that thousands of row-sized reads do not each pay a thread-pool round trip.
+_TASK_BYTES = 8 << 20
+_TASK_REQUESTS = 256
 
 
 def piece_view(t: torch.Tensor, p: Piece) -> torch.Tensor:
@@ -48,8 +52,8 @@ class _Readers:
                     r = storage.FileReader(path)
                 except FileNotFoundError:
                     raise CorruptCheckpointError(
-                        f"{path}: data file is missing; the checkpoint was copied incompletely or "
-                        "files were deleted"
+                        f"{path}: data file is missing; the checkpoint was copied incompletely "
+                        "or files were deleted. Restore the file or load an earlier step"
                     ) from None
                 self._open[rank] = r
             return r
@@ -57,6 +61,18 @@ class _Readers:
     def close(self) -> None:
         for r in self._open.values():
             r.close()
+
+
+def _tasks(batch: list[Request]) -> list[list[Request]]:
+    tasks: list[list[Request]] = []
+    size = 0
+    for r in batch:
+        if not tasks or size >= _TASK_BYTES or len(tasks[-1]) >= _TASK_REQUESTS:
+            tasks.append([])
+            size = 0
+        tasks[-1].append(r)
+        size += r.length
+    return tasks
 
 
 def execute_plan(
@@ -70,60 +86,79 @@ def execute_plan(
     """Fill ``targets`` as ``plan`` says; verify every stored shard that was read in full."""
     readers = _Readers(paths)
     parts: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
+    target_bytes = [tensor_bytes(t) if t.device.type == "cpu" and t.is_contiguous() else None for t in targets]
     try:
         with ThreadPoolExecutor(max_workers=threads) as pool:
             for batch in plan.batches:
-                memory = _batch_memory(plan, batch, targets, src_dtypes)
-                for checks in pool.map(lambda r, memory=memory: _run_request(r, memory, readers), batch):
+                staging = _staging(plan, batch, src_dtypes)
+                memory = (target_bytes, staging)
+                run = lambda task, memory=memory: _run_task(plan, task, memory, readers)  # noqa: E731
+                for checks in pool.map(run, _tasks(batch)):
                     for shard, offset, length, crc in checks:
                         parts[shard].append((offset, length, crc))
-                staged = sorted({s.transfer for r in batch for s in r.segments if not plan.direct[s.transfer]})
-                list(pool.map(lambda i, memory=memory: _finish(plan, i, memory[i], targets, src_dtypes), staged))
+                finish = lambda i, staging=staging: _finish(plan, i, staging[i], targets, src_dtypes)  # noqa: E731
+                list(pool.map(finish, sorted(staging)))
     finally:
         readers.close()
     _verify(plan, parts, paths)
 
 
-def _batch_memory(plan, batch: list[Request], targets, src_dtypes) -> dict[int, memoryview]:
-    memory: dict[int, memoryview] = {}
+def _staging(plan: ReadPlan, batch: list[Request], src_dtypes) -> dict[int, memoryview]:
+    staging: dict[int, memoryview] = {}
     for r in batch:
-        for s in r.segments:
-            i = s.transfer
-            if i in memory:
+        for kind, i, _, _ in r.spans:
+            if kind == GAP or plan.direct[i] or i in staging:
                 continue
             t = plan.transfers[i]
-            itemsize = src_dtypes[(t.rank, t.fqn)].itemsize
-            if plan.direct[i]:
-                (start, n), = t.dst.runs()
-                memory[i] = tensor_bytes(targets[t.target])[start * itemsize : (start + n) * itemsize]
+            nbytes = t.numel * src_dtypes[(t.rank, t.fqn)].itemsize
+            staging[i] = memoryview(torch.empty(nbytes, dtype=torch.uint8).numpy()).cast("B")
+    return staging
+
+
+def _run_task(plan: ReadPlan, task: list[Request], memory, readers: _Readers) -> list[tuple[int, int, int, int]]:
+    target_bytes, staging = memory
+    transfers = plan.transfers
+    junk = None
+    out = []
+    for r in task:
+        buffers = []
+        for kind, i, offset, n in r.spans:
+            if kind == TARGET:
+                buffers.append(target_bytes[transfers[i].target][offset : offset + n])
+            elif kind == GAP:
+                if junk is None or len(junk) < n:
+                    junk = memoryview(bytearray(max(n, 1 << 16)))
+                buffers.append(junk[:n])
             else:
-                memory[i] = memoryview(torch.empty(t.numel * itemsize, dtype=torch.uint8).numpy()).cast("B")
-    return memory
+                buffers.append(staging[i][offset : offset + n])
+        reader = readers.get(r.rank)
+        try:
+            reader.readv(r.offset, buffers)
+        except EOFError as e:
+            raise CorruptCheckpointError(
+                f"{reader.path}: data file is truncated ({e}); the checkpoint was copied "
+                "incompletely or the disk filled up. Restore the file or load an earlier step"
+            ) from None
+        except OSError as e:
+            if isinstance(e, StorageError):
+                raise
+            raise StorageError(f"{reader.path}: read of {r.length} bytes at {r.offset} failed: {e}") from e
+        out += [(c.shard, r.offset + c.start, c.stop - c.start, _crc_range(buffers, c.start, c.stop)) for c in r.checks]
+    return out
 
 
-def _run_request(r: Request, memory: dict[int, memoryview], readers: _Readers) -> list[tuple[int, int, int, int]]:
-    reader = readers.get(r.rank)
-    try:
-        if len(r.segments) == 1:
-            s = r.segments[0]
-            buf = memory[s.transfer][s.pos : s.pos + s.length]
-            reader.read_into(r.offset, buf)
-        else:
-            buf = memoryview(bytearray(r.length))
-            reader.read_into(r.offset, buf)
-            for s in r.segments:
-                a = s.offset - r.offset
-                memory[s.transfer][s.pos : s.pos + s.length] = buf[a : a + s.length]
-    except EOFError as e:
-        raise CorruptCheckpointError(
-            f"{reader.path}: data file is truncated ({e}); the checkpoint was copied incompletely "
-            "or the file was cut short. Restore the file or load an earlier step"
-        ) from None
-    except OSError as e:
-        if isinstance(e, StorageError):
-            raise
-        raise StorageError(f"{reader.path}: read of {r.length} bytes at {r.offset} failed: {e}") from e
-    return [(c.shard, r.offset + c.start, c.stop - c.start, crc32c(buf[c.start : c.stop])) for c in r.checks]
+def _crc_range(buffers: list[memoryview], start: int, stop: int) -> int:
+    """crc32c of bytes ``[start, stop)`` of the concatenation of ``buffers``."""
+    crc, pos = 0, 0
+    for b in buffers:
+        n = len(b)
+        a, z = max(start - pos, 0), min(stop - pos, n)
+        if a < z:
+            crc = crc32c(b[a:z], crc)
+        pos += n
+        if pos >= stop:
+            break
+    return crc
 
 
 def _finish(plan: ReadPlan, i: int, mem: memoryview, targets, src_dtypes) -> None:

@@ -6,18 +6,24 @@ Pure: shapes, mappings and file headers in; plans out. No I/O, no torch.distribu
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping as MappingType, Sequence
+from collections.abc import Callable, Sequence
+from collections.abc import Mapping as MappingType
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from anyshard.errors import CorruptCheckpointError
 from anyshard.reshard.boxes import Piece, box_numel, box_shape, intersect
+from anyshard.reshard.runs import contiguous_from, piece_offsets, unit_length_dim
 from anyshard.ucl.compile import enumerate_shards
 from anyshard.ucl.mapping import Mapping
 
 __all__ = [
     "ReadPlan",
     "Request",
-    "Segment",
+    "GAP",
+    "STAGING",
+    "TARGET",
     "ShardCheck",
     "StoredShardInfo",
     "Transfer",
@@ -55,33 +61,31 @@ class StoredShardInfo:
 
 
 @dataclass(frozen=True, slots=True)
-class Segment:
-    """A contiguous byte run of a transfer: file bytes ``[offset, offset + length)`` go to
-    bytes ``[pos, pos + length)`` of the transfer's buffer (its C-order box)."""
-
-    transfer: int
-    offset: int
-    length: int
-    pos: int
-
-
-@dataclass(frozen=True, slots=True)
 class ShardCheck:
-    """Bytes ``[start, stop)`` of a request are part ``part`` of stored shard ``shard``."""
+    """Bytes ``[start, stop)`` of a request are part of stored shard number ``shard``."""
 
     shard: int
     start: int
     stop: int
 
 
+GAP, TARGET, STAGING = 0, 1, 2
+
+
 @dataclass(frozen=True, slots=True)
 class Request:
-    """One read of ``length`` bytes at ``offset`` of ``rank``'s file."""
+    """One read of ``length`` bytes at ``offset`` of ``rank``'s file.
+
+    ``spans`` place the bytes, in file order, as ``(kind, transfer, offset, n)``: ``TARGET``
+    straight into the memory of the transfer's target tensor at byte ``offset``; ``STAGING`` into
+    the transfer's staging buffer (its box in C order) at byte ``offset``; ``GAP`` bytes read
+    through and dropped (coalescing; ``transfer`` is -1).
+    """
 
     rank: int
     offset: int
     length: int
-    segments: tuple[Segment, ...]
+    spans: tuple[tuple[int, int, int, int], ...]
     checks: tuple[ShardCheck, ...] = ()
 
 
@@ -102,7 +106,7 @@ class ReadPlan:
 
     @property
     def bytes_needed(self) -> int:
-        return sum(s.length for r in self.requests for s in r.segments)
+        return sum(n for r in self.requests for kind, _, _, n in r.spans if kind != GAP)
 
 
 def match_shards(
@@ -170,23 +174,24 @@ def plan_reads(
     max_part: int = 64 * MiB,
     max_gap: int = 1 * MiB,
     slack: float = 0.05,
-    max_request: int = 16 * MiB,
+    max_request: int = 64 * MiB,
+    max_spans: int = 1024,
 ) -> ReadPlan:
     """Coalesced reads for ``transfers``.
 
-    ``direct_ok[target]`` says a target tensor is contiguous host memory of the stored dtype, so
-    a transfer whose source and destination are both one contiguous run reads straight into
-    it. Other transfers go through a staging buffer of at most ``max_staging`` bytes, and a
-    batch holds at most ``batch_bytes`` of staging. Neighbouring runs of one file are read
-    together when the gap between them is at most ``slack`` times the run before it (and at
-    most ``max_gap``): at most ``slack`` more bytes read than needed.
+    ``direct_ok[target]`` says a target tensor is contiguous host memory of the stored dtype:
+    its transfers read straight into it, scattering each file run over the destination's runs
+    (one ``preadv`` per request). Other transfers go through a staging buffer of at most
+    ``max_staging`` bytes, and a batch holds at most ``batch_bytes`` of staging. Neighbouring
+    runs of one stored shard are read together when the gap between them is at most ``slack``
+    times the run before it (and at most ``max_gap``): at most ``slack`` more bytes are read
+    than needed, and never bytes outside the needed shards.
     """
     final: list[Transfer] = []
     direct: list[bool] = []
     for t in transfers:
         info = shard_info[(t.rank, t.fqn)]
-        one_run = len(t.src.runs()) == 1 and len(t.dst.runs()) == 1
-        if direct_ok[t.target] and one_run:
+        if direct_ok[t.target]:
             final.append(t)
             direct.append(True)
         else:
@@ -202,78 +207,109 @@ def plan_reads(
             staged = 0
         batches[-1].append(i)
         staged += nbytes
-    shard_ids: dict[tuple[int, str], int] = {}
+    full = _fully_read(final, shard_info)
     plan = ReadPlan(transfers=final, direct=direct, batches=[])
+    shard_ids = {key: i for i, key in enumerate(sorted(full))}
+    plan.shards = [(r, f, shard_info[(r, f)].start, shard_info[(r, f)].stop, shard_info[(r, f)].crc32c) for r, f in sorted(full)]
+    limits = (max_part, max_gap, slack, max_request, max_spans)
     for batch in batches:
-        segments = [s for i in batch for s in _segments(i, final[i], shard_info, max_part)]
-        plan.batches.append(_coalesce(segments, final, shard_info, shard_ids, plan, max_gap, slack, max_request))
+        units = [_units(i, final[i], direct[i], shard_info, max_part) for i in batch]
+        plan.batches.append(_coalesce(units, final, direct, shard_info, shard_ids, limits))
     return plan
 
 
-def _segments(i: int, t: Transfer, shard_info, max_part: int) -> list[Segment]:
+def _fully_read(transfers: Sequence[Transfer], shard_info) -> set[tuple[int, str]]:
+    """Stored shards whose every byte some transfer needs: their checksums can be verified."""
+    needed: dict[tuple[int, str], int] = {}
+    for t in transfers:
+        key = (t.rank, t.fqn)
+        needed[key] = needed.get(key, 0) + t.numel * shard_info[key].itemsize
+    return {k for k, n in needed.items() if n == shard_info[k].stop - shard_info[k].start}
+
+
+def _units(i: int, t: Transfer, direct: bool, shard_info, max_part: int):
+    """``(file offsets, destination offsets, unit bytes)`` of transfer ``i``."""
     info = shard_info[(t.rank, t.fqn)]
-    out, pos = [], 0
-    for start, n in t.src.runs():
-        offset, length = info.start + start * info.itemsize, n * info.itemsize
-        if offset + length > info.stop:
-            raise CorruptCheckpointError(f"{t.fqn}: stored shard in rank {t.rank}'s file is shorter than its mapping says")
-        for cut in range(0, length, max_part):
-            part = min(max_part, length - cut)
-            out.append(Segment(i, offset + cut, part, pos + cut))
-        pos += length
+    if direct:
+        u = unit_length_dim(t.src, t.dst)
+        dst = piece_offsets(t.dst, u) * info.itemsize
+    else:
+        u = contiguous_from(t.src)
+    src = piece_offsets(t.src, u)
+    length = math.prod(box_shape(t.src.array_box)[u:]) * info.itemsize
+    src = info.start + src * info.itemsize
+    if src.size and int(src.max()) + length > info.stop:
+        raise CorruptCheckpointError(f"{t.fqn}: stored shard in rank {t.rank}'s file is shorter than its mapping says")
+    if not direct:
+        dst = np.arange(src.size, dtype=np.int64) * length
+    if length > max_part:  # cut huge runs so that several threads can read one shard
+        cuts = np.arange(0, length, max_part, dtype=np.int64)
+        src = (src[:, None] + cuts[None, :]).reshape(-1)
+        dst = (dst[:, None] + cuts[None, :]).reshape(-1)
+        sizes = np.minimum(max_part, length - cuts)
+        sizes = np.tile(sizes, src.size // sizes.size)
+    else:
+        sizes = np.full(src.size, length, dtype=np.int64)
+    return i, src, dst, sizes
+
+
+def _coalesce(units, transfers, direct, shard_info, shard_ids, limits) -> list[Request]:
+    max_part, max_gap, slack, max_request, max_spans = limits
+    if not units:
+        return []
+    ids = np.concatenate([np.full(src.size, i, dtype=np.int64) for i, src, _, _ in units])
+    src = np.concatenate([u[1] for u in units])
+    dst = np.concatenate([u[2] for u in units])
+    size = np.concatenate([u[3] for u in units])
+    ranks = np.array([transfers[i].rank for i in range(len(transfers))], dtype=np.int64)
+    keys = {(t.rank, t.fqn) for t in transfers}
+    key_index = {k: n for n, k in enumerate(sorted(keys))}
+    shard_of = np.array([key_index[(t.rank, t.fqn)] for t in transfers], dtype=np.int64)
+    order = np.lexsort((src, ranks[ids]))
+    ids, src, dst, size = ids[order], src[order], dst[order], size[order]
+    rank_col, shard_col = ranks[ids], shard_of[ids]
+    gap = np.empty_like(src)
+    gap[0] = -1
+    gap[1:] = src[1:] - (src[:-1] + size[:-1])
+    # A unit continues the request before it when it follows in the same file, with no gap or a
+    # small one inside the same stored shard.
+    joins = (gap == 0) | ((gap > 0) & (gap <= np.minimum(max_gap, slack * np.roll(size, 1))) & (shard_col == np.roll(shard_col, 1)))
+    joins &= rank_col == np.roll(rank_col, 1)
+    joins[0] = False
+    return _requests(ids.tolist(), src.tolist(), dst.tolist(), size.tolist(), gap.tolist(), joins.tolist(),
+                     transfers, direct, shard_info, shard_ids, max_request, max_spans)
+
+
+def _requests(ids, src, dst, size, gap, joins, transfers, direct, shard_info, shard_ids, max_request, max_spans):
+    kinds = [TARGET if d else STAGING for d in direct]
+    out: list[Request] = []
+    spans: list[tuple[int, int, int, int]] = []
+    start = end = 0
+    for k in range(len(ids)):
+        i = ids[k]
+        if spans and joins[k] and src[k] + size[k] - start <= max_request and len(spans) < max_spans - 1:
+            if gap[k]:
+                spans.append((GAP, -1, 0, gap[k]))
+        elif spans:
+            out.append(_request(transfers, spans, start, end, shard_info, shard_ids))
+            spans = []
+        if not spans:
+            start = src[k]
+        spans.append((kinds[i], i, dst[k], size[k]))
+        end = src[k] + size[k]
+    if spans:
+        out.append(_request(transfers, spans, start, end, shard_info, shard_ids))
     return out
 
 
-def _coalesce(segments, transfers, shard_info, shard_ids, plan, max_gap, slack, max_request) -> list[Request]:
-    segments.sort(key=lambda s: (transfers[s.transfer].rank, s.offset))
-    groups: list[list[Segment]] = []
-    for s in segments:
-        if groups:
-            prev = groups[-1]
-            last = prev[-1]
-            same_file = transfers[last.transfer].rank == transfers[s.transfer].rank
-            gap = s.offset - (last.offset + last.length)
-            span = s.offset + s.length - prev[0].offset
-            if (
-                same_file
-                and 0 <= gap <= min(max_gap, slack * last.length)
-                and span <= max_request
-                and _in_shards(last.offset + last.length, s.offset, (last, s), transfers, shard_info)
-            ):
-                prev.append(s)
-                continue
-        groups.append([s])
-    requests = []
-    for g in groups:
-        rank = transfers[g[0].transfer].rank
-        start, stop = g[0].offset, g[-1].offset + g[-1].length
-        requests.append(Request(rank, start, stop - start, tuple(g), _checks(g, transfers, shard_info, shard_ids, plan)))
-    return requests
-
-
-def _in_shards(lo: int, hi: int, segments, transfers, shard_info) -> bool:
-    """Whether file bytes ``[lo, hi)`` (a gap read through) lie in the segments' stored shards.
-
-    Other bytes of the file (another tensor's shard, padding, the header) are never read.
-    """
-    infos = (shard_info[(transfers[s.transfer].rank, transfers[s.transfer].fqn)] for s in segments)
-    for start, stop in sorted((i.start, i.stop) for i in infos):
-        if start <= lo < stop:
-            lo = stop
-    return lo >= hi
-
-
-def _checks(group, transfers, shard_info, shard_ids, plan) -> tuple[ShardCheck, ...]:
-    """The parts of stored shards a request reads, to verify shards that get read in full."""
-    start, stop = group[0].offset, group[-1].offset + group[-1].length
-    out = []
-    for key in dict.fromkeys((transfers[s.transfer].rank, transfers[s.transfer].fqn) for s in group):
-        info = shard_info[key]
-        a, b = max(start, info.start), min(stop, info.stop)
-        if a >= b:
-            continue
-        if key not in shard_ids:
-            shard_ids[key] = len(plan.shards)
-            plan.shards.append((key[0], key[1], info.start, info.stop, info.crc32c))
-        out.append(ShardCheck(shard_ids[key], a - start, b - start))
-    return tuple(out)
+def _request(transfers, spans, start, end, shard_info, shard_ids) -> Request:
+    rank = transfers[spans[0][1]].rank
+    checks = []
+    if shard_ids:
+        for key in dict.fromkeys((transfers[i].rank, transfers[i].fqn) for kind, i, _, _ in spans if kind != GAP):
+            if key in shard_ids:
+                info = shard_info[key]
+                a, b = max(start, info.start), min(end, info.stop)
+                if a < b:
+                    checks.append(ShardCheck(shard_ids[key], a - start, b - start))
+    return Request(rank, start, end - start, tuple(spans), tuple(checks))
