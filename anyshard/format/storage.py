@@ -201,26 +201,27 @@ class FileReader:
 
     def readv(self, offset: int, buffers: list[memoryview]) -> None:
         """Fill ``buffers`` in order from the contiguous bytes at ``offset`` (one ``preadv``)."""
-        if self._fd is None or len(buffers) == 1:
-            if len(buffers) == 1:
-                self.read_into(offset, buffers[0])
-                return
-            total = sum(len(b) for b in buffers)
-            data = memoryview(bytearray(total))
-            self.read_into(offset, data)
-            pos = 0
-            for b in buffers:
-                b[:] = data[pos : pos + len(b)]
-                pos += len(b)
+        if self._fd is not None:
+            total = sum(len(b) for b in buffers) if len(buffers) > 1 else len(buffers[0])
+            try:
+                got = os.preadv(self._fd, buffers, offset)
+            except OSError as e:
+                raise StorageError(f"{self.path}: read of {total} bytes at offset {offset} failed: {e}") from e
+            if got != total:
+                self._finish_short(offset, buffers, got)
             return
-        total = sum(len(b) for b in buffers)
-        try:
-            got = os.preadv(self._fd, buffers, offset)
-        except OSError as e:
-            raise StorageError(f"{self.path}: read of {total} bytes at offset {offset} failed: {e}") from e
-        if got == total:
+        if len(buffers) == 1:
+            self.read_into(offset, buffers[0])
             return
-        # A short read (rare on regular files): finish buffer by buffer.
+        data = memoryview(bytearray(sum(len(b) for b in buffers)))
+        self.read_into(offset, data)
+        pos = 0
+        for b in buffers:
+            b[:] = data[pos : pos + len(b)]
+            pos += len(b)
+
+    def _finish_short(self, offset: int, buffers: list[memoryview], got: int) -> None:
+        """After a short ``preadv`` (rare on regular files): finish buffer by buffer."""
         pos = 0
         for b in buffers:
             n = len(b)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from collections import defaultdict
 from collections.abc import Mapping as MappingType, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -35,32 +34,14 @@ def piece_view(t: torch.Tensor, p: Piece) -> torch.Tensor:
     return t.reshape(-1)[p.base : p.base + n].view(p.array_shape)[slices]
 
 
-class _Readers:
-    """One open reader per file, shared by the worker threads."""
-
-    def __init__(self, paths: MappingType[int, str]):
-        self._paths = paths
-        self._open: dict[int, storage.FileReader] = {}
-        self._lock = threading.Lock()
-
-    def get(self, rank: int) -> storage.FileReader:
-        with self._lock:
-            r = self._open.get(rank)
-            if r is None:
-                path = self._paths[rank]
-                try:
-                    r = storage.FileReader(path)
-                except FileNotFoundError:
-                    raise CorruptCheckpointError(
-                        f"{path}: data file is missing; the checkpoint was copied incompletely "
-                        "or files were deleted. Restore the file or load an earlier step"
-                    ) from None
-                self._open[rank] = r
-            return r
-
-    def close(self) -> None:
-        for r in self._open.values():
-            r.close()
+def _open_reader(path: str) -> storage.FileReader:
+    try:
+        return storage.FileReader(path)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(
+            f"{path}: data file is missing; the checkpoint was copied incompletely "
+            "or files were deleted. Restore the file or load an earlier step"
+        ) from None
 
 
 def _tasks(batch: list[Request]) -> list[list[Request]]:
@@ -84,22 +65,18 @@ def execute_plan(
     threads: int = 8,
 ) -> None:
     """Fill ``targets`` as ``plan`` says; verify every stored shard that was read in full."""
-    readers = _Readers(paths)
     parts: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
     target_bytes = [tensor_bytes(t) if t.device.type == "cpu" and t.is_contiguous() else None for t in targets]
-    try:
-        with ThreadPoolExecutor(max_workers=threads) as pool:
-            for batch in plan.batches:
-                staging = _staging(plan, batch, src_dtypes)
-                memory = (target_bytes, staging)
-                run = lambda task, memory=memory: _run_task(plan, task, memory, readers)  # noqa: E731
-                for checks in pool.map(run, _tasks(batch)):
-                    for shard, offset, length, crc in checks:
-                        parts[shard].append((offset, length, crc))
-                finish = lambda i, staging=staging: _finish(plan, i, staging[i], targets, src_dtypes)  # noqa: E731
-                list(pool.map(finish, sorted(staging)))
-    finally:
-        readers.close()
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        for batch in plan.batches:
+            staging = _staging(plan, batch, src_dtypes)
+            memory = (target_bytes, staging)
+            run = lambda task, memory=memory: _run_task(plan, task, memory, paths)  # noqa: E731
+            for checks in pool.map(run, _tasks(batch)):
+                for shard, offset, length, crc in checks:
+                    parts[shard].append((offset, length, crc))
+            finish = lambda i, staging=staging: _finish(plan, i, staging[i], targets, src_dtypes)  # noqa: E731
+            list(pool.map(finish, sorted(staging)))
     _verify(plan, parts, paths)
 
 
@@ -115,36 +92,50 @@ def _staging(plan: ReadPlan, batch: list[Request], src_dtypes) -> dict[int, memo
     return staging
 
 
-def _run_task(plan: ReadPlan, task: list[Request], memory, readers: _Readers) -> list[tuple[int, int, int, int]]:
+def _run_task(plan: ReadPlan, task: list[Request], memory, paths) -> list[tuple[int, int, int, int]]:
+    """Run consecutive requests. The task opens its own file descriptions, so that each stream
+    of reads keeps its own readahead state in the kernel."""
     target_bytes, staging = memory
     transfers = plan.transfers
+    readers: dict[int, storage.FileReader] = {}
     junk = None
     out = []
-    for r in task:
-        buffers = []
-        for kind, i, offset, n in r.spans:
-            if kind == TARGET:
-                buffers.append(target_bytes[transfers[i].target][offset : offset + n])
-            elif kind == GAP:
-                if junk is None or len(junk) < n:
-                    junk = memoryview(bytearray(max(n, 1 << 16)))
-                buffers.append(junk[:n])
-            else:
-                buffers.append(staging[i][offset : offset + n])
-        reader = readers.get(r.rank)
-        try:
-            reader.readv(r.offset, buffers)
-        except EOFError as e:
-            raise CorruptCheckpointError(
-                f"{reader.path}: data file is truncated ({e}); the checkpoint was copied "
-                "incompletely or the disk filled up. Restore the file or load an earlier step"
-            ) from None
-        except OSError as e:
-            if isinstance(e, StorageError):
-                raise
-            raise StorageError(f"{reader.path}: read of {r.length} bytes at {r.offset} failed: {e}") from e
-        out += [(c.shard, r.offset + c.start, c.stop - c.start, _crc_range(buffers, c.start, c.stop)) for c in r.checks]
+    try:
+        for r in task:
+            buffers = []
+            for kind, i, offset, n in r.spans:
+                if kind == TARGET:
+                    buffers.append(target_bytes[transfers[i].target][offset : offset + n])
+                elif kind == GAP:
+                    if junk is None or len(junk) < n:
+                        junk = memoryview(bytearray(max(n, 1 << 16)))
+                    buffers.append(junk[:n])
+                else:
+                    buffers.append(staging[i][offset : offset + n])
+            reader = readers.get(r.rank)
+            if reader is None:
+                reader = readers[r.rank] = _open_reader(paths[r.rank])
+            _read(reader, r, buffers)
+            if r.checks:
+                out += [(c.shard, r.offset + c.start, c.stop - c.start, _crc_range(buffers, c.start, c.stop)) for c in r.checks]
+    finally:
+        for reader in readers.values():
+            reader.close()
     return out
+
+
+def _read(reader: storage.FileReader, r: Request, buffers: list[memoryview]) -> None:
+    try:
+        reader.readv(r.offset, buffers)
+    except EOFError as e:
+        raise CorruptCheckpointError(
+            f"{reader.path}: data file is truncated ({e}); the checkpoint was copied "
+            "incompletely or the disk filled up. Restore the file or load an earlier step"
+        ) from None
+    except OSError as e:
+        if isinstance(e, StorageError):
+            raise
+        raise StorageError(f"{reader.path}: read of {r.length} bytes at {r.offset} failed: {e}") from e
 
 
 def _crc_range(buffers: list[memoryview], start: int, stop: int) -> int:

@@ -325,17 +325,23 @@ def test_get_slice_rejects_out_of_range_indices_like_torch(full_ckpt):
 
 
 class CountingReads:
-    """Wraps `FileReader.read_into` (the real reads still happen) to total the bytes read."""
+    """Wraps `FileReader.read_into` and `FileReader.readv` (the real reads still happen) to
+    total the bytes read (local files: readv does not go through read_into)."""
 
     def __init__(self, monkeypatch):
         self.calls: list[tuple[int, int]] = []
-        real = storage.FileReader.read_into
+        real, real_v = storage.FileReader.read_into, storage.FileReader.readv
 
         def read_into(reader, offset, buf):
             self.calls.append((offset, memoryview(buf).nbytes))
             return real(reader, offset, buf)
 
+        def readv(reader, offset, buffers):
+            self.calls.append((offset, sum(memoryview(b).nbytes for b in buffers)))
+            return real_v(reader, offset, buffers)
+
         monkeypatch.setattr(storage.FileReader, "read_into", read_into)
+        monkeypatch.setattr(storage.FileReader, "readv", readv)
 
     @property
     def total(self) -> int:
