@@ -199,6 +199,11 @@ class FileReader:
             raise EOFError(f"expected {n} bytes at offset {offset}, got {len(data)}")
         buf[:] = data
 
+    @property
+    def fd(self) -> int | None:
+        """The OS file descriptor of a local file (None for URLs)."""
+        return self._fd
+
     def readv(self, offset: int, buffers: list[memoryview]) -> None:
         """Fill ``buffers`` in order from the contiguous bytes at ``offset`` (one ``preadv``)."""
         if self._fd is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from collections.abc import Mapping as MappingType, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -52,7 +53,7 @@ def _tasks(batch: list[Request]) -> list[list[Request]]:
             tasks.append([])
             size = 0
         tasks[-1].append(r)
-        size += r.length
+        size += r.length * r.count
     return tasks
 
 
@@ -102,6 +103,9 @@ def _run_task(plan: ReadPlan, task: list[Request], memory, paths) -> list[tuple[
     out = []
     try:
         for r in task:
+            if r.repeat is not None:
+                _run_repeated(r, target_bytes, staging, transfers, readers, paths)
+                continue
             buffers = []
             for kind, i, offset, n in r.spans:
                 if kind == TARGET:
@@ -122,6 +126,35 @@ def _run_task(plan: ReadPlan, task: list[Request], memory, paths) -> list[tuple[
         for reader in readers.values():
             reader.close()
     return out
+
+
+def _run_repeated(r: Request, target_bytes, staging, transfers, readers, paths) -> None:
+    """``count`` reads of one span at a fixed stride (the rows of a strided region)."""
+    ((kind, i, offset, n),) = r.spans
+    count, file_stride, dst_stride = r.repeat
+    mem = target_bytes[transfers[i].target] if kind == TARGET else staging[i]
+    reader = readers.get(r.rank)
+    if reader is None:
+        reader = readers[r.rank] = _open_reader(paths[r.rank])
+    fd = reader.fd
+    if fd is None:  # a URL: one ranged request each
+        for k in range(count):
+            _read(reader, r._replace(offset=r.offset + k * file_stride), [mem[offset + k * dst_stride :][:n]])
+        return
+    pos, dst = r.offset, offset
+    preadv = os.preadv
+    try:
+        for _ in range(count):
+            if preadv(fd, [mem[dst : dst + n]], pos) != n:
+                reader.read_into(pos, mem[dst : dst + n])  # short read or end of file
+            pos += file_stride
+            dst += dst_stride
+    except EOFError as e:
+        raise CorruptCheckpointError(f"{reader.path}: data file is truncated ({e}); restore it or load an earlier step") from None
+    except OSError as e:
+        if isinstance(e, StorageError):
+            raise
+        raise StorageError(f"{reader.path}: read of {n} bytes at {pos} failed: {e}") from e
 
 
 def _read(reader: storage.FileReader, r: Request, buffers: list[memoryview]) -> None:

@@ -9,6 +9,7 @@ import math
 from collections.abc import Callable, Sequence
 from collections.abc import Mapping as MappingType
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -60,8 +61,7 @@ class StoredShardInfo:
     crc32c: int
 
 
-@dataclass(frozen=True, slots=True)
-class ShardCheck:
+class ShardCheck(NamedTuple):
     """Bytes ``[start, stop)`` of a request are part of stored shard number ``shard``."""
 
     shard: int
@@ -72,14 +72,17 @@ class ShardCheck:
 GAP, TARGET, STAGING = 0, 1, 2
 
 
-@dataclass(frozen=True, slots=True)
-class Request:
+class Request(NamedTuple):
     """One read of ``length`` bytes at ``offset`` of ``rank``'s file.
 
     ``spans`` place the bytes, in file order, as ``(kind, transfer, offset, n)``: ``TARGET``
     straight into the memory of the transfer's target tensor at byte ``offset``; ``STAGING`` into
     the transfer's staging buffer (its box in C order) at byte ``offset``; ``GAP`` bytes read
     through and dropped (coalescing; ``transfer`` is -1).
+
+    ``repeat = (count, file_stride, dest_stride)`` makes a request stand for ``count`` reads of a
+    single span, the k-th at ``offset + k * file_stride`` into ``offset + k * dest_stride`` of the
+    span's destination: the rows of a strided region, planned and run without an object each.
     """
 
     rank: int
@@ -87,6 +90,11 @@ class Request:
     length: int
     spans: tuple[tuple[int, int, int, int], ...]
     checks: tuple[ShardCheck, ...] = ()
+    repeat: tuple[int, int, int] | None = None
+
+    @property
+    def count(self) -> int:
+        return 1 if self.repeat is None else self.repeat[0]
 
 
 @dataclass(slots=True)
@@ -102,11 +110,11 @@ class ReadPlan:
 
     @property
     def bytes_read(self) -> int:
-        return sum(r.length for r in self.requests)
+        return sum(r.length * r.count for r in self.requests)
 
     @property
     def bytes_needed(self) -> int:
-        return sum(n for r in self.requests for kind, _, _, n in r.spans if kind != GAP)
+        return sum(n * r.count for r in self.requests for kind, _, _, n in r.spans if kind != GAP)
 
 
 def match_shards(
@@ -276,40 +284,79 @@ def _coalesce(units, transfers, direct, shard_info, shard_ids, limits) -> list[R
     joins = (gap == 0) | ((gap > 0) & (gap <= np.minimum(max_gap, slack * np.roll(size, 1))) & (shard_col == np.roll(shard_col, 1)))
     joins &= rank_col == np.roll(rank_col, 1)
     joins[0] = False
-    return _requests(ids.tolist(), src.tolist(), dst.tolist(), size.tolist(), gap.tolist(), joins.tolist(),
-                     transfers, direct, shard_info, shard_ids, max_request, max_spans)
+    starts = _group_starts(joins, src, size, gap, max_request, max_spans)
+    return _requests(starts, ids.tolist(), src.tolist(), dst.tolist(), size.tolist(), gap.tolist(),
+                     transfers, direct, shard_info, shard_ids)
 
 
-def _requests(ids, src, dst, size, gap, joins, transfers, direct, shard_info, shard_ids, max_request, max_spans):
-    kinds = [TARGET if d else STAGING for d in direct]
-    out: list[Request] = []
-    spans: list[tuple[int, int, int, int]] = []
-    start = end = 0
-    for k in range(len(ids)):
-        i = ids[k]
-        if spans and joins[k] and src[k] + size[k] - start <= max_request and len(spans) < max_spans - 1:
-            if gap[k]:
-                spans.append((GAP, -1, 0, gap[k]))
-        elif spans:
-            out.append(_request(transfers, spans, start, end, shard_info, shard_ids))
-            spans = []
-        if not spans:
-            start = src[k]
-        spans.append((kinds[i], i, dst[k], size[k]))
-        end = src[k] + size[k]
-    if spans:
-        out.append(_request(transfers, spans, start, end, shard_info, shard_ids))
+def _group_starts(joins, src, size, gap, max_request: int, max_spans: int) -> list[int]:
+    """Indices of the units that start a request: where a unit does not join the one before,
+    and wherever a run of joined units outgrows ``max_request`` bytes or ``max_spans`` spans."""
+    starts = np.flatnonzero(~joins).tolist()
+    bounds = starts + [len(src)]
+    end = src + size
+    spans_before = np.cumsum(1 + ((gap > 0) & joins))
+    out: list[int] = []
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        out.append(a)
+        if b - a == 1 or (end[b - 1] - src[a] <= max_request and spans_before[b - 1] - spans_before[a] < max_spans):
+            continue
+        first, count = a, 1
+        for k in range(a + 1, b):  # a long run: cut it where the limits say
+            count += 2 if gap[k] > 0 else 1
+            if end[k] - src[first] > max_request or count > max_spans:
+                out.append(k)
+                first, count = k, 1
     return out
 
 
-def _request(transfers, spans, start, end, shard_info, shard_ids) -> Request:
-    rank = transfers[spans[0][1]].rank
+def _requests(starts, ids, src, dst, size, gap, transfers, direct, shard_info, shard_ids) -> list[Request]:
+    kinds = [TARGET if d else STAGING for d in direct]
+    checked = [(t.rank, t.fqn) in shard_ids for t in transfers]
+    out: list[Request] = []
+    run: list = []  # a pending repeated read: [transfer, size, src, dst, count, src stride, dst stride]
+
+    def flush() -> None:
+        if run:
+            i, n, s0, d0, count, ds, dd = run
+            repeat = (count, ds, dd) if count > 1 else None
+            out.append(Request(transfers[i].rank, s0, n, ((kinds[i], i, d0, n),), (), repeat))
+            run.clear()
+
+    bounds = starts + [len(ids)]
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        i = ids[a]
+        if b - a == 1 and not checked[i]:
+            if run and run[0] == i and run[1] == size[a]:
+                ds, dd = src[a] - run[2] - run[4] * run[5], dst[a] - run[3] - run[4] * run[6]
+                if run[4] == 1 and ds > 0:
+                    run[5], run[6], run[4] = ds, dd, 2
+                    continue
+                if ds == 0 and dd == 0:
+                    run[4] += 1
+                    continue
+            flush()
+            run[:] = [i, size[a], src[a], dst[a], 1, 0, 0]
+            continue
+        flush()
+        spans = []
+        for k in range(a, b):
+            if k > a and gap[k]:
+                spans.append((GAP, -1, 0, gap[k]))
+            spans.append((kinds[ids[k]], ids[k], dst[k], size[k]))
+        start, end = src[a], src[b - 1] + size[b - 1]
+        out.append(Request(transfers[i].rank, start, end - start, tuple(spans), _checks(transfers, spans, start, end, shard_info, shard_ids)))
+    flush()
+    return out
+
+
+def _checks(transfers, spans, start, end, shard_info, shard_ids) -> tuple[ShardCheck, ...]:
+    """The parts of fully read stored shards that a request reads, to verify their checksums."""
     checks = []
-    if shard_ids:
-        for key in dict.fromkeys((transfers[i].rank, transfers[i].fqn) for kind, i, _, _ in spans if kind != GAP):
-            if key in shard_ids:
-                info = shard_info[key]
-                a, b = max(start, info.start), min(end, info.stop)
-                if a < b:
-                    checks.append(ShardCheck(shard_ids[key], a - start, b - start))
-    return Request(rank, start, end - start, tuple(spans), tuple(checks))
+    for key in dict.fromkeys((transfers[i].rank, transfers[i].fqn) for kind, i, _, _ in spans if kind != GAP):
+        if key in shard_ids:
+            info = shard_info[key]
+            a, b = max(start, info.start), min(end, info.stop)
+            if a < b:
+                checks.append(ShardCheck(shard_ids[key], a - start, b - start))
+    return tuple(checks)

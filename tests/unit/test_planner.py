@@ -102,7 +102,7 @@ def execute(plan, files, targets):
     buffers = [np.zeros(t.numel * ITEMSIZE, dtype=np.uint8) for t in plan.transfers]
     filled = [np.zeros(t.numel * ITEMSIZE, dtype=np.int64) for t in plan.transfers]
     direct_bytes = [np.zeros(t.size * ITEMSIZE, dtype=np.int64) for t in targets]
-    for r in plan.requests:
+    for r in expand_repeats(plan.requests):
         assert 0 <= r.offset and r.offset + r.length <= len(files[r.rank]), (
             "read past the end of a file"
         )
@@ -135,6 +135,20 @@ def execute(plan, files, targets):
         target_view(targets[t.target], t.dst)[...] = src
         target_view(writes[t.target], t.dst)[...] += 1
     return writes
+
+
+def expand_repeats(requests):
+    """A repeated request as the single reads it stands for."""
+    for r in requests:
+        if r.repeat is None:
+            yield r
+            continue
+        count, file_stride, dst_stride = r.repeat
+        ((kind, i, offset, n),) = r.spans
+        assert not r.checks and count > 1
+        for k in range(count):
+            spans = ((kind, i, offset + k * dst_stride, n),)
+            yield r._replace(offset=r.offset + k * file_stride, spans=spans, repeat=None)
 
 
 def target_view(arr: np.ndarray, p: Piece) -> np.ndarray:
@@ -241,7 +255,7 @@ def test_executing_the_plan_fills_the_target_exactly_once_reading_little_more_th
 
 def assert_reads_stay_in_needed_shards(plan, ckpt):
     needed = {(t.rank, t.fqn) for t in plan.transfers}
-    for r in plan.requests:
+    for r in expand_repeats(plan.requests):
         spans = [(ckpt.info[k].start, ckpt.info[k].stop) for k in needed if k[0] == r.rank]
         assert covers(spans, r.offset, r.offset + r.length), f"{r} reads bytes of no needed shard"
 
@@ -272,7 +286,7 @@ def assert_shards_read_in_full_are_checked_in_full(plan, ckpt):
     """The executor verifies a shard's checksum from the parts the plan lists; a shard whose
     every byte is read must be listed in parts that tile it, or its checksum goes unchecked."""
     read, checked = {}, {}
-    for r in plan.requests:
+    for r in expand_repeats(plan.requests):
         for key, info in ckpt.info.items():
             a, b = max(r.offset, info.start), min(r.offset + r.length, info.stop)
             if key[0] == r.rank and a < b:
