@@ -163,25 +163,52 @@ def layout_of(fqn: str, value: torch.Tensor, group=None) -> TensorLayout:
     return TensorLayout(mesh, {"world": rank}, hold, value.detach(), tuple(value.shape))
 
 
-def _dtensor_layout(fqn: str, value, group) -> TensorLayout:
-    mesh = value.device_mesh
+@dataclass(frozen=True, slots=True)
+class _MeshView:
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]
+    root_names: tuple[str, ...]
+    coords: dict[str, int]
+    entry: MeshEntry
+
+
+_MESH_CACHE: dict[tuple[int, int], tuple[object, _MeshView]] = {}
+
+
+def _mesh_view(mesh, group) -> _MeshView:
+    """What a layout needs of a device mesh; computed once per mesh (reading a DeviceMesh's rank
+    grid is not free, and a state dict holds hundreds of tensors on a handful of meshes)."""
+    key = (id(mesh), id(group))
+    hit = _MESH_CACHE.get(key)
+    if hit is not None and hit[0] is mesh:
+        return hit[1]
     root, root_names = _root_view(mesh)
-    names = _mesh_names(mesh)
-    sizes = tuple(mesh.mesh.shape)
-    ops = _shard_ops(value.placements, names, sizes, fqn)
     grid = root.mesh
-    root_sizes = tuple(grid.shape)
     me = dist.get_rank() if dist.is_initialized() else 0
     where = (grid == me).nonzero()
     if where.numel() == 0:
-        raise LayoutError(f"{fqn}: this rank ({me}) is not in the tensor's device mesh")
+        raise LayoutError(f"this rank ({me}) is not in the device mesh {mesh}")
     coords = dict(zip(root_names, (int(c) for c in where[0]), strict=True))
-    for name in root_names:
+    ranks = [_group_rank(int(r), group) for r in grid.reshape(-1).tolist()]
+    entry = MeshEntry.from_rank_grid(root_names, tuple(grid.shape), ranks)
+    view = _MeshView(_mesh_names(mesh), tuple(mesh.mesh.shape), root_names, coords, entry)
+    if len(_MESH_CACHE) > 256:
+        _MESH_CACHE.clear()
+    _MESH_CACHE[key] = (mesh, view)
+    return view
+
+
+def _dtensor_layout(fqn: str, value, group) -> TensorLayout:
+    try:
+        mv = _mesh_view(value.device_mesh, group)
+    except LayoutError as e:
+        raise LayoutError(f"{fqn}: {e}") from None
+    names, sizes, coords = mv.names, mv.sizes, mv.coords
+    ops = _shard_ops(value.placements, names, sizes, fqn)
+    for name in mv.root_names:
         if name not in names:
             ops.append(On(axis=name, index=coords[name]) if _is_pipeline(name) else Replicate(axis=name))
-    ranks = [_group_rank(int(r), group) for r in grid.reshape(-1).tolist()]
-    entry = MeshEntry.from_rank_grid(root_names, root_sizes, ranks)
-    layout = TensorLayout(entry, coords, Mapping(tuple(ops)), value.to_local().detach(), tuple(value.shape))
+    layout = TensorLayout(mv.entry, coords, Mapping(tuple(ops)), value.to_local().detach(), tuple(value.shape))
     shard = layout.shard()
     if tuple(shard.shape) != tuple(layout.local.shape):
         raise LayoutError(

@@ -215,15 +215,32 @@ def plan_reads(
             staged = 0
         batches[-1].append(i)
         staged += nbytes
-    full = _fully_read(final, shard_info)
     plan = ReadPlan(transfers=final, direct=direct, batches=[])
-    shard_ids = {key: i for i, key in enumerate(sorted(full))}
-    plan.shards = [(r, f, shard_info[(r, f)].start, shard_info[(r, f)].stop, shard_info[(r, f)].crc32c) for r, f in sorted(full)]
+    # Shards get an id when a request reads part of them, and the executor verifies those it
+    # reads in full. A shard needed only in part is read in full only through gaps, which
+    # join requests, so its single-unit reads may be repeated requests that carry no checks.
+    shard_ids = _ShardIds(plan, shard_info, _fully_read(final, shard_info))
     limits = (max_part, max_gap, slack, max_request, max_spans)
     for batch in batches:
         units = [_units(i, final[i], direct[i], shard_info, max_part) for i in batch]
         plan.batches.append(_coalesce(units, final, direct, shard_info, shard_ids, limits))
     return plan
+
+
+class _ShardIds:
+    """Numbers stored shards in the order requests first read them, listing them in the plan."""
+
+    def __init__(self, plan: ReadPlan, shard_info, fully_needed: set[tuple[int, str]]):
+        self._plan, self._info, self._ids = plan, shard_info, {}
+        self.fully_needed = fully_needed
+
+    def get(self, key: tuple[int, str]) -> int:
+        n = self._ids.get(key)
+        if n is None:
+            info = self._info[key]
+            n = self._ids[key] = len(self._plan.shards)
+            self._plan.shards.append((key[0], key[1], info.start, info.stop, info.crc32c))
+        return n
 
 
 def _fully_read(transfers: Sequence[Transfer], shard_info) -> set[tuple[int, str]]:
@@ -292,19 +309,22 @@ def _coalesce(units, transfers, direct, shard_info, shard_ids, limits) -> list[R
 def _group_starts(joins, src, size, gap, max_request: int, max_spans: int) -> list[int]:
     """Indices of the units that start a request: where a unit does not join the one before,
     and wherever a run of joined units outgrows ``max_request`` bytes or ``max_spans`` spans."""
-    starts = np.flatnonzero(~joins).tolist()
-    bounds = starts + [len(src)]
-    end = src + size
+    starts = np.flatnonzero(~joins)
+    last = np.append(starts[1:], len(src)) - 1
     spans_before = np.cumsum(1 + ((gap > 0) & joins))
+    too_long = ((src[last] + size[last] - src[starts]) > max_request) | (spans_before[last] - spans_before[starts] >= max_spans)
+    if not too_long.any():
+        return starts.tolist()
     out: list[int] = []
-    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+    long_groups = set(np.flatnonzero(too_long).tolist())
+    for g, (a, z) in enumerate(zip(starts.tolist(), last.tolist(), strict=True)):
         out.append(a)
-        if b - a == 1 or (end[b - 1] - src[a] <= max_request and spans_before[b - 1] - spans_before[a] < max_spans):
+        if g not in long_groups:
             continue
         first, count = a, 1
-        for k in range(a + 1, b):  # a long run: cut it where the limits say
+        for k in range(a + 1, z + 1):  # a long run: cut it where the limits say
             count += 2 if gap[k] > 0 else 1
-            if end[k] - src[first] > max_request or count > max_spans:
+            if src[k] + size[k] - src[first] > max_request or count > max_spans:
                 out.append(k)
                 first, count = k, 1
     return out
@@ -312,7 +332,7 @@ def _group_starts(joins, src, size, gap, max_request: int, max_spans: int) -> li
 
 def _requests(starts, ids, src, dst, size, gap, transfers, direct, shard_info, shard_ids) -> list[Request]:
     kinds = [TARGET if d else STAGING for d in direct]
-    checked = [(t.rank, t.fqn) in shard_ids for t in transfers]
+    checked = [(t.rank, t.fqn) in shard_ids.fully_needed for t in transfers]
     out: list[Request] = []
     run: list = []  # a pending repeated read: [transfer, size, src, dst, count, src stride, dst stride]
 
@@ -354,9 +374,8 @@ def _checks(transfers, spans, start, end, shard_info, shard_ids) -> tuple[ShardC
     """The parts of fully read stored shards that a request reads, to verify their checksums."""
     checks = []
     for key in dict.fromkeys((transfers[i].rank, transfers[i].fqn) for kind, i, _, _ in spans if kind != GAP):
-        if key in shard_ids:
-            info = shard_info[key]
-            a, b = max(start, info.start), min(end, info.stop)
-            if a < b:
-                checks.append(ShardCheck(shard_ids[key], a - start, b - start))
+        info = shard_info[key]
+        a, b = max(start, info.start), min(end, info.stop)
+        if a < b:
+            checks.append(ShardCheck(shard_ids.get(key), a - start, b - start))
     return tuple(checks)
