@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 
+from anyshard._pool import io_pool
 from anyshard.errors import CheckpointNotFoundError, StorageError
 from anyshard.format import storage
 from anyshard.format.datafile import DataFileHeader, read_header
@@ -44,5 +44,5 @@ def read_headers(path: str, manifest: Manifest, ranks, *, threads: int = 16) -> 
             raise CorruptCheckpointError(f"{path}: the manifest names no data file for rank {r}, whose shards are needed")
     if len(ranks) <= 1:
         return {r: read_header(data_path(path, manifest, r)) for r in ranks}
-    with ThreadPoolExecutor(max_workers=min(threads, len(ranks))) as pool:
-        return dict(zip(ranks, pool.map(lambda r: read_header(data_path(path, manifest, r)), ranks), strict=True))
+    pool = io_pool(threads)
+    return dict(zip(ranks, pool.map(lambda r: read_header(data_path(path, manifest, r)), ranks), strict=True))

@@ -12,12 +12,12 @@ import json
 import math
 import struct
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import crc32c
 import torch
 
+from anyshard._pool import io_pool
 from anyshard.errors import CorruptCheckpointError, FormatVersionError
 from anyshard.format import storage
 
@@ -92,8 +92,8 @@ def _checksum(mv: memoryview) -> int:
 def write_datafile(path: str, shards: Sequence[tuple[str, torch.Tensor]], *, threads: int = 4) -> int:
     """Write ``shards`` (contiguous CPU tensors) into a new safetensors file; returns its size."""
     views = [tensor_bytes(t) for _, t in shards]
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        crcs = list(pool.map(_checksum, views))
+    pool = io_pool(threads)
+    crcs = list(pool.map(_checksum, views))
     header: dict[str, object] = {}
     offset = 0
     for (name, t), mv in zip(shards, views, strict=True):

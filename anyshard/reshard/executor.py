@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 from collections.abc import Mapping as MappingType, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from anyshard._pool import io_pool
 from anyshard.errors import ChecksumError, CorruptCheckpointError, StorageError
 from anyshard.format import storage
 from anyshard.format.checksum import crc32c, crc32c_combine
@@ -68,16 +68,16 @@ def execute_plan(
     """Fill ``targets`` as ``plan`` says; verify every stored shard that was read in full."""
     parts: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
     target_bytes = [tensor_bytes(t) if t.device.type == "cpu" and t.is_contiguous() else None for t in targets]
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        for batch in plan.batches:
-            staging = _staging(plan, batch, src_dtypes)
-            memory = (target_bytes, staging)
-            run = lambda task, memory=memory: _run_task(plan, task, memory, paths)  # noqa: E731
-            for checks in pool.map(run, _tasks(batch)):
-                for shard, offset, length, crc in checks:
-                    parts[shard].append((offset, length, crc))
-            finish = lambda i, staging=staging: _finish(plan, i, staging[i], targets, src_dtypes)  # noqa: E731
-            list(pool.map(finish, sorted(staging)))
+    pool = io_pool(threads)
+    for batch in plan.batches:
+        staging = _staging(plan, batch, src_dtypes)
+        memory = (target_bytes, staging)
+        run = lambda task, memory=memory: _run_task(plan, task, memory, paths)  # noqa: E731
+        for checks in pool.map(run, _tasks(batch)):
+            for shard, offset, length, crc in checks:
+                parts[shard].append((offset, length, crc))
+        finish = lambda i, staging=staging: _finish(plan, i, staging[i], targets, src_dtypes)  # noqa: E731
+        list(pool.map(finish, sorted(staging)))
     _verify(plan, parts, paths)
 
 
