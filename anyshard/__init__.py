@@ -6,7 +6,8 @@ __version__ = "0.1.0"
 
 from anyshard import errors
 from anyshard._load import load
-from anyshard._open import CheckpointView, TensorMetadata, TensorSlice, open_checkpoint as open
+from anyshard._open import CheckpointView, TensorMetadata, TensorSlice
+from anyshard._open import open_checkpoint as open
 from anyshard._save import save
 from anyshard.errors import AnyshardError
 

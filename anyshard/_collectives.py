@@ -32,7 +32,11 @@ def _device(group) -> torch.device:
 
 def _encode(obj: Any, device: torch.device) -> torch.Tensor:
     data = json.dumps(obj, separators=(",", ":")).encode()
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if data else torch.empty(0, dtype=torch.uint8, device=device)
+    return (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+        if data
+        else torch.empty(0, dtype=torch.uint8, device=device)
+    )
 
 
 def _decode(t: torch.Tensor, n: int) -> Any:
@@ -47,13 +51,19 @@ def gather_json(obj: Any, group=None, dst: int = 0) -> list[Any] | None:
     payload = _encode(obj, device)
     n = world_size(group)
     lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(n)]
-    dist.all_gather(lengths, torch.tensor([payload.numel()], dtype=torch.int64, device=device), group=group)
+    dist.all_gather(
+        lengths, torch.tensor([payload.numel()], dtype=torch.int64, device=device), group=group
+    )
     sizes = [int(x.item()) for x in lengths]
     longest = max(sizes)
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[: payload.numel()] = payload
     me = rank(group)
-    outs = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(n)] if me == dst else None
+    outs = (
+        [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(n)]
+        if me == dst
+        else None
+    )
     dst_global = dist.get_global_rank(group, dst) if group is not None else dst
     dist.gather(padded, outs, dst=dst_global, group=group)
     if me != dst:
@@ -68,9 +78,15 @@ def broadcast_json(obj: Any, group=None, src: int = 0) -> Any:
     device = _device(group)
     src_global = dist.get_global_rank(group, src) if group is not None else src
     payload = _encode(obj, device) if rank(group) == src else None
-    length = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64, device=device)
+    length = torch.tensor(
+        [payload.numel() if payload is not None else 0], dtype=torch.int64, device=device
+    )
     dist.broadcast(length, src=src_global, group=group)
-    buf = payload if payload is not None else torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    buf = (
+        payload
+        if payload is not None
+        else torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    )
     if int(length.item()):
         dist.broadcast(buf, src=src_global, group=group)
     return _decode(buf, int(length.item()))

@@ -96,7 +96,9 @@ def _root_view(mesh) -> tuple[object, tuple[str, ...]]:
 
 
 def _shard_ops(placements, names: tuple[str, ...], sizes: tuple[int, ...], fqn: str) -> list[Op]:
-    from torch.distributed.tensor import Partial, Replicate as TReplicate, Shard as TShard
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor import Replicate as TReplicate
+    from torch.distributed.tensor import Shard as TShard
 
     try:
         from torch.distributed.tensor.placement_types import _StridedShard
@@ -118,7 +120,9 @@ def _shard_ops(placements, names: tuple[str, ...], sizes: tuple[int, ...], fqn: 
             raise LayoutError(f"{fqn}: placement {p!r} on mesh dim {names[i]!r} is not supported")
     chunks: list[Op] = []
     for d in sorted(by_dim):
-        chunks += [Chunk(dim=d, axis=names[i]) for i in _application_order(by_dim[d], sizes, names, fqn)]
+        chunks += [
+            Chunk(dim=d, axis=names[i]) for i in _application_order(by_dim[d], sizes, names, fqn)
+        ]
     return chunks + replicated
 
 
@@ -135,7 +139,9 @@ def _application_order(entries, sizes, names, fqn) -> list[int]:
         still = []
         for j, rest in pending:
             if rest % sizes[i]:
-                raise LayoutError(f"{fqn}: _StridedShard on {names[j]!r} with split factor does not match the mesh")
+                raise LayoutError(
+                    f"{fqn}: _StridedShard on {names[j]!r} with split factor does not match the mesh"
+                )
             rest //= sizes[i]
             if rest == 1:
                 order.append(j)
@@ -207,8 +213,12 @@ def _dtensor_layout(fqn: str, value, group) -> TensorLayout:
     ops = _shard_ops(value.placements, names, sizes, fqn)
     for name in mv.root_names:
         if name not in names:
-            ops.append(On(axis=name, index=coords[name]) if _is_pipeline(name) else Replicate(axis=name))
-    layout = TensorLayout(mv.entry, coords, Mapping(tuple(ops)), value.to_local().detach(), tuple(value.shape))
+            ops.append(
+                On(axis=name, index=coords[name]) if _is_pipeline(name) else Replicate(axis=name)
+            )
+    layout = TensorLayout(
+        mv.entry, coords, Mapping(tuple(ops)), value.to_local().detach(), tuple(value.shape)
+    )
     shard = layout.shard()
     if tuple(shard.shape) != tuple(layout.local.shape):
         raise LayoutError(

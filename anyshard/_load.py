@@ -24,7 +24,9 @@ def _key_problems(flat: dict, manifest) -> list[str]:
     if missing:
         out.append(f"missing from the checkpoint ({len(missing)}): {', '.join(missing)}")
     if unexpected:
-        out.append(f"in the checkpoint but not in the state dict ({len(unexpected)}): {', '.join(unexpected)}")
+        out.append(
+            f"in the checkpoint but not in the state dict ({len(unexpected)}): {', '.join(unexpected)}"
+        )
     return out
 
 
@@ -60,22 +62,32 @@ def load(
         if fqn in manifest.tensors:
             entry = manifest.tensors[fqn]
             if not isinstance(value, torch.Tensor):
-                problems.append(f"{fqn}: the checkpoint holds a tensor, the state dict a {type(value).__name__}")
+                problems.append(
+                    f"{fqn}: the checkpoint holds a tensor, the state dict a {type(value).__name__}"
+                )
                 continue
             if tuple(value.shape) != entry.shape:
-                problems.append(f"{fqn}: global shape {list(value.shape)} in the state dict, {list(entry.shape)} in the checkpoint")
+                problems.append(
+                    f"{fqn}: global shape {list(value.shape)} in the state dict, {list(entry.shape)} in the checkpoint"
+                )
                 continue
             stored = ST_TO_DTYPE[entry.dtype]
             if value.dtype != stored and not cast:
-                problems.append(f"{fqn}: dtype {value.dtype} in the state dict, {stored} in the checkpoint (pass cast=True to convert)")
+                problems.append(
+                    f"{fqn}: dtype {value.dtype} in the state dict, {stored} in the checkpoint (pass cast=True to convert)"
+                )
                 continue
             layout = layout_of(fqn, value, process_group)
             fills.append(Fill(fqn, layout.local, layout.shard().pieces))
         elif fqn in manifest.values:
             if isinstance(value, torch.Tensor):
-                problems.append(f"{fqn}: the checkpoint holds a JSON value, the state dict a tensor")
+                problems.append(
+                    f"{fqn}: the checkpoint holds a JSON value, the state dict a tensor"
+                )
     if problems:
-        raise StateDictMismatchError(f"{path}: the state dict does not match the checkpoint:\n  " + "\n  ".join(problems))
+        raise StateDictMismatchError(
+            f"{path}: the state dict does not match the checkpoint:\n  " + "\n  ".join(problems)
+        )
     fill_regions(path, manifest, fills, threads=threads)
     for fqn, leaf in flat.items():
         if fqn in manifest.values:

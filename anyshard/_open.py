@@ -98,8 +98,12 @@ class CheckpointView:
         for coords, shard in enumerate_shards(entry.parsed, entry.shape, mesh.axis_sizes):
             rank = mesh.rank(coords)
             file = self.manifest.files.get(rank, "")
-            shards.append(StoredShard(rank, file, coords, tuple(p.logical_box for p in shard.pieces)))
-        return TensorMetadata(name, entry.shape, ST_TO_DTYPE[entry.dtype], entry.mapping, tuple(shards))
+            shards.append(
+                StoredShard(rank, file, coords, tuple(p.logical_box for p in shard.pieces))
+            )
+        return TensorMetadata(
+            name, entry.shape, ST_TO_DTYPE[entry.dtype], entry.mapping, tuple(shards)
+        )
 
     def read_region(self, name: str, box: Box) -> torch.Tensor:
         """The logical region ``box`` of tensor ``name``, reading only the bytes it needs."""
@@ -107,7 +111,13 @@ class CheckpointView:
         shape = tuple(hi - lo for lo, hi in box)
         out = torch.empty(shape, dtype=ST_TO_DTYPE[entry.dtype])
         piece = Piece(0, shape, full_box(shape), tuple(box))
-        fill_regions(self.path, self.manifest, [Fill(name, out, (piece,))], headers=self._headers, threads=self._threads)
+        fill_regions(
+            self.path,
+            self.manifest,
+            [Fill(name, out, (piece,))],
+            headers=self._headers,
+            threads=self._threads,
+        )
         return out
 
     def get_tensor(self, name: str) -> torch.Tensor:
@@ -141,20 +151,26 @@ class TensorSlice:
             i = index.index(Ellipsis)
             index = index[:i] + (slice(None),) * (len(shape) - len(index) + 1) + index[i + 1 :]
         if len(index) > len(shape):
-            raise IndexError(f"{self._name}: {len(index)} indices for a tensor of {len(shape)} dims")
+            raise IndexError(
+                f"{self._name}: {len(index)} indices for a tensor of {len(shape)} dims"
+            )
         index = index + (slice(None),) * (len(shape) - len(index))
         box, squeeze = [], []
         for d, (ix, n) in enumerate(zip(index, shape, strict=True)):
             if isinstance(ix, int):
                 if not -n <= ix < n:
-                    raise IndexError(f"{self._name}: index {ix} is out of range for dim {d} of size {n}")
+                    raise IndexError(
+                        f"{self._name}: index {ix} is out of range for dim {d} of size {n}"
+                    )
                 ix %= n
                 box.append((ix, ix + 1))
                 squeeze.append(d)
             elif isinstance(ix, slice):
                 start, stop, step = ix.indices(n)
                 if step != 1:
-                    raise AnyshardError(f"{self._name}: slices with a step are not supported; read with step 1 and slice the result")
+                    raise AnyshardError(
+                        f"{self._name}: slices with a step are not supported; read with step 1 and slice the result"
+                    )
                 box.append((start, max(start, stop)))
             else:
                 raise TypeError(f"{self._name}: unsupported index {ix!r}")

@@ -41,7 +41,9 @@ def fill_regions(
     for i, f in enumerate(fills):
         entry = manifest.tensors[f.fqn]
         mesh = manifest.meshes[entry.mesh]
-        transfers += match_shards(f.fqn, i, f.pieces, entry.parsed, entry.shape, mesh.axis_sizes, mesh.rank, shapes)
+        transfers += match_shards(
+            f.fqn, i, f.pieces, entry.parsed, entry.shape, mesh.axis_sizes, mesh.rank, shapes
+        )
     headers = headers if headers is not None else {}
     missing = {r for r, _ in shapes} - set(headers)
     headers.update(read_headers(path, manifest, missing))
@@ -58,10 +60,14 @@ def fill_regions(
                 "the data file does not belong to this manifest"
             )
         dtype = ST_TO_DTYPE[stored.dtype]
-        info[(rank, fqn)] = StoredShardInfo(stored.start, stored.stop, dtype.itemsize, stored.crc32c)
+        info[(rank, fqn)] = StoredShardInfo(
+            stored.start, stored.stop, dtype.itemsize, stored.crc32c
+        )
         dtypes[(rank, fqn)] = dtype
     direct_ok = [
-        f.dest.device.type == "cpu" and f.dest.is_contiguous() and f.dest.dtype == ST_TO_DTYPE[manifest.tensors[f.fqn].dtype]
+        f.dest.device.type == "cpu"
+        and f.dest.is_contiguous()
+        and f.dest.dtype == ST_TO_DTYPE[manifest.tensors[f.fqn].dtype]
         for f in fills
     ]
     plan = plan_reads(transfers, info, direct_ok)

@@ -68,7 +68,9 @@ def _merge(reports: list[dict], path: str) -> Manifest:
     failed = [(r, rep["error"]) for r, rep in enumerate(reports) if rep["error"]]
     if failed:
         lines = "\n".join(f"  rank {r}: {e.strip().splitlines()[-1]}" for r, e in failed[:8])
-        raise SaveError(f"save to {path} failed on {len(failed)} rank(s); nothing was committed:\n{lines}")
+        raise SaveError(
+            f"save to {path} failed on {len(failed)} rank(s); nothing was committed:\n{lines}"
+        )
     meshes: list[MeshEntry] = []
     mesh_ids: dict[str, int] = {}
     tensors: dict[str, TensorEntry] = {}
@@ -81,13 +83,19 @@ def _merge(reports: list[dict], path: str) -> Manifest:
             if key not in mesh_ids:
                 mesh_ids[key] = len(meshes)
                 meshes.append(MeshEntry.from_json(e["mesh"]))
-            tensors[fqn] = TensorEntry(dtype=e["dtype"], shape=tuple(e["shape"]), mesh=mesh_ids[key], mapping=e["mapping"])
+            tensors[fqn] = TensorEntry(
+                dtype=e["dtype"], shape=tuple(e["shape"]), mesh=mesh_ids[key], mapping=e["mapping"]
+            )
         for k, v in rep["values"].items():
             values.setdefault(k, v)
     files = {r: rep["file"] for r, rep in enumerate(reports) if rep["file"]}
     manifest = Manifest(
-        world_size=len(reports), meshes=tuple(meshes), files=files, tensors=dict(sorted(tensors.items())),
-        values=dict(sorted(values.items())), library=_library(),
+        world_size=len(reports),
+        meshes=tuple(meshes),
+        files=files,
+        tensors=dict(sorted(tensors.items())),
+        values=dict(sorted(values.items())),
+        library=_library(),
     )
     _check_writers(manifest, reports, path)
     return manifest
@@ -100,7 +108,11 @@ def _check_writers(manifest: Manifest, reports: list[dict], path: str) -> None:
         mesh = manifest.meshes[t.mesh]
         for coords, _ in enumerate_shards(t.parsed, t.shape, mesh.axis_sizes):
             expected[mesh.rank(coords)] += 1
-    bad = [(r, rep["count"], expected[r]) for r, rep in enumerate(reports) if rep["count"] != expected[r]]
+    bad = [
+        (r, rep["count"], expected[r])
+        for r, rep in enumerate(reports)
+        if rep["count"] != expected[r]
+    ]
     if bad:
         r, got, want = bad[0]
         raise SaveError(
@@ -134,9 +146,13 @@ def save(path: str, state_dict: dict[str, Any], *, process_group=None) -> None:
     local_error: BaseException | None = None
     try:
         if me == 0 and storage.exists(storage.join(path, MANIFEST_NAME)):
-            raise SaveError(f"{path} already holds a committed checkpoint; save to a new path (e.g. the next step)")
+            raise SaveError(
+                f"{path} already holds a committed checkpoint; save to a new path (e.g. the next step)"
+            )
         writes, entries, values = _plan_local(state_dict, process_group)
-        report.update(entries=entries, values=values if me == 0 or values else {}, count=len(writes))
+        report.update(
+            entries=entries, values=values if me == 0 or values else {}, count=len(writes)
+        )
         if writes:
             storage.makedirs(storage.join(path, DATA_DIR))
             write_datafile(storage.join(path, *_file_name(me).split("/")), writes)
@@ -157,5 +173,3 @@ def save(path: str, state_dict: dict[str, Any], *, process_group=None) -> None:
         raise local_error
     if not outcome["ok"]:
         raise SaveError(outcome["error"])
-
-

@@ -47,7 +47,9 @@ class Leaf:
             )
         items = list(container)
         items[self.key] = value
-        rebuilt = type(container)(*items) if hasattr(container, "_fields") else type(container)(items)
+        rebuilt = (
+            type(container)(*items) if hasattr(container, "_fields") else type(container)(items)
+        )
         self.owner.replace(rebuilt)
 
 

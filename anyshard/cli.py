@@ -35,24 +35,41 @@ def _inspect(args) -> int:
         m = ckpt.manifest
         if args.json:
             out = {
-                "format": "anyshard", "format_version": 1, "world_size": m.world_size,
-                "meshes": [x.to_json() for x in m.meshes], "values": m.values,
+                "format": "anyshard",
+                "format_version": 1,
+                "world_size": m.world_size,
+                "meshes": [x.to_json() for x in m.meshes],
+                "values": m.values,
                 "tensors": [
-                    {"name": r.name, "shape": list(r.shape), "dtype": str(r.dtype).removeprefix("torch."),
-                     "bytes": r.nbytes, "shards": r.num_shards, "mapping": r.mapping}
+                    {
+                        "name": r.name,
+                        "shape": list(r.shape),
+                        "dtype": str(r.dtype).removeprefix("torch."),
+                        "bytes": r.nbytes,
+                        "shards": r.num_shards,
+                        "mapping": r.mapping,
+                    }
                     for r in rows
                 ],
             }
             print(json.dumps(out, indent=2))
             return 0
-        meshes = "; ".join(" x ".join(f"{d}={s}" for d, s in zip(x.dims, x.sizes, strict=True)) for x in m.meshes)
-        print(f"{args.path}: anyshard checkpoint, saved by {m.world_size} rank(s); meshes: {meshes}")
+        meshes = "; ".join(
+            " x ".join(f"{d}={s}" for d, s in zip(x.dims, x.sizes, strict=True)) for x in m.meshes
+        )
+        print(
+            f"{args.path}: anyshard checkpoint, saved by {m.world_size} rank(s); meshes: {meshes}"
+        )
         width = max([len(r.name) for r in rows] + [6])
         print(f"{'tensor':{width}}  {'shape':>16}  {'dtype':9}  {'bytes':>10}  shards  mapping")
         for r in rows:
             dtype = str(r.dtype).removeprefix("torch.")
-            print(f"{r.name:{width}}  {str(list(r.shape)):>16}  {dtype:9}  {_human(r.nbytes):>10}  {r.num_shards:6}  {r.mapping}")
-        print(f"{len(rows)} tensors, {_human(sum(r.nbytes for r in rows))}; {len(m.values)} JSON values")
+            print(
+                f"{r.name:{width}}  {str(list(r.shape)):>16}  {dtype:9}  {_human(r.nbytes):>10}  {r.num_shards:6}  {r.mapping}"
+            )
+        print(
+            f"{len(rows)} tensors, {_human(sum(r.nbytes for r in rows))}; {len(m.values)} JSON values"
+        )
     return 0
 
 
@@ -72,14 +89,26 @@ def _verify(args) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="anyshard", description="Inspect and verify anyshard checkpoints.")
+    p = argparse.ArgumentParser(
+        prog="anyshard", description="Inspect and verify anyshard checkpoints."
+    )
     sub = p.add_subparsers(dest="command", required=True)
     fmt = argparse.RawDescriptionHelpFormatter
-    s = sub.add_parser("inspect", help="list a checkpoint's tensors", epilog=_EXAMPLES["inspect"], formatter_class=fmt)
+    s = sub.add_parser(
+        "inspect",
+        help="list a checkpoint's tensors",
+        epilog=_EXAMPLES["inspect"],
+        formatter_class=fmt,
+    )
     s.add_argument("path", help="checkpoint directory or URL")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(run=_inspect)
-    s = sub.add_parser("verify", help="re-read every shard: checksums and coverage", epilog=_EXAMPLES["verify"], formatter_class=fmt)
+    s = sub.add_parser(
+        "verify",
+        help="re-read every shard: checksums and coverage",
+        epilog=_EXAMPLES["verify"],
+        formatter_class=fmt,
+    )
     s.add_argument("path", help="checkpoint directory or URL")
     s.set_defaults(run=_verify)
     return p

@@ -21,7 +21,12 @@ import torch.multiprocessing as mp
 
 import anyshard
 
-SHAPES = {"embed.weight": (50, 16), "attn.wq.weight": (24, 16), "attn.wo.weight": (16, 24), "norm.weight": (16,)}
+SHAPES = {
+    "embed.weight": (50, 16),
+    "attn.wq.weight": (24, 16),
+    "attn.wo.weight": (16, 24),
+    "norm.weight": (16,),
+}
 
 
 def full_state() -> dict[str, torch.Tensor]:
@@ -44,10 +49,16 @@ def sharded_state(layout: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
 
-    dims = {"fsdp2xtp2": ((2, 2), ("dp_shard", "tp")), "tp4": ((4,), ("tp",)), "dp2": ((2,), ("dp_shard",))}
+    dims = {
+        "fsdp2xtp2": ((2, 2), ("dp_shard", "tp")),
+        "tp4": ((4,), ("tp",)),
+        "dp2": ((2,), ("dp_shard",)),
+    }
     sizes, names = dims[layout]
     mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
-    return {k: distribute_tensor(v, mesh, placements_for(k, layout)) for k, v in full_state().items()}
+    return {
+        k: distribute_tensor(v, mesh, placements_for(k, layout)) for k, v in full_state().items()
+    }
 
 
 def worker(rank: int, world: int, init: str, path: str, layout: str, mode: str) -> None:
@@ -60,12 +71,17 @@ def worker(rank: int, world: int, init: str, path: str, layout: str, mode: str) 
                 local = {k: tuple(v.to_local().shape) for k, v in state.items()}
                 print(f"  saved under {layout} on {world} ranks; rank 0 holds {local}")
         else:
-            state = {"model": {k: torch.zeros_like(v) for k, v in sharded_state(layout).items()}, "step": 0}
+            state = {
+                "model": {k: torch.zeros_like(v) for k, v in sharded_state(layout).items()},
+                "step": 0,
+            }
             anyshard.load(path, state)
             for k, v in state["model"].items():
                 assert torch.equal(v.full_tensor(), full_state()[k]), f"{k} differs"
             if rank == 0:
-                print(f"  loaded under {layout} on {world} ranks: all {len(SHAPES)} tensors bit-exact, step={state['step']}")
+                print(
+                    f"  loaded under {layout} on {world} ranks: all {len(SHAPES)} tensors bit-exact, step={state['step']}"
+                )
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -73,12 +89,16 @@ def worker(rank: int, world: int, init: str, path: str, layout: str, mode: str) 
 
 def run(world: int, path: str, layout: str, mode: str, tmp: str) -> None:
     init = "file://" + os.path.join(tmp, f"rdzv-{mode}-{layout}")
-    mp.start_processes(worker, args=(world, init, path, layout, mode), nprocs=world, start_method="spawn")
+    mp.start_processes(
+        worker, args=(world, init, path, layout, mode), nprocs=world, start_method="spawn"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dir", help="where to write the checkpoint (default: a temporary directory)")
+    parser.add_argument(
+        "--dir", help="where to write the checkpoint (default: a temporary directory)"
+    )
     args = parser.parse_args(argv)
     tmp = tempfile.mkdtemp(prefix="anyshard-demo-")
     path = os.path.join(args.dir or tmp, "step-000100")
@@ -87,14 +107,18 @@ def main(argv: list[str] | None = None) -> int:
     with anyshard.open(path) as ckpt:
         for name in ckpt.keys():
             meta = ckpt.metadata(name)
-            print(f"  {name:16s} {str(list(meta.shape)):9s} {meta.num_shards} stored shard(s), mapping {meta.mapping!r}")
+            print(
+                f"  {name:16s} {str(list(meta.shape)):9s} {meta.num_shards} stored shard(s), mapping {meta.mapping!r}"
+            )
     run(4, path, "tp4", "load", tmp)
     run(2, path, "dp2", "load", tmp)
     state = {"model": {k: torch.empty(s) for k, s in SHAPES.items()}, "step": 0}
     anyshard.load(path, state)
     assert all(torch.equal(state["model"][k], v) for k, v in full_state().items())
-    print(f"  loaded in 1 process as plain tensors: bit-exact; a slice reads only its bytes: "
-          f"model.embed.weight[3, :4] = {[round(x, 4) for x in anyshard.open(path).get_slice('model.embed.weight')[3, :4].tolist()]}")
+    print(
+        f"  loaded in 1 process as plain tensors: bit-exact; a slice reads only its bytes: "
+        f"model.embed.weight[3, :4] = {[round(x, 4) for x in anyshard.open(path).get_slice('model.embed.weight')[3, :4].tolist()]}"
+    )
     print("done")
     return 0
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from anyshard._pool import io_pool
 from anyshard.errors import CheckpointNotFoundError, StorageError
 from anyshard.format import storage
@@ -34,15 +33,23 @@ def data_path(path: str, manifest: Manifest, rank: int) -> str:
     return storage.join(path, *manifest.files[rank].split("/"))
 
 
-def read_headers(path: str, manifest: Manifest, ranks, *, threads: int = 16) -> dict[int, DataFileHeader]:
+def read_headers(
+    path: str, manifest: Manifest, ranks, *, threads: int = 16
+) -> dict[int, DataFileHeader]:
     """Headers of the data files of ``ranks``, read in parallel."""
     ranks = sorted(set(ranks))
     for r in ranks:
         if r not in manifest.files:
             from anyshard.errors import CorruptCheckpointError
 
-            raise CorruptCheckpointError(f"{path}: the manifest names no data file for rank {r}, whose shards are needed")
+            raise CorruptCheckpointError(
+                f"{path}: the manifest names no data file for rank {r}, whose shards are needed"
+            )
     if len(ranks) <= 1:
         return {r: read_header(data_path(path, manifest, r)) for r in ranks}
     pool = io_pool(threads)
-    return dict(zip(ranks, pool.map(lambda r: read_header(data_path(path, manifest, r)), ranks), strict=True))
+    return dict(
+        zip(
+            ranks, pool.map(lambda r: read_header(data_path(path, manifest, r)), ranks), strict=True
+        )
+    )

@@ -89,7 +89,9 @@ def _checksum(mv: memoryview) -> int:
     return crc32c.crc32c(mv)
 
 
-def write_datafile(path: str, shards: Sequence[tuple[str, torch.Tensor]], *, threads: int = 4) -> int:
+def write_datafile(
+    path: str, shards: Sequence[tuple[str, torch.Tensor]], *, threads: int = 4
+) -> int:
     """Write ``shards`` (contiguous CPU tensors) into a new safetensors file; returns its size."""
     views = [tensor_bytes(t) for _, t in shards]
     pool = io_pool(threads)
@@ -97,9 +99,16 @@ def write_datafile(path: str, shards: Sequence[tuple[str, torch.Tensor]], *, thr
     header: dict[str, object] = {}
     offset = 0
     for (name, t), mv in zip(shards, views, strict=True):
-        header[name] = {"dtype": DTYPE_TO_ST[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + mv.nbytes]}
+        header[name] = {
+            "dtype": DTYPE_TO_ST[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + mv.nbytes],
+        }
         offset += mv.nbytes
-    meta = {"format_version": DATAFILE_VERSION, "crc32c": {name: c for (name, _), c in zip(shards, crcs, strict=True)}}
+    meta = {
+        "format_version": DATAFILE_VERSION,
+        "crc32c": {name: c for (name, _), c in zip(shards, crcs, strict=True)},
+    }
     header["__metadata__"] = {"format": "pt", "anyshard": json.dumps(meta, separators=(",", ":"))}
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -149,7 +158,9 @@ def read_header(path: str) -> DataFileHeader:
                 f"{path}: data file format_version {version} is not one this anyshard reads "
                 f"({DATAFILE_VERSION}); upgrade anyshard to read it"
             )
-        raise CorruptCheckpointError(f"{path}: not an anyshard data file (format_version {version!r})")
+        raise CorruptCheckpointError(
+            f"{path}: not an anyshard data file (format_version {version!r})"
+        )
     return DataFileHeader(path=path, shards=_shard_entries(path, header, meta, 8 + n))
 
 
@@ -175,5 +186,7 @@ def _shard_entries(path: str, header: dict, meta: dict, base: int) -> dict[str, 
                 f"{path}: the header entry of {name!r} is inconsistent (dtype {dtype!r}, shape "
                 f"{list(shape)}, data_offsets {[begin, end]}); the file is corrupt"
             )
-        shards[name] = ShardEntry(dtype=dtype, shape=shape, start=base + begin, stop=base + end, crc32c=crc)
+        shards[name] = ShardEntry(
+            dtype=dtype, shape=shape, start=base + begin, stop=base + end, crc32c=crc
+        )
     return shards

@@ -47,7 +47,9 @@ class MeshEntry:
             raise ValueError(f"mesh of sizes {self.sizes} lists {len(self.ranks)} ranks")
 
     @classmethod
-    def from_rank_grid(cls, dims: tuple[str, ...], sizes: tuple[int, ...], ranks: list[int]) -> MeshEntry:
+    def from_rank_grid(
+        cls, dims: tuple[str, ...], sizes: tuple[int, ...], ranks: list[int]
+    ) -> MeshEntry:
         """Describe a mesh from its ranks in row-major order, compactly when they are affine."""
         strides = []
         for d in range(len(sizes)):
@@ -101,7 +103,9 @@ class MeshEntry:
     @classmethod
     def from_json(cls, j: MappingType[str, Any]) -> MeshEntry:
         return cls(
-            dims=tuple(j["dims"]), sizes=tuple(j["sizes"]), offset=j.get("offset", 0),
+            dims=tuple(j["dims"]),
+            sizes=tuple(j["sizes"]),
+            offset=j.get("offset", 0),
             strides=tuple(j["strides"]) if "strides" in j else None,
             ranks=tuple(j["ranks"]) if "ranks" in j else None,
         )
@@ -129,11 +133,18 @@ class TensorEntry:
         return parse_mapping(self.mapping)
 
     def to_json(self) -> dict[str, Any]:
-        return {"dtype": self.dtype, "shape": list(self.shape), "mesh": self.mesh, "mapping": self.mapping}
+        return {
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "mesh": self.mesh,
+            "mapping": self.mapping,
+        }
 
     @classmethod
     def from_json(cls, j: MappingType[str, Any]) -> TensorEntry:
-        return cls(dtype=j["dtype"], shape=tuple(j["shape"]), mesh=int(j["mesh"]), mapping=j["mapping"])
+        return cls(
+            dtype=j["dtype"], shape=tuple(j["shape"]), mesh=int(j["mesh"]), mapping=j["mapping"]
+        )
 
 
 def _check_relative(name: str, where: str) -> str:
@@ -186,10 +197,14 @@ class Manifest:
         except ValueError as e:
             raise CorruptCheckpointError(f"{where}: manifest is not valid JSON ({e})") from None
         if not isinstance(j, dict) or j.get("format") != FORMAT_NAME:
-            raise CorruptCheckpointError(f"{where}: not an anyshard manifest (format={j.get('format') if isinstance(j, dict) else None!r})")
+            raise CorruptCheckpointError(
+                f"{where}: not an anyshard manifest (format={j.get('format') if isinstance(j, dict) else None!r})"
+            )
         version = j.get("format_version")
         if type(version) is not int:  # bool is an int to Python, not to JSON
-            raise CorruptCheckpointError(f"{where}: format_version {version!r} is not an integer; the manifest is corrupt")
+            raise CorruptCheckpointError(
+                f"{where}: format_version {version!r} is not an integer; the manifest is corrupt"
+            )
         if version not in KNOWN_VERSIONS:
             raise FormatVersionError(
                 f"{where}: format_version {version!r} is not one this anyshard reads "
@@ -209,7 +224,9 @@ class Manifest:
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             if isinstance(e, CorruptCheckpointError):
                 raise
-            raise CorruptCheckpointError(f"{where}: manifest is malformed ({type(e).__name__}: {e})") from None
+            raise CorruptCheckpointError(
+                f"{where}: manifest is malformed ({type(e).__name__}: {e})"
+            ) from None
         _check_tensors(manifest, where)
         return manifest
 

@@ -187,14 +187,18 @@ class FileReader:
                 while done < n:
                     got = os.preadv(self._fd, [buf[done:]], offset + done)
                     if got == 0:
-                        raise EOFError(f"expected {n} bytes at offset {offset}, the file ends at {offset + done}")
+                        raise EOFError(
+                            f"expected {n} bytes at offset {offset}, the file ends at {offset + done}"
+                        )
                     done += got
                 return
             data = self._fs.cat_file(self._p, start=offset, end=offset + n)
         except FileNotFoundError:  # a URL is opened lazily: callers say which file is missing
             raise
         except OSError as e:
-            raise StorageError(f"{self.path}: read of {n} bytes at offset {offset} failed: {e}") from e
+            raise StorageError(
+                f"{self.path}: read of {n} bytes at offset {offset} failed: {e}"
+            ) from e
         if len(data) != n:
             raise EOFError(f"expected {n} bytes at offset {offset}, got {len(data)}")
         buf[:] = data
@@ -211,7 +215,9 @@ class FileReader:
             try:
                 got = os.preadv(self._fd, buffers, offset)
             except OSError as e:
-                raise StorageError(f"{self.path}: read of {total} bytes at offset {offset} failed: {e}") from e
+                raise StorageError(
+                    f"{self.path}: read of {total} bytes at offset {offset} failed: {e}"
+                ) from e
             if got != total:
                 self._finish_short(offset, buffers, got)
             return

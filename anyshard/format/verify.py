@@ -35,9 +35,10 @@ def _coverage(fqn: str, entry, mesh) -> Iterator[tuple[int, tuple[int, ...]]]:
     want = 1
     for n in entry.shape:
         want *= n
-    overlap = total != want or (len(boxes) <= 4096 and any(
-        intersect(a, b) is not None for i, a in enumerate(boxes) for b in boxes[i + 1 :]
-    ))
+    overlap = total != want or (
+        len(boxes) <= 4096
+        and any(intersect(a, b) is not None for i, a in enumerate(boxes) for b in boxes[i + 1 :])
+    )
     if overlap:
         raise CorruptCheckpointError(
             f"{fqn}: stored shards hold {total} elements of {want} (mapping {entry.mapping!r}); "
@@ -45,7 +46,9 @@ def _coverage(fqn: str, entry, mesh) -> Iterator[tuple[int, tuple[int, ...]]]:
         )
 
 
-def verify_checkpoint(path: str, progress: Callable[[int, int], None] | None = None) -> VerifyReport:
+def verify_checkpoint(
+    path: str, progress: Callable[[int, int], None] | None = None
+) -> VerifyReport:
     """Re-read every stored shard of the checkpoint at ``path``; raise on the first problem."""
     manifest = read_manifest(path)
     wanted: dict[int, dict[str, tuple[int, ...]]] = {}
@@ -62,19 +65,27 @@ def verify_checkpoint(path: str, progress: Callable[[int, int], None] | None = N
             for fqn, shape in sorted(wanted[rank].items()):
                 s = header.shards.get(fqn)
                 if s is None or s.shape != shape or s.dtype != manifest.tensors[fqn].dtype:
-                    raise CorruptCheckpointError(f"{file}: the shard of {fqn!r} is missing or has the wrong shape/dtype")
+                    raise CorruptCheckpointError(
+                        f"{file}: the shard of {fqn!r} is missing or has the wrong shape/dtype"
+                    )
                 crc = 0
                 for a in range(s.start, s.stop, _BLOCK):
                     buf = bytearray(min(_BLOCK, s.stop - a))
                     try:
                         reader.read_into(a, memoryview(buf))
                     except EOFError as e:
-                        raise CorruptCheckpointError(f"{file}: data file is truncated ({e})") from None
+                        raise CorruptCheckpointError(
+                            f"{file}: data file is truncated ({e})"
+                        ) from None
                     crc = crc32c(buf, crc)
                     done += len(buf)
                     if progress:
                         progress(done, total)
                 if crc != s.crc32c:
-                    raise ChecksumError(f"{file}: checksum mismatch in the stored shard of {fqn!r}; the file is corrupt")
+                    raise ChecksumError(
+                        f"{file}: checksum mismatch in the stored shard of {fqn!r}; the file is corrupt"
+                    )
                 shards += 1
-    return VerifyReport(tensors=len(manifest.tensors), shards=shards, files=len(headers), bytes_checked=done)
+    return VerifyReport(
+        tensors=len(manifest.tensors), shards=shards, files=len(headers), bytes_checked=done
+    )

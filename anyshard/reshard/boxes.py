@@ -167,9 +167,13 @@ class Piece:
             return None
         array_box = tuple(
             (alo + lo - llo, alo + hi - llo)
-            for (alo, _), (llo, _), (lo, hi) in zip(self.array_box, self.logical_box, inter, strict=True)
+            for (alo, _), (llo, _), (lo, hi) in zip(
+                self.array_box, self.logical_box, inter, strict=True
+            )
         )
-        return Piece(base=self.base, array_shape=self.array_shape, array_box=array_box, logical_box=inter)
+        return Piece(
+            base=self.base, array_shape=self.array_shape, array_box=array_box, logical_box=inter
+        )
 
     def runs(self) -> list[tuple[int, int]]:
         """Element runs ``(flat_start, length)`` of this piece within the shard's flat data."""

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
-from collections.abc import Mapping as MappingType, Sequence
+from collections.abc import Mapping as MappingType
+from collections.abc import Sequence
 
 import torch
 
@@ -67,7 +68,9 @@ def execute_plan(
 ) -> None:
     """Fill ``targets`` as ``plan`` says; verify every stored shard that was read in full."""
     parts: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
-    target_bytes = [tensor_bytes(t) if t.device.type == "cpu" and t.is_contiguous() else None for t in targets]
+    target_bytes = [
+        tensor_bytes(t) if t.device.type == "cpu" and t.is_contiguous() else None for t in targets
+    ]
     pool = io_pool(threads)
     for batch in plan.batches:
         staging = _staging(plan, batch, src_dtypes)
@@ -93,7 +96,9 @@ def _staging(plan: ReadPlan, batch: list[Request], src_dtypes) -> dict[int, memo
     return staging
 
 
-def _run_task(plan: ReadPlan, task: list[Request], memory, paths) -> list[tuple[int, int, int, int]]:
+def _run_task(
+    plan: ReadPlan, task: list[Request], memory, paths
+) -> list[tuple[int, int, int, int]]:
     """Run consecutive requests. The task opens its own file descriptions, so that each stream
     of reads keeps its own readahead state in the kernel."""
     target_bytes, staging = memory
@@ -121,7 +126,15 @@ def _run_task(plan: ReadPlan, task: list[Request], memory, paths) -> list[tuple[
                 reader = readers[r.rank] = _open_reader(paths[r.rank])
             _read(reader, r, buffers)
             if r.checks:
-                out += [(c.shard, r.offset + c.start, c.stop - c.start, _crc_range(buffers, c.start, c.stop)) for c in r.checks]
+                out += [
+                    (
+                        c.shard,
+                        r.offset + c.start,
+                        c.stop - c.start,
+                        _crc_range(buffers, c.start, c.stop),
+                    )
+                    for c in r.checks
+                ]
     finally:
         for reader in readers.values():
             reader.close()
@@ -139,7 +152,11 @@ def _run_repeated(r: Request, target_bytes, staging, transfers, readers, paths) 
     fd = reader.fd
     if fd is None:  # a URL: one ranged request each
         for k in range(count):
-            _read(reader, r._replace(offset=r.offset + k * file_stride), [mem[offset + k * dst_stride :][:n]])
+            _read(
+                reader,
+                r._replace(offset=r.offset + k * file_stride),
+                [mem[offset + k * dst_stride :][:n]],
+            )
         return
     pos, dst = r.offset, offset
     preadv = os.preadv
@@ -150,7 +167,9 @@ def _run_repeated(r: Request, target_bytes, staging, transfers, readers, paths) 
             pos += file_stride
             dst += dst_stride
     except EOFError as e:
-        raise CorruptCheckpointError(f"{reader.path}: data file is truncated ({e}); restore it or load an earlier step") from None
+        raise CorruptCheckpointError(
+            f"{reader.path}: data file is truncated ({e}); restore it or load an earlier step"
+        ) from None
     except OSError as e:
         if isinstance(e, StorageError):
             raise
@@ -168,7 +187,9 @@ def _read(reader: storage.FileReader, r: Request, buffers: list[memoryview]) -> 
     except OSError as e:
         if isinstance(e, StorageError):
             raise
-        raise StorageError(f"{reader.path}: read of {r.length} bytes at {r.offset} failed: {e}") from e
+        raise StorageError(
+            f"{reader.path}: read of {r.length} bytes at {r.offset} failed: {e}"
+        ) from e
 
 
 def _crc_range(buffers: list[memoryview], start: int, stop: int) -> int:
@@ -188,7 +209,9 @@ def _crc_range(buffers: list[memoryview], start: int, stop: int) -> int:
 def _finish(plan: ReadPlan, i: int, mem: memoryview, targets, src_dtypes) -> None:
     t = plan.transfers[i]
     dtype = src_dtypes[(t.rank, t.fqn)]
-    src = torch.frombuffer(mem, dtype=torch.uint8) if len(mem) else torch.empty(0, dtype=torch.uint8)
+    src = (
+        torch.frombuffer(mem, dtype=torch.uint8) if len(mem) else torch.empty(0, dtype=torch.uint8)
+    )
     src = src.view(dtype).reshape(box_shape(t.src.logical_box))
     piece_view(targets[t.target], t.dst).copy_(src)
 

@@ -102,7 +102,9 @@ class ReadPlan:
     transfers: list[Transfer]
     direct: list[bool]  # transfer i reads straight into the target's memory
     batches: list[list[Request]]  # executed one after another; bounded staging memory each
-    shards: list[tuple[int, str, int, int, int]] = field(default_factory=list)  # rank, fqn, start, stop, crc
+    shards: list[tuple[int, str, int, int, int]] = field(
+        default_factory=list
+    )  # rank, fqn, start, stop, crc
 
     @property
     def requests(self) -> list[Request]:
@@ -264,7 +266,9 @@ def _units(i: int, t: Transfer, direct: bool, shard_info, max_part: int):
     length = math.prod(box_shape(t.src.array_box)[u:]) * info.itemsize
     src = info.start + src * info.itemsize
     if src.size and int(src.max()) + length > info.stop:
-        raise CorruptCheckpointError(f"{t.fqn}: stored shard in rank {t.rank}'s file is shorter than its mapping says")
+        raise CorruptCheckpointError(
+            f"{t.fqn}: stored shard in rank {t.rank}'s file is shorter than its mapping says"
+        )
     if not direct:
         dst = np.arange(src.size, dtype=np.int64) * length
     if length > max_part:  # cut huge runs so that several threads can read one shard
@@ -298,12 +302,26 @@ def _coalesce(units, transfers, direct, shard_info, shard_ids, limits) -> list[R
     gap[1:] = src[1:] - (src[:-1] + size[:-1])
     # A unit continues the request before it when it follows in the same file, with no gap or a
     # small one inside the same stored shard.
-    joins = (gap == 0) | ((gap > 0) & (gap <= np.minimum(max_gap, slack * np.roll(size, 1))) & (shard_col == np.roll(shard_col, 1)))
+    joins = (gap == 0) | (
+        (gap > 0)
+        & (gap <= np.minimum(max_gap, slack * np.roll(size, 1)))
+        & (shard_col == np.roll(shard_col, 1))
+    )
     joins &= rank_col == np.roll(rank_col, 1)
     joins[0] = False
     starts = _group_starts(joins, src, size, gap, max_request, max_spans)
-    return _requests(starts, ids.tolist(), src.tolist(), dst.tolist(), size.tolist(), gap.tolist(),
-                     transfers, direct, shard_info, shard_ids)
+    return _requests(
+        starts,
+        ids.tolist(),
+        src.tolist(),
+        dst.tolist(),
+        size.tolist(),
+        gap.tolist(),
+        transfers,
+        direct,
+        shard_info,
+        shard_ids,
+    )
 
 
 def _group_starts(joins, src, size, gap, max_request: int, max_spans: int) -> list[int]:
@@ -312,7 +330,9 @@ def _group_starts(joins, src, size, gap, max_request: int, max_spans: int) -> li
     starts = np.flatnonzero(~joins)
     last = np.append(starts[1:], len(src)) - 1
     spans_before = np.cumsum(1 + ((gap > 0) & joins))
-    too_long = ((src[last] + size[last] - src[starts]) > max_request) | (spans_before[last] - spans_before[starts] >= max_spans)
+    too_long = ((src[last] + size[last] - src[starts]) > max_request) | (
+        spans_before[last] - spans_before[starts] >= max_spans
+    )
     if not too_long.any():
         return starts.tolist()
     out: list[int] = []
@@ -330,7 +350,9 @@ def _group_starts(joins, src, size, gap, max_request: int, max_spans: int) -> li
     return out
 
 
-def _requests(starts, ids, src, dst, size, gap, transfers, direct, shard_info, shard_ids) -> list[Request]:
+def _requests(
+    starts, ids, src, dst, size, gap, transfers, direct, shard_info, shard_ids
+) -> list[Request]:
     kinds = [TARGET if d else STAGING for d in direct]
     checked = [(t.rank, t.fqn) in shard_ids.fully_needed for t in transfers]
     out: list[Request] = []
@@ -365,7 +387,15 @@ def _requests(starts, ids, src, dst, size, gap, transfers, direct, shard_info, s
                 spans.append((GAP, -1, 0, gap[k]))
             spans.append((kinds[ids[k]], ids[k], dst[k], size[k]))
         start, end = src[a], src[b - 1] + size[b - 1]
-        out.append(Request(transfers[i].rank, start, end - start, tuple(spans), _checks(transfers, spans, start, end, shard_info, shard_ids)))
+        out.append(
+            Request(
+                transfers[i].rank,
+                start,
+                end - start,
+                tuple(spans),
+                _checks(transfers, spans, start, end, shard_info, shard_ids),
+            )
+        )
     flush()
     return out
 
@@ -373,7 +403,9 @@ def _requests(starts, ids, src, dst, size, gap, transfers, direct, shard_info, s
 def _checks(transfers, spans, start, end, shard_info, shard_ids) -> tuple[ShardCheck, ...]:
     """The parts of fully read stored shards that a request reads, to verify their checksums."""
     checks = []
-    for key in dict.fromkeys((transfers[i].rank, transfers[i].fqn) for kind, i, _, _ in spans if kind != GAP):
+    for key in dict.fromkeys(
+        (transfers[i].rank, transfers[i].fqn) for kind, i, _, _ in spans if kind != GAP
+    ):
         info = shard_info[key]
         a, b = max(start, info.start), min(end, info.stop)
         if a < b:

@@ -45,6 +45,6 @@ def piece_offsets(p: Piece, u: int) -> np.ndarray:
         if ext[d] == 1:
             offsets = offsets + p.array_box[d][0] * strides[d]
             continue
-        steps = (np.arange(p.array_box[d][0], p.array_box[d][1], dtype=np.int64) * strides[d])
+        steps = np.arange(p.array_box[d][0], p.array_box[d][1], dtype=np.int64) * strides[d]
         offsets = (offsets[:, None] + steps[None, :]).reshape(-1)
     return offsets

@@ -6,12 +6,24 @@ Pure functions: shapes, mesh sizes and coordinates in, `Shard` descriptions out.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping as MappingType, Sequence
+from collections.abc import Iterator, Sequence
+from collections.abc import Mapping as MappingType
 from dataclasses import dataclass
 
 from anyshard.errors import MappingError
 from anyshard.reshard.boxes import Box, Piece, box_shape, flat_range_to_boxes, full_box, intersect
-from anyshard.ucl.mapping import Chunk, Flatten, Mapping, On, Op, Pad, Range, Replicate, Slice, Split
+from anyshard.ucl.mapping import (
+    Chunk,
+    Flatten,
+    Mapping,
+    On,
+    Op,
+    Pad,
+    Range,
+    Replicate,
+    Slice,
+    Split,
+)
 
 __all__ = ["Shard", "chunk_bounds", "compile_mapping", "enumerate_shards"]
 
@@ -56,7 +68,9 @@ def _narrow_block(st: _State, dim: int, start: int, stop: int) -> None:
         if inter is None:
             continue
         logical = _translate(inter, p.array_box, p.logical_box)
-        array_box = tuple((lo - start, hi - start) if d == dim else (lo, hi) for d, (lo, hi) in enumerate(inter))
+        array_box = tuple(
+            (lo - start, hi - start) if d == dim else (lo, hi) for d, (lo, hi) in enumerate(inter)
+        )
         pieces.append(Piece(0, shape, array_box, logical))
     st.shape, st.pieces = shape, pieces
 
@@ -85,7 +99,10 @@ def _rebased(base: int, array_shape: tuple[int, ...], sub: Box, logical: Box) ->
 
 def _translate(box: Box, src: Box, dst: Box) -> Box:
     """``box`` (inside the space of ``src``) moved by the offset that takes ``src`` onto ``dst``."""
-    return tuple((lo - slo + dlo, hi - slo + dlo) for (lo, hi), (slo, _), (dlo, _) in zip(box, src, dst, strict=True))
+    return tuple(
+        (lo - slo + dlo, hi - slo + dlo)
+        for (lo, hi), (slo, _), (dlo, _) in zip(box, src, dst, strict=True)
+    )
 
 
 def _contiguous_parts(shape: tuple[int, ...], box: Box) -> Iterator[Box]:
@@ -168,7 +185,10 @@ def _axis_size(op: Op, sizes: MappingType[str, int]) -> int | None:
 
 
 def compile_mapping(
-    mapping: Mapping, logical_shape: Sequence[int], sizes: MappingType[str, int], coords: MappingType[str, int]
+    mapping: Mapping,
+    logical_shape: Sequence[int],
+    sizes: MappingType[str, int],
+    coords: MappingType[str, int],
 ) -> Shard | None:
     """The shard held at mesh ``coords``; None where an ``on()`` excludes these coordinates."""
     st = _initial(logical_shape)
@@ -204,9 +224,13 @@ def enumerate_shards(
     st = _initial(logical_shape)
 
     def prune(state: _State) -> bool:
-        return needed is not None and all(intersect(p.logical_box, needed) is None for p in state.pieces)
+        return needed is not None and all(
+            intersect(p.logical_box, needed) is None for p in state.pieces
+        )
 
-    def walk(i: int, state: _State, coords: dict[str, int]) -> Iterator[tuple[dict[str, int], Shard]]:
+    def walk(
+        i: int, state: _State, coords: dict[str, int]
+    ) -> Iterator[tuple[dict[str, int], Shard]]:
         if prune(state):
             return
         if i == len(ops):

@@ -165,7 +165,10 @@ def _parser() -> lark.Lark:
 
 # name -> (argument kinds, constructor); kinds: i = int, a = axis name, l = list of ints
 _SIGNATURES = {
-    "chunk": [("ia", lambda d, a: Chunk(dim=d, axis=a)), ("iii", lambda d, n, i: Chunk(dim=d, parts=n, index=i))],
+    "chunk": [
+        ("ia", lambda d, a: Chunk(dim=d, axis=a)),
+        ("iii", lambda d, n, i: Chunk(dim=d, parts=n, index=i)),
+    ],
     "split": [("ial", lambda d, a, s: Split(dim=d, axis=a, sizes=tuple(s)))],
     "slice": [("iii", lambda d, a, b: Slice(dim=d, start=a, stop=b))],
     "pad": [("ii", lambda d, n: Pad(dim=d, size=n))],
@@ -206,7 +209,10 @@ def _build_op(tree: lark.Tree, text: str) -> Op:
     if name not in _SIGNATURES:
         raise MappingSyntaxError(
             f"unknown mapping operation {name!r}",
-            text=text, line=line, column=column, expected="one of " + ", ".join(sorted(_SIGNATURES)),
+            text=text,
+            line=line,
+            column=column,
+            expected="one of " + ", ".join(sorted(_SIGNATURES)),
         )
     kinds = "".join(_kind(a) for a in args)
     for sig, make in _SIGNATURES[name]:
@@ -226,11 +232,21 @@ def _with_position(op: Op, line: int, column: int) -> Op:
 
 def _check(op: Op, text: str) -> None:
     def bad(why: str) -> MappingError:
-        return MappingSyntaxError(why, text=text, line=op.line, column=op.column, expected=_USAGE[type(op).__name__.lower()])
+        return MappingSyntaxError(
+            why,
+            text=text,
+            line=op.line,
+            column=op.column,
+            expected=_USAGE[type(op).__name__.lower()],
+        )
 
     if getattr(op, "dim", 0) < 0:
         raise bad("dim must be >= 0")
-    if isinstance(op, Chunk) and op.axis is None and not (op.parts > 0 and 0 <= op.index < op.parts):
+    if (
+        isinstance(op, Chunk)
+        and op.axis is None
+        and not (op.parts > 0 and 0 <= op.index < op.parts)
+    ):
         raise bad(f"chunk index {op.index} is outside 0..{op.parts - 1}")
     if isinstance(op, Split) and any(s < 0 for s in op.sizes):
         raise bad("split sizes must be >= 0")
@@ -242,13 +258,23 @@ def _check(op: Op, text: str) -> None:
         raise bad("on() index must be >= 0")
 
 
-_TERMINAL_WORDS = {"NAME": "a name", "SIGNED_INT": "an integer", "$END": "the end of the expression"}
+_TERMINAL_WORDS = {
+    "NAME": "a name",
+    "SIGNED_INT": "an integer",
+    "$END": "the end of the expression",
+}
 
 
 def _describe(terminals) -> str:
     """Lark's terminal names (``RPAR``) as the text a user would type (``')'``)."""
-    literals = {t.name: t.pattern.value for t in _parser().terminals if isinstance(t.pattern, lark.lexer.PatternStr)}
-    words = [_TERMINAL_WORDS.get(n) or (repr(literals[n]) if n in literals else n) for n in terminals]
+    literals = {
+        t.name: t.pattern.value
+        for t in _parser().terminals
+        if isinstance(t.pattern, lark.lexer.PatternStr)
+    }
+    words = [
+        _TERMINAL_WORDS.get(n) or (repr(literals[n]) if n in literals else n) for n in terminals
+    ]
     return ", ".join(sorted(words))
 
 
@@ -266,7 +292,10 @@ def parse_mapping(text: str) -> Mapping:
             line, column = token.end_line or line, token.end_column or column
             what = "unexpected end of mapping expression"
         raise MappingSyntaxError(
-            what, text=text, line=line if line > 0 else 1, column=column if column > 0 else 1,
+            what,
+            text=text,
+            line=line if line > 0 else 1,
+            column=column if column > 0 else 1,
             expected=_describe(expected) or "an operation such as chunk(0, tp)",
         ) from None
     ops = tuple(_build_op(t, text) for t in tree.children if t is not None)

@@ -124,9 +124,14 @@ def execute(plan, files, targets):
                 buffers[i][offset : offset + n] = chunk
                 filled[i][offset : offset + n] += 1
         assert pos == r.length, "spans tile the request"
-    writes = [c.reshape(-1, ITEMSIZE)[:, 0].reshape(t.shape).copy() for c, t in zip(direct_bytes, targets, strict=True)]
+    writes = [
+        c.reshape(-1, ITEMSIZE)[:, 0].reshape(t.shape).copy()
+        for c, t in zip(direct_bytes, targets, strict=True)
+    ]
     for c in direct_bytes:
-        assert (c.reshape(-1, ITEMSIZE) == c.reshape(-1, ITEMSIZE)[:, :1]).all(), "whole elements arrive"
+        assert (c.reshape(-1, ITEMSIZE) == c.reshape(-1, ITEMSIZE)[:, :1]).all(), (
+            "whole elements arrive"
+        )
     for i, (t, buf, count) in enumerate(zip(plan.transfers, buffers, filled, strict=True)):
         if plan.direct[i]:
             continue
