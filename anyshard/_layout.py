@@ -43,30 +43,42 @@ class TensorLayout:
         return shard
 
     def write_plan(self, fqn: str) -> tuple[Mapping, torch.Tensor | None]:
-        """The stored mapping (``hold`` with each replicated dim resolved to one writer, or
-        split among the replicas), and the part of the local tensor this rank writes (None if
-        another replica writes it)."""
-        replicated = [op.axis for op in self.hold.ops if isinstance(op, Replicate)]
-        base = Mapping(tuple(op for op in self.hold.ops if not isinstance(op, Replicate)))
-        if not replicated:
-            return base, self.local
-        sizes = self.mesh.axis_sizes
+        """The stored mapping (see `stored_mapping`) and the part of the local tensor this rank
+        writes (None if another replica writes it)."""
         nbytes = self.local.numel() * self.local.element_size()
-        if self.local.dim() >= 1 and nbytes >= SPREAD_MIN_BYTES:
-            part = self.local
-            for a in replicated:
-                start, stop = chunk_bounds(part.shape[0], sizes[a], self.coords[a])
+        stored = stored_mapping(fqn, self.hold, self.mesh.axis_sizes, nbytes, self.local.dim())
+        part = self.local
+        sizes = self.mesh.axis_sizes
+        writers = sum(isinstance(op, Replicate) for op in self.hold.ops)  # the ops resolving them
+        for op in stored.ops[len(stored.ops) - writers :] if writers else ():
+            if isinstance(op, On) and self.coords[op.axis] != op.index:
+                return stored, None
+            if isinstance(op, Chunk):
+                start, stop = chunk_bounds(part.shape[0], sizes[op.axis], self.coords[op.axis])
                 part = part[start:stop]
-            return base.then(*(Chunk(dim=0, axis=a) for a in replicated)), part
-        # Small: one replica writes it all; pick it by name so writes spread over replicas.
-        writer = zlib.crc32(fqn.encode()) % math.prod(sizes[a] for a in replicated)
-        ops: list[Op] = []
-        for a in reversed(replicated):
-            writer, k = divmod(writer, sizes[a])
-            ops.append(On(axis=a, index=k))
-        ops.reverse()
-        mine = all(self.coords[op.axis] == op.index for op in ops)
-        return base.then(*ops), self.local if mine else None
+        return stored, part
+
+
+def stored_mapping(fqn: str, hold: Mapping, sizes: dict[str, int], nbytes: int, ndim: int) -> Mapping:
+    """The mapping of what gets stored: ``hold`` with each ``replicate(a)`` resolved to writers.
+
+    A local shard of at least `SPREAD_MIN_BYTES` is split among its replicas along dim 0
+    (``chunk(0, a)``); a smaller one is written whole by one replica chosen from a hash of its
+    name (``on(a, k)``), so that small tensors spread over the ranks too. Every rank decides
+    this alone, from the same inputs.
+    """
+    replicated = [op.axis for op in hold.ops if isinstance(op, Replicate)]
+    base = Mapping(tuple(op for op in hold.ops if not isinstance(op, Replicate)))
+    if not replicated:
+        return base
+    if ndim >= 1 and nbytes >= SPREAD_MIN_BYTES:
+        return base.then(*(Chunk(dim=0, axis=a) for a in replicated))
+    writer = zlib.crc32(fqn.encode()) % math.prod(sizes[a] for a in replicated)
+    ops: list[Op] = []
+    for a in reversed(replicated):
+        writer, k = divmod(writer, sizes[a])
+        ops.append(On(axis=a, index=k))
+    return base.then(*reversed(ops))
 
 
 def _group_rank(global_rank: int, group) -> int:
