@@ -59,7 +59,9 @@ class TensorLayout:
         return stored, part
 
 
-def stored_mapping(fqn: str, hold: Mapping, sizes: dict[str, int], nbytes: int, ndim: int) -> Mapping:
+def stored_mapping(
+    fqn: str, hold: Mapping, sizes: dict[str, int], nbytes: int, ndim: int
+) -> Mapping:
     """The mapping of what gets stored: ``hold`` with each ``replicate(a)`` resolved to writers.
 
     A local shard of at least `SPREAD_MIN_BYTES` is split among its replicas along dim 0

@@ -14,7 +14,6 @@ from anyshard.errors import AnyshardError, SaveError
 from anyshard.format import storage
 from anyshard.format.datafile import DTYPE_TO_ST, write_datafile
 from anyshard.format.manifest import MANIFEST_NAME, Manifest, MeshEntry, TensorEntry
-from anyshard.ucl.compile import enumerate_shards
 from anyshard.ucl.mapping import On
 
 __all__ = ["save"]
@@ -103,11 +102,7 @@ def _merge(reports: list[dict], path: str) -> Manifest:
 
 def _check_writers(manifest: Manifest, reports: list[dict], path: str) -> None:
     """Every rank wrote exactly the shards the manifest says it holds; else nothing commits."""
-    expected = [0] * len(reports)
-    for t in manifest.tensors.values():
-        mesh = manifest.meshes[t.mesh]
-        for coords, _ in enumerate_shards(t.parsed, t.shape, mesh.axis_sizes):
-            expected[mesh.rank(coords)] += 1
+    expected = manifest.shards_per_rank().tolist()
     bad = [
         (r, rep["count"], expected[r])
         for r, rep in enumerate(reports)

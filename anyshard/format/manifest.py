@@ -13,6 +13,8 @@ from collections.abc import Mapping as MappingType
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from anyshard.errors import CorruptCheckpointError, FormatVersionError
 from anyshard.ucl.mapping import Mapping, parse_mapping
 
@@ -80,6 +82,17 @@ class MeshEntry:
         for i, n in zip(c, self.sizes, strict=True):
             flat = flat * n + i
         return self.ranks[flat]
+
+    def rank_grid(self) -> np.ndarray:
+        """The global rank at every coordinate, as an array of shape ``sizes``."""
+        if self.ranks is not None:
+            return np.array(self.ranks, dtype=np.int64).reshape(self.sizes)
+        grid = np.full((), self.offset, dtype=np.int64)
+        for d, (n, s) in enumerate(zip(self.sizes, self.strides, strict=True)):
+            shape = [1] * len(self.sizes)
+            shape[d] = n
+            grid = grid + (np.arange(n, dtype=np.int64) * s).reshape(shape)
+        return np.broadcast_to(grid, self.sizes)
 
     def coords_of(self, rank: int) -> dict[str, int] | None:
         """The coordinates of ``rank`` in this mesh, or None when it is not in the mesh."""
@@ -186,6 +199,32 @@ class Manifest:
             "values": self.values,
             "metadata": self.metadata,
         }
+
+    def shards_per_rank(self) -> np.ndarray:
+        """How many stored shards each rank's data file must hold, in O(tensors + ranks x
+        distinct writer patterns): tensors are grouped by mesh and by the coordinates their
+        mapping pins (``on()``, or 0 for mesh dims it leaves out)."""
+        groups: dict[tuple[int, tuple], int] = {}
+        for t in self.tensors.values():
+            mesh = self.meshes[t.mesh]
+            ops = t.parsed.ops
+            pinned = {op.axis: op.index for op in ops if type(op).__name__ == "On"}
+            free = {
+                op.axis_name
+                for op in ops
+                if op.axis_name is not None and type(op).__name__ in ("Chunk", "Split")
+            }
+            index = tuple(
+                None if d in free and d not in pinned else pinned.get(d, 0) for d in mesh.dims
+            )
+            groups[(t.mesh, index)] = groups.get((t.mesh, index), 0) + 1
+        counts = np.zeros(self.world_size, dtype=np.int64)
+        grids: dict[int, np.ndarray] = {}
+        for (mesh_id, index), n in groups.items():
+            grid = grids.setdefault(mesh_id, self.meshes[mesh_id].rank_grid())
+            cut = tuple(slice(None) if i is None else i for i in index)
+            np.add.at(counts, np.asarray(grid[cut]).reshape(-1), n)
+        return counts
 
     def dumps(self) -> bytes:
         return json.dumps(self.to_json(), separators=(",", ":"), sort_keys=False).encode()
