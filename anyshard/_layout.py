@@ -21,7 +21,7 @@ from anyshard.format.manifest import MeshEntry
 from anyshard.ucl.compile import Shard, chunk_bounds, compile_mapping
 from anyshard.ucl.mapping import Chunk, Mapping, On, Op, Replicate
 
-__all__ = ["TensorLayout", "layout_of", "SPREAD_MIN_BYTES"]
+__all__ = ["SPREAD_MIN_BYTES", "TensorLayout", "hold_mapping", "layout_of", "stored_mapping"]
 
 # Replicated tensors at least this large are split among their replicas for writing.
 SPREAD_MIN_BYTES = 1 << 20
@@ -218,21 +218,34 @@ def _mesh_view(mesh, group) -> _MeshView:
     return view
 
 
+def hold_mapping(
+    fqn: str,
+    placements,
+    names: tuple[str, ...],
+    sizes: tuple[int, ...],
+    root_names: tuple[str, ...],
+    coords: dict[str, int],
+) -> Mapping:
+    """The mapping of a DTensor's local shard over its root mesh, from its placements on the
+    mesh dims ``names`` (of ``sizes``); root dims it leaves out replicate it, pipeline dims pin
+    it to the stage at ``coords``."""
+    ops = _shard_ops(placements, names, sizes, fqn)
+    for name in root_names:
+        if name not in names:
+            ops.append(
+                On(axis=name, index=coords[name]) if _is_pipeline(name) else Replicate(axis=name)
+            )
+    return Mapping(tuple(ops))
+
+
 def _dtensor_layout(fqn: str, value, group) -> TensorLayout:
     try:
         mv = _mesh_view(value.device_mesh, group)
     except LayoutError as e:
         raise LayoutError(f"{fqn}: {e}") from None
     names, sizes, coords = mv.names, mv.sizes, mv.coords
-    ops = _shard_ops(value.placements, names, sizes, fqn)
-    for name in mv.root_names:
-        if name not in names:
-            ops.append(
-                On(axis=name, index=coords[name]) if _is_pipeline(name) else Replicate(axis=name)
-            )
-    layout = TensorLayout(
-        mv.entry, coords, Mapping(tuple(ops)), value.to_local().detach(), tuple(value.shape)
-    )
+    hold = hold_mapping(fqn, value.placements, names, sizes, mv.root_names, coords)
+    layout = TensorLayout(mv.entry, coords, hold, value.to_local().detach(), tuple(value.shape))
     shard = layout.shard()
     if tuple(shard.shape) != tuple(layout.local.shape):
         raise LayoutError(
