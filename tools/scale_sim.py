@@ -399,7 +399,10 @@ def _write_docs(path: str, text: str, command: str) -> None:
         "(what its pickled `.metadata` lists, plus one storage entry each), pickled size measured by "
         "building torch's `Metadata` objects. Headers: data files whose header a loading rank must "
         "read (the files holding shards it overlaps). Runs: contiguous byte runs the rank needs; reads: "
-        "read calls after coalescing. Bytes read / needed: worst sampled rank.\n"
+        "read calls after coalescing (runs larger than 64 MiB are cut into parts that threads read in "
+        "parallel, so a few rows show more calls than runs). Bytes read / needed: worst sampled rank.\n"
+        "The MoE variant holds experts as grouped `[16, ...]` tensors sharded over `dp_shard` (expert "
+        "parallelism folded into data-parallel sharding); a separate `ep` mesh dim is not simulated yet.\n"
         f"{end}\n"
     )
     old = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
