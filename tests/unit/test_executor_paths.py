@@ -1,0 +1,58 @@
+"""The executor's read paths give the same bytes: iovec scatter, bounce-and-copy, repeated rows."""
+
+import os
+
+import pytest
+import torch
+
+import anyshard
+from anyshard._read import Fill, fill_regions
+from anyshard.errors import ChecksumError
+from anyshard.format.checkpoint import read_manifest
+from anyshard.reshard.boxes import Piece
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    path = str(tmp_path / "c")
+    anyshard.save(path, {"w": torch.arange(64 * 4, dtype=torch.float32).reshape(64, 4)})
+    return path
+
+
+def fill_columns(path, rows):
+    """Load stored ``w`` (64 x 4) into columns 2..6 of a (64, 8) tensor: the file is read as one
+    run, the destination is ``rows`` strided rows."""
+    dest = torch.full((64, 8), -1.0)
+    piece = Piece(0, (64, 8), ((0, rows), (2, 6)), ((0, rows), (0, 4)))
+    plan = fill_regions(path, read_manifest(path), [Fill("w", dest, (piece,))])
+    return dest, plan
+
+
+@pytest.mark.parametrize("rows", [3, 64])  # few rows: iovecs; many rows: bounce buffer and one copy
+def test_a_contiguous_run_scattered_over_strided_rows_lands_exactly(ckpt, rows):
+    dest, plan = fill_columns(ckpt, rows)
+    full = torch.arange(64 * 4, dtype=torch.float32).reshape(64, 4)
+    assert torch.equal(dest[:rows, 2:6], full[:rows])
+    assert (
+        (dest[:rows, :2] == -1).all()
+        and (dest[:rows, 6:] == -1).all()
+        and (dest[rows:] == -1).all()
+    )
+    assert plan.bytes_read == rows * 4 * 4
+    (request,) = plan.requests
+    assert len(request.spans) == rows  # 64 rows take the bounce path (>= 16 equal rows)
+
+
+def test_a_corrupt_shard_read_through_the_bounce_buffer_fails_its_checksum(ckpt):
+    data = os.path.join(ckpt, "data", "rank-00000.safetensors")
+    with open(data, "r+b") as f:
+        f.seek(-5, os.SEEK_END)
+        f.write(b"\xff")
+    with pytest.raises(ChecksumError, match="'w'"):
+        fill_columns(ckpt, 64)
+
+
+def test_strided_source_rows_are_read_as_repeated_requests(ckpt):
+    with anyshard.open(ckpt) as view:
+        got = view.get_slice("w")[:, 1:3]
+    assert torch.equal(got, torch.arange(64 * 4, dtype=torch.float32).reshape(64, 4)[:, 1:3])
