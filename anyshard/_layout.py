@@ -170,12 +170,12 @@ def _application_order(entries, sizes, names, fqn) -> list[int]:
     return order
 
 
-def layout_of(fqn: str, value: torch.Tensor, group=None) -> TensorLayout:
+def layout_of(fqn: str, value: torch.Tensor, group=None, cache: dict | None = None) -> TensorLayout:
     """The layout of a DTensor (from its mesh and placements) or a plain tensor (replicated)."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(value, DTensor):
-        return _dtensor_layout(fqn, value, group)
+        return _dtensor_layout(fqn, value, group, {} if cache is None else cache)
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     mesh = MeshEntry(dims=("world",), sizes=(world,), offset=0, strides=(1,))
@@ -192,14 +192,12 @@ class _MeshView:
     entry: MeshEntry
 
 
-_MESH_CACHE: dict[tuple[int, int], tuple[object, _MeshView]] = {}
-
-
-def _mesh_view(mesh, group) -> _MeshView:
-    """What a layout needs of a device mesh; computed once per mesh (reading a DeviceMesh's rank
-    grid is not free, and a state dict holds hundreds of tensors on a handful of meshes)."""
+def _mesh_view(mesh, group, cache: dict) -> _MeshView:
+    """What a layout needs of a device mesh, computed once per mesh in ``cache``: reading a
+    DeviceMesh's rank grid is not free, and a state dict holds hundreds of tensors on a handful
+    of meshes. The cache lives for one save or load, so that no mesh outlives its process group."""
     key = (id(mesh), id(group))
-    hit = _MESH_CACHE.get(key)
+    hit = cache.get(key)
     if hit is not None and hit[0] is mesh:
         return hit[1]
     root, root_names = _root_view(mesh)
@@ -212,9 +210,7 @@ def _mesh_view(mesh, group) -> _MeshView:
     ranks = [_group_rank(int(r), group) for r in grid.reshape(-1).tolist()]
     entry = MeshEntry.from_rank_grid(root_names, tuple(grid.shape), ranks)
     view = _MeshView(_mesh_names(mesh), tuple(mesh.mesh.shape), root_names, coords, entry)
-    if len(_MESH_CACHE) > 256:
-        _MESH_CACHE.clear()
-    _MESH_CACHE[key] = (mesh, view)
+    cache[key] = (mesh, view)
     return view
 
 
@@ -238,9 +234,9 @@ def hold_mapping(
     return Mapping(tuple(ops))
 
 
-def _dtensor_layout(fqn: str, value, group) -> TensorLayout:
+def _dtensor_layout(fqn: str, value, group, cache: dict) -> TensorLayout:
     try:
-        mv = _mesh_view(value.device_mesh, group)
+        mv = _mesh_view(value.device_mesh, group, cache)
     except LayoutError as e:
         raise LayoutError(f"{fqn}: {e}") from None
     names, sizes, coords = mv.names, mv.sizes, mv.coords

@@ -57,6 +57,7 @@ def load(
     flat = flatten_state(state_dict)
     problems = _key_problems(flat, manifest) if strict else []
     fills: list[Fill] = []
+    meshes: dict = {}  # device mesh -> what layouts need of it, for this call only
     for fqn, leaf in sorted(flat.items()):
         value = leaf.value
         if fqn in manifest.tensors:
@@ -77,7 +78,7 @@ def load(
                     f"{fqn}: dtype {value.dtype} in the state dict, {stored} in the checkpoint (pass cast=True to convert)"
                 )
                 continue
-            layout = layout_of(fqn, value, process_group)
+            layout = layout_of(fqn, value, process_group, meshes)
             fills.append(Fill(fqn, layout.local, layout.shard().pieces))
         elif fqn in manifest.values:
             if isinstance(value, torch.Tensor):

@@ -41,6 +41,7 @@ def _plan_local(state: Any, group) -> tuple[list[tuple[str, torch.Tensor]], dict
     writes: list[tuple[str, torch.Tensor]] = []
     entries: dict[str, dict] = {}
     values: dict[str, Any] = {}
+    meshes: dict = {}  # device mesh -> what layouts need of it, for this call only
     for fqn, leaf in flatten_state(state).items():
         value = leaf.value
         if not isinstance(value, torch.Tensor):
@@ -48,7 +49,7 @@ def _plan_local(state: Any, group) -> tuple[list[tuple[str, torch.Tensor]], dict
             continue
         if value.dtype not in DTYPE_TO_ST:
             raise AnyshardError(f"{fqn}: dtype {value.dtype} cannot be stored in safetensors")
-        layout = layout_of(fqn, value, group)
+        layout = layout_of(fqn, value, group, meshes)
         write, part = layout.write_plan(fqn)
         if part is not None:
             writes.append((fqn, _host(part)))
