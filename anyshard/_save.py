@@ -161,7 +161,13 @@ def save(path: str, state_dict: dict[str, Any], *, process_group=None) -> None:
     if me == 0:
         try:
             manifest = _merge(reports, path)
-            storage.write_bytes_atomic(storage.join(path, MANIFEST_NAME), manifest.dumps())
+            target = storage.join(path, MANIFEST_NAME)
+            try:  # exclusive: a concurrent save to the same path cannot commit over this one
+                storage.write_bytes_atomic(target, manifest.dumps(), exclusive=True)
+            except FileExistsError:
+                raise SaveError(
+                    f"{path} already holds a committed checkpoint; save to a new path"
+                ) from None
         except Exception as e:
             outcome = {"ok": False, "error": str(e)}
     outcome = coll.broadcast_json(outcome, process_group)

@@ -22,3 +22,50 @@ def pool2(tmp_path_factory):
     pool = DistPool(2, str(tmp_path_factory.mktemp("pool2")))
     yield pool
     pool.close()
+
+
+# --- a real S3-compatible server on loopback (moto), for tests of s3:// URLs ---------------------
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's standalone S3 server on 127.0.0.1, one process for the whole session."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from s3_server import MotoServer
+
+    with MotoServer() as server:
+        yield server
+
+
+def _point_aws_at(endpoint_env: dict, monkeypatch) -> None:
+    import s3fs
+
+    for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_MAX_ATTEMPTS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in endpoint_env.items():
+        monkeypatch.setenv(name, value)
+    s3fs.S3FileSystem.clear_instance_cache()  # instances remember the endpoint they were made with
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch):
+    """``s3://<a fresh bucket>``, with the standard AWS_* environment pointing at the server."""
+    import s3fs
+
+    _point_aws_at(s3_server.env(), monkeypatch)
+    yield "s3://" + s3_server.create_bucket()
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.fixture
+def s3_proxy(s3_server, monkeypatch):
+    """An `S3Proxy` (request log, fault injection) in front of the server, with AWS_ENDPOINT_URL
+    pointing at it; ``s3_proxy.bucket`` is ``s3://<a fresh bucket>``."""
+    import s3fs
+    from s3_server import S3Proxy
+
+    with S3Proxy(s3_server.endpoint) as proxy:
+        _point_aws_at({**s3_server.env(), "AWS_ENDPOINT_URL": proxy.endpoint}, monkeypatch)
+        proxy.bucket = "s3://" + s3_server.create_bucket()
+        yield proxy
+    s3fs.S3FileSystem.clear_instance_cache()

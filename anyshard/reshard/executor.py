@@ -209,13 +209,20 @@ def _run_repeated(r: Request, target_bytes, staging, transfers, state: _Task) ->
     mem = target_bytes[transfers[i].target] if kind == TARGET else staging[i]
     reader = state.reader(r.rank)
     fd = reader.fd
-    if fd is None:  # a URL: one ranged request each
-        for k in range(count):
-            _read(
-                reader,
-                r._replace(offset=r.offset + k * file_stride),
-                [mem[offset + k * dst_stride :][:n]],
-            )
+    if fd is None:  # a URL: near rows share ranged GETs, issued concurrently
+        spans = [
+            (r.offset + k * file_stride, mem[offset + k * dst_stride :][:n]) for k in range(count)
+        ]
+        try:
+            reader.read_scattered(spans)
+        except EOFError as e:
+            raise CorruptCheckpointError(
+                f"{reader.path}: data file is truncated ({e}); restore it or load an earlier step"
+            ) from None
+        except FileNotFoundError:
+            raise CorruptCheckpointError(
+                f"{reader.path}: data file is missing; restore it or load an earlier step"
+            ) from None
         return
     pos, dst = r.offset, offset
     preadv = os.preadv
@@ -242,6 +249,11 @@ def _read(reader: storage.FileReader, r: Request, buffers: list[memoryview]) -> 
         raise CorruptCheckpointError(
             f"{reader.path}: data file is truncated ({e}); the checkpoint was copied "
             "incompletely or the disk filled up. Restore the file or load an earlier step"
+        ) from None
+    except FileNotFoundError:
+        raise CorruptCheckpointError(
+            f"{reader.path}: data file is missing; the checkpoint was copied incompletely "
+            "or files were deleted. Restore the file or load an earlier step"
         ) from None
     except OSError as e:
         if isinstance(e, StorageError):

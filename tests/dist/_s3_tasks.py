@@ -1,0 +1,78 @@
+"""Task functions run on every rank by the harness: a DTensor state saved to s3:// under
+dp_shard=2 x tp=2 and loaded back under tp=4.
+
+The endpoint reaches each worker as an argument only because the workers start before the
+server does; the task puts it where a user would, in the AWS_* environment, before any S3 call.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+import anyshard
+
+# name -> (placements saved under (dp_shard, tp), placements loaded under (tp,)); a tp4 column
+# of "w" is a part of each row of a stored shard (strided reads), "emb" is uneven at every level
+PLACEMENTS = {
+    "w": ((Shard(0), Shard(1)), (Shard(1),)),
+    "emb": ((Shard(0), Shard(0)), (Shard(0),)),
+    "bias": ((Replicate(), Shard(0)), (Replicate(),)),
+    "empty": ((Shard(0), Replicate()), (Shard(1),)),
+}
+
+
+def use_environment(env: dict[str, str]) -> None:
+    import s3fs
+
+    os.environ.update(env)
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+def full_tensors(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(10, 12, generator=g),
+        "emb": torch.randn(13, 8, generator=g).to(torch.bfloat16),
+        "bias": torch.randn(7, generator=g),
+        "empty": torch.zeros(4, 0, dtype=torch.float16),
+        "scale": torch.tensor(0.125, dtype=torch.float64),  # a plain (replicated) 0-d tensor
+    }
+
+
+def save_task(env: dict[str, str], url: str, seed: int) -> int:
+    use_environment(env)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    state: dict = {"step": 3}
+    for name, t in full_tensors(seed).items():
+        placements = PLACEMENTS[name][0] if name in PLACEMENTS else None
+        state[name] = distribute_tensor(t, mesh, placements) if placements else t
+    anyshard.save(url, state)
+    return dist.get_rank()
+
+
+def load_check_task(env: dict[str, str], url: str, seed: int) -> int:
+    use_environment(env)
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    full = full_tensors(seed)
+    state: dict = {"step": 0}
+    for name, t in full.items():
+        fill = torch.full_like(t, 7)
+        placements = PLACEMENTS[name][1] if name in PLACEMENTS else None
+        state[name] = distribute_tensor(fill, mesh, placements) if placements else fill
+    anyshard.load(url, state)
+    assert state["step"] == 3
+    for name, t in full.items():
+        got = state[name]
+        if isinstance(got, DTensor):
+            want = distribute_tensor(t, mesh, got.placements).to_local()
+            got = got.to_local()
+        else:
+            want = t
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert torch.equal(got, want), f"{name} differs on rank {dist.get_rank()}"
+    return len(full)
