@@ -33,6 +33,7 @@ __all__ = [
 ]
 
 DATAFILE_VERSION = 1
+_FIRST_READ = 64 * 1024
 _MAX_HEADER = 100 * 1024 * 1024
 
 DTYPE_TO_ST: dict[torch.dtype, str] = {
@@ -125,16 +126,20 @@ def read_header(path: str) -> DataFileHeader:
     """Parse a data file's header; raises `CorruptCheckpointError` naming the file on any defect."""
     try:
         with storage.FileReader(path) as r:
-            head = bytearray(8)
-            r.read_into(0, memoryview(head))
-            (n,) = struct.unpack("<Q", head)
+            prefix = r.read_prefix(_FIRST_READ)  # most headers fit: one read (one GET) per file
+            if len(prefix) < 8:
+                raise EOFError(f"expected 8 bytes at offset 0, the file has {len(prefix)}")
+            (n,) = struct.unpack("<Q", prefix[:8])
             if n > _MAX_HEADER:
                 raise CorruptCheckpointError(
                     f"{path}: header size {n} is not plausible (at most {_MAX_HEADER}); the file is "
                     "corrupt or not a safetensors file"
                 )
-            raw = bytearray(n)
-            r.read_into(8, memoryview(raw))
+            if 8 + n <= len(prefix):
+                raw = prefix[8 : 8 + n]
+            else:
+                raw = bytearray(n)
+                r.read_into(8, memoryview(raw))
     except FileNotFoundError:
         raise CorruptCheckpointError(
             f"{path}: data file is missing; the checkpoint was copied incompletely or files were deleted"

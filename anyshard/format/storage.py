@@ -288,6 +288,19 @@ class FileReader:
                 f"{self.path}: read of {n} bytes at offset {offset} failed: {e}"
             ) from e
 
+    def read_prefix(self, n: int) -> bytes:
+        """Up to ``n`` bytes from the start of the file (fewer when it is shorter): one read
+        or one GET for a header, whatever its length turns out to be."""
+        if self._fd is None:
+            try:
+                return _url_op(self.path, "read", "cat_file", start=0, end=n)
+            except EOFError:  # a range over an empty object
+                return b""
+        try:
+            return os.pread(self._fd, n, 0)
+        except OSError as e:
+            raise StorageError(f"{self.path}: read of {n} bytes failed: {e}") from e
+
     @property
     def fd(self) -> int | None:
         """The OS file descriptor of a local file (None for URLs)."""
