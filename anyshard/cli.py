@@ -1,6 +1,7 @@
-"""The ``anyshard`` command: inspect and verify checkpoints.
+"""The ``anyshard`` command: inspect and verify checkpoints, list and clean checkpoint roots.
 
 Exit codes: 0 ok, 1 a problem found (verify), 2 bad usage or input.
+Run: ``anyshard --help``, ``anyshard ls /ckpt``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ __all__ = ["main"]
 _EXAMPLES = {
     "inspect": "examples:\n  anyshard inspect /ckpt/step-001000\n  anyshard inspect /ckpt/step-001000 --json",
     "verify": "examples:\n  anyshard verify /ckpt/step-001000",
+    "ls": "examples:\n  anyshard ls /ckpt\n  anyshard ls s3://bucket/run1 --json",
+    "gc": "examples:\n  anyshard gc /ckpt --dry-run\n  anyshard gc s3://bucket/run1",
 }
 
 
@@ -88,9 +91,55 @@ def _verify(args) -> int:
     return 0
 
 
+def _root_must_exist(root: str) -> None:
+    from anyshard.errors import CheckpointNotFoundError
+    from anyshard.format import storage
+
+    if not storage.exists(root):
+        raise CheckpointNotFoundError(
+            f"{root}: no such checkpoint root; pass the directory that holds step-* directories"
+        )
+
+
+def _ls(args) -> int:
+    from anyshard.format.steps import list_steps
+
+    _root_must_exist(args.root)
+    listed = list_steps(args.root)
+    if args.json:
+        out = [
+            {"step": s.step, "path": s.path, "committed": s.committed, "bytes": s.bytes}
+            for s in listed
+        ]
+        print(json.dumps({"root": args.root, "steps": out}, indent=2))
+        return 0
+    print(f"{'step':>12}  {'state':11}  {'bytes':>10}  path")
+    for s in listed:
+        state = "committed" if s.committed else "uncommitted"
+        print(f"{s.step:>12}  {state:11}  {_human(s.bytes):>10}  {s.path}")
+    num_committed = sum(s.committed for s in listed)
+    print(
+        f"{len(listed)} steps ({num_committed} committed, {len(listed) - num_committed} uncommitted), "
+        f"{_human(sum(s.bytes for s in listed))}"
+    )
+    return 0
+
+
+def _gc(args) -> int:
+    from anyshard.format.steps import remove_debris
+
+    _root_must_exist(args.root)
+    removed = remove_debris(args.root, dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    for path in removed:
+        print(f"{verb} {path}")
+    print(f"{verb} {len(removed)} uncommitted step(s) older than the newest commit")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="anyshard", description="Inspect and verify anyshard checkpoints."
+        prog="anyshard", description="Inspect, verify, list and clean anyshard checkpoints."
     )
     sub = p.add_subparsers(dest="command", required=True)
     fmt = argparse.RawDescriptionHelpFormatter
@@ -111,6 +160,28 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("path", help="checkpoint directory or URL")
     s.set_defaults(run=_verify)
+    s = sub.add_parser(
+        "ls",
+        help="list the step-* checkpoints under a root, committed or not, with sizes",
+        epilog=_EXAMPLES["ls"],
+        formatter_class=fmt,
+    )
+    s.add_argument("root", help="directory or URL holding step-* checkpoint directories")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.set_defaults(run=_ls)
+    s = sub.add_parser(
+        "gc",
+        help="remove debris: uncommitted steps older than the newest committed step",
+        description="Remove uncommitted step-* directories older than the newest committed step. "
+        "Newer uncommitted steps may be saves in progress and are never touched.",
+        epilog=_EXAMPLES["gc"],
+        formatter_class=fmt,
+    )
+    s.add_argument("root", help="directory or URL holding step-* checkpoint directories")
+    s.add_argument(
+        "--dry-run", action="store_true", help="print what would be removed, remove nothing"
+    )
+    s.set_defaults(run=_gc)
     return p
 
 
