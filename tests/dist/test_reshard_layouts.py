@@ -67,7 +67,9 @@ def test_save_stores_every_logical_element_exactly_once(saved, src):
     data = os.path.join(ckpt, "data")
     for name in os.listdir(data):
         with safe_open(os.path.join(data, name), "pt") as f:
-            stored += sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
+            stored += sum(
+                f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys()
+            )
     assert stored == logical == report.bytes_checked
     assert report.tensors == len(truth)
 
@@ -88,3 +90,8 @@ def test_a_failure_on_one_rank_commits_nothing(pool4, tmp_path):
     out = pool4.run(TASKS, "one_rank_fails_task", str(tmp_path / "f"))
     assert out[1] == "AnyshardError" and {out[0], out[2], out[3]} == {"SaveError"}, out
     assert not (tmp_path / "f" / "manifest.json").exists()
+
+
+def test_the_checkpointer_keeps_the_newest_steps_and_restores_under_another_layout(pool4, tmp_path):
+    out = pool4.run(TASKS, "checkpointer_task", str(tmp_path / "run"), "fsdp2_tp2", "tp4")
+    assert all(o == [6, ["step-000000004", "step-000000006"]] for o in out), out
