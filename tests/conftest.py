@@ -6,22 +6,27 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "dist"))
 
 
-@pytest.fixture(scope="module")
-def pool4(tmp_path_factory):
+def _pool(world: int, tmp_path_factory):
     from harness import DistPool
 
-    pool = DistPool(4, str(tmp_path_factory.mktemp("pool4")))
+    pool = DistPool(world, str(tmp_path_factory.mktemp(f"pool{world}")))
     yield pool
     pool.close()
 
 
 @pytest.fixture(scope="module")
 def pool2(tmp_path_factory):
-    from harness import DistPool
+    yield from _pool(2, tmp_path_factory)
 
-    pool = DistPool(2, str(tmp_path_factory.mktemp("pool2")))
-    yield pool
-    pool.close()
+
+@pytest.fixture(scope="module")
+def pool4(tmp_path_factory):
+    yield from _pool(4, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def pool8(tmp_path_factory):
+    yield from _pool(8, tmp_path_factory)
 
 
 # --- a real S3-compatible server on loopback (moto), for tests of s3:// URLs ---------------------

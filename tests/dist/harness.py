@@ -57,7 +57,9 @@ class DistPool:
         self._results = _CTX.Queue()
         store = os.path.join(tmpdir, f"store-{world}")
         self._procs = [
-            _CTX.Process(target=_worker, args=(r, world, store, self._tasks[r], self._results), daemon=True)
+            _CTX.Process(
+                target=_worker, args=(r, world, store, self._tasks[r], self._results), daemon=True
+            )
             for r in range(world)
         ]
         for p in self._procs:

@@ -21,15 +21,6 @@ import scale_sim  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def pool8(tmp_path_factory):
-    from harness import DistPool
-
-    pool = DistPool(8, str(tmp_path_factory.mktemp("pool8")))
-    yield pool
-    pool.close()
-
-
-@pytest.fixture(scope="module")
 def run(pool8, tmp_path_factory):
     """Save for real, load for real; the checkpoint and each loading rank's record."""
     ckpt = str(tmp_path_factory.mktemp("scale") / "ckpt")
