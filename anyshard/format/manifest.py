@@ -94,17 +94,6 @@ class MeshEntry:
             grid = grid + (np.arange(n, dtype=np.int64) * s).reshape(shape)
         return np.broadcast_to(grid, self.sizes)
 
-    def coords_of(self, rank: int) -> dict[str, int] | None:
-        """The coordinates of ``rank`` in this mesh, or None when it is not in the mesh."""
-        for flat in range(math.prod(self.sizes)):
-            if self.rank_at_index(flat) == rank:
-                out, f = {}, flat
-                for d, n in zip(reversed(self.dims), reversed(self.sizes), strict=True):
-                    out[d] = f % n
-                    f //= n
-                return out
-        return None
-
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"dims": list(self.dims), "sizes": list(self.sizes)}
         if self.strides is not None:

@@ -31,7 +31,6 @@ __all__ = [
     "makedirs",
     "open_writer",
     "read_bytes",
-    "read_into",
     "remove_tree",
     "size",
     "write_bytes_atomic",
@@ -358,8 +357,3 @@ class FileReader:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def read_into(path: str, offset: int, buf: memoryview) -> None:
-    with FileReader(path) as r:
-        r.read_into(offset, buf)
