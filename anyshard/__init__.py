@@ -5,6 +5,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from anyshard import errors
+from anyshard._async import SaveHandle
 from anyshard._load import load
 from anyshard._open import CheckpointView, TensorMetadata, TensorSlice
 from anyshard._open import open_checkpoint as open
@@ -14,6 +15,7 @@ from anyshard.errors import AnyshardError
 __all__ = [
     "AnyshardError",
     "CheckpointView",
+    "SaveHandle",
     "TensorMetadata",
     "TensorSlice",
     "__version__",

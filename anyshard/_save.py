@@ -125,11 +125,16 @@ def _library() -> str:
     return f"anyshard {__version__}"
 
 
-def save(path: str, state_dict: dict[str, Any], *, process_group=None) -> None:
+def save(path: str, state_dict: dict[str, Any], *, process_group=None, async_: bool = False):
     """Save ``state_dict`` to ``path`` (a directory or URL), collectively over ``process_group``.
 
     Each rank writes the shards it holds into its own safetensors file (replicated regions once,
     spread over their holders); then rank 0 writes ``manifest.json``, the commit.
+
+    With ``async_=True`` it returns a `SaveHandle` as soon as the shards are staged in host
+    memory (pinned when CUDA is used): the caller may modify its tensors right away, and the
+    files are written and committed in the background. One async save is in flight at a time:
+    the next save waits for it, and a failure surfaces there or at ``handle.result()``.
 
     >>> import torch, anyshard, tempfile
     >>> d = tempfile.mkdtemp()
@@ -137,9 +142,12 @@ def save(path: str, state_dict: dict[str, Any], *, process_group=None) -> None:
     >>> anyshard.open(d + "/step-1").get_tensor("w")[1]
     tensor([3., 4., 5.])
     """
+    from anyshard import _async
+
+    _async.wait_for_previous()  # staging buffers are reused; a failure surfaces here
     me = coll.rank(process_group)
     report: dict[str, Any] = {"error": None, "file": None, "count": 0, "entries": {}, "values": {}}
-    local_error: BaseException | None = None
+    writes: list[tuple[str, torch.Tensor]] = []
     try:
         if me == 0 and storage.exists(storage.join(path, MANIFEST_NAME)):
             raise SaveError(
@@ -149,14 +157,31 @@ def save(path: str, state_dict: dict[str, Any], *, process_group=None) -> None:
         report.update(
             entries=entries, values=values if me == 0 or values else {}, count=len(writes)
         )
-        if writes:
-            storage.makedirs(storage.join(path, DATA_DIR))
-            write_datafile(storage.join(path, *_file_name(me).split("/")), writes)
-            report["file"] = _file_name(me)
     except Exception as e:  # reported to rank 0 so that no rank waits forever
-        local_error = e
         report["error"] = "".join(traceback.format_exception_only(type(e), e))
-    reports = coll.gather_json(report, process_group)
+        report["exception"] = e
+    if not async_:
+        _write_and_commit(path, writes, report, process_group)
+        return None
+    staged = _async.stage(writes)
+    group = _async.background_group(process_group)
+    return _async.submit(lambda: _write_and_commit(path, staged, report, group))
+
+
+def _write_and_commit(path: str, writes, report: dict[str, Any], group) -> None:
+    """Write this rank's data file, agree with every rank, commit on rank 0, raise on failure."""
+    me = coll.rank(group)
+    local_error: BaseException | None = report.pop("exception", None)
+    if local_error is None:
+        try:
+            if writes:
+                storage.makedirs(storage.join(path, DATA_DIR))
+                write_datafile(storage.join(path, *_file_name(me).split("/")), writes)
+                report["file"] = _file_name(me)
+        except Exception as e:
+            local_error = e
+            report["error"] = "".join(traceback.format_exception_only(type(e), e))
+    reports = coll.gather_json(report, group)
     outcome: dict[str, Any] = {"ok": True}
     if me == 0:
         try:
@@ -170,7 +195,7 @@ def save(path: str, state_dict: dict[str, Any], *, process_group=None) -> None:
                 ) from None
         except Exception as e:
             outcome = {"ok": False, "error": str(e)}
-    outcome = coll.broadcast_json(outcome, process_group)
+    outcome = coll.broadcast_json(outcome, group)
     if local_error is not None:
         raise local_error
     if not outcome["ok"]:

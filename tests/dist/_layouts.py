@@ -172,3 +172,23 @@ def checkpointer_task(root: str, layout_save: str, layout_load: str) -> list:
             assert torch.equal(full(v), truth[6][k]), k
     dist.barrier()
     return [restored, sorted(os.listdir(root))]
+
+
+def async_save_task(ckpt: str, truth_dir: str) -> int:
+    """An async save on 4 ranks: the state changes right after it returns; the checkpoint holds
+    the state as it was, and loads under another layout."""
+    state = train_state("fsdp2_tp2", 11)
+    tensors = {k: full(v).clone() for k, v in _flat(state) if isinstance(v, torch.Tensor)}
+    handle = anyshard.save(ckpt, state, async_=True)
+    for _, v in _flat(state):
+        if isinstance(v, torch.Tensor):
+            (v.to_local() if isinstance(v, DTensor) else v).fill_(-3)
+    handle.result()
+    if dist.get_rank() == 0:
+        os.makedirs(truth_dir, exist_ok=True)
+        save_file(tensors, os.path.join(truth_dir, "truth.safetensors"))
+        others = {k: v for k, v in _flat(state) if not isinstance(v, torch.Tensor)}
+        with open(os.path.join(truth_dir, "values.json"), "w") as f:
+            json.dump(others, f)
+    dist.barrier()
+    return load_check_task("tp4", ckpt, truth_dir, 5)

@@ -95,3 +95,8 @@ def test_a_failure_on_one_rank_commits_nothing(pool4, tmp_path):
 def test_the_checkpointer_keeps_the_newest_steps_and_restores_under_another_layout(pool4, tmp_path):
     out = pool4.run(TASKS, "checkpointer_task", str(tmp_path / "run"), "fsdp2_tp2", "tp4")
     assert all(o == [6, ["step-000000004", "step-000000006"]] for o in out), out
+
+
+def test_an_async_save_holds_the_state_as_it_was_when_save_returned(pool4, tmp_path):
+    out = pool4.run(TASKS, "async_save_task", str(tmp_path / "a"), str(tmp_path / "truth"))
+    assert min(out) == max(out) > 10
