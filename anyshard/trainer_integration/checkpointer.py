@@ -78,8 +78,10 @@ class Checkpointer:
     """Save training state every ``every_steps`` steps under ``root`` and restore the newest.
 
     ``root`` is a local path or an fsspec URL. ``keep_last`` keeps the newest N committed steps
-    (None: keep all), ``keep_every`` additionally keeps every step divisible by it. Synchronous
-    only: no async save and no tiered ``local_dir`` in this version.
+    (None: keep all), ``keep_every`` additionally keeps every step divisible by it. With
+    ``async_``, `save` returns once the shards are staged in host memory and the files are
+    written in the background; at most one save is in flight, and the next `save` (or `wait`)
+    waits for it, raises its error, and applies retention. No tiered ``local_dir`` yet.
 
     >>> import tempfile, torch
     >>> root = tempfile.mkdtemp()
@@ -100,6 +102,7 @@ class Checkpointer:
         every_steps: int = 1,
         keep_last: int | None = None,
         keep_every: int | None = None,
+        async_: bool = False,
         process_group=None,
     ):
         if every_steps is None:
@@ -115,6 +118,8 @@ class Checkpointer:
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.process_group = process_group
+        self.async_ = async_
+        self._pending = None  # the SaveHandle of the async save in flight
 
     def step_path(self, step: int) -> str:
         """Where ``step`` is (or would be) saved."""
@@ -128,13 +133,28 @@ class Checkpointer:
         """
         if step % self.every_steps:
             return False
+        self.wait()
         state = _state_dicts(app_state)
         path = self.step_path(step)
         self._clear_stale(path)
+        if self.async_:
+            self._pending = anyshard.save(
+                path, state, process_group=self.process_group, async_=True
+            )
+            return True
         anyshard.save(path, state, process_group=self.process_group)
         if coll.rank(self.process_group) == 0:
             self._apply_retention()
         return True
+
+    def wait(self) -> None:
+        """Wait for the async save in flight (if any): raise its error, or apply retention."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        pending.result()
+        if coll.rank(self.process_group) == 0:
+            self._apply_retention()
 
     def _clear_stale(self, path: str) -> None:
         # A crashed earlier attempt at this same step may have left files (perhaps from another
@@ -182,6 +202,7 @@ class Checkpointer:
         updated in place. Uncommitted steps are never read.
         """
         _check_app_state(app_state)
+        self.wait()
         step = self.latest_step()
         if step is None:
             return None

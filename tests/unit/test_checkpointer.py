@@ -258,3 +258,18 @@ def test_docstring_examples_of_steps_and_checkpointer_run(module):
         importlib.import_module(module), optionflags=doctest.NORMALIZE_WHITESPACE
     )
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_an_async_checkpointer_stages_then_commits_and_keeps_the_newest(tmp_path):
+    root = str(tmp_path / "run")
+    ckpt = Checkpointer(root, every_steps=1, keep_last=2, async_=True)
+    w = torch.zeros(1 << 16)
+    for step in range(1, 5):
+        w.fill_(step)
+        assert ckpt.save(step, {"model": {"w": w}})
+        w.fill_(-1)  # changed while the save is in flight
+    ckpt.wait()
+    assert [s.step for s in steps.list_steps(root) if s.committed] == [3, 4]
+    fresh = {"model": {"w": torch.empty(1 << 16)}}
+    assert Checkpointer(root).restore_latest(fresh) == 4
+    assert (fresh["model"]["w"] == 4).all()
