@@ -122,6 +122,10 @@ class S3Proxy:
         self._faults: list[str] = []  # queued: "503", "500", "drop", "stall"
         self.always: str | None = None  # a fault for every request, while set
         self.stall_seconds = 5.0  # how long a "stall" holds a request before dropping it
+        self.rate = 0.0  # with random_faults(): the chance that a request gets a random fault
+        self.injected = 0
+        self._rng = None
+        self._kinds: tuple[str, ...] = ()
         self._server = None
         self._thread = None
 
@@ -136,6 +140,15 @@ class S3Proxy:
         with self._lock:
             self._faults += faults
 
+    def random_faults(
+        self, rate: float, *, seed: int, kinds=("503", "500", "drop", "stall")
+    ) -> None:
+        """From now on, each request gets a fault drawn from ``kinds`` with chance ``rate``."""
+        import random
+
+        with self._lock:
+            self.rate, self._rng, self._kinds = rate, random.Random(seed), tuple(kinds)
+
     def requests(self, method: str | None = None) -> list[str]:
         """Paths of the requests made so far, optionally of one method."""
         with self._lock:
@@ -143,7 +156,12 @@ class S3Proxy:
 
     def _next_fault(self) -> str | None:
         with self._lock:
-            return self._faults.pop(0) if self._faults else self.always
+            fault = self._faults.pop(0) if self._faults else self.always
+            if fault is None and self.rate and self._rng.random() < self.rate:
+                fault = self._rng.choice(self._kinds)
+            if fault is not None:
+                self.injected += 1
+            return fault
 
     def _record(self, kind: str, method: str, path: str) -> None:
         with self._lock:
