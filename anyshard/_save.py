@@ -36,8 +36,12 @@ def _is_representative(layout: TensorLayout) -> bool:
     return all(c == 0 for axis, c in layout.coords.items() if axis not in pinned)
 
 
-def _plan_local(state: Any, group) -> tuple[list[tuple[str, torch.Tensor]], dict, dict]:
-    """This rank's shards to write, the tensor entries it reports, and its JSON values."""
+def _plan_local(
+    state: Any, group, *, to_host: bool = True
+) -> tuple[list[tuple[str, torch.Tensor]], dict, dict]:
+    """This rank's shards to write (as contiguous host tensors when ``to_host``; an async save
+    stages them itself, straight from the device), the tensor entries it reports, and its JSON
+    values."""
     writes: list[tuple[str, torch.Tensor]] = []
     entries: dict[str, dict] = {}
     values: dict[str, Any] = {}
@@ -52,7 +56,7 @@ def _plan_local(state: Any, group) -> tuple[list[tuple[str, torch.Tensor]], dict
         layout = layout_of(fqn, value, group, meshes)
         write, part = layout.write_plan(fqn)
         if part is not None:
-            writes.append((fqn, _host(part)))
+            writes.append((fqn, _host(part) if to_host else part))
         if _is_representative(layout):
             entries[fqn] = {
                 "dtype": DTYPE_TO_ST[value.dtype],
@@ -153,7 +157,7 @@ def save(path: str, state_dict: dict[str, Any], *, process_group=None, async_: b
             raise SaveError(
                 f"{path} already holds a committed checkpoint; save to a new path (e.g. the next step)"
             )
-        writes, entries, values = _plan_local(state_dict, process_group)
+        writes, entries, values = _plan_local(state_dict, process_group, to_host=not async_)
         report.update(
             entries=entries, values=values if me == 0 or values else {}, count=len(writes)
         )

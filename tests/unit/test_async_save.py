@@ -48,3 +48,13 @@ def test_a_failure_nobody_waited_for_surfaces_at_the_next_save(tmp_path):
     anyshard.save(path, {"w": torch.zeros(2)}, async_=True)  # will fail: path committed
     with pytest.raises(SaveError, match="already holds"):
         anyshard.save(str(tmp_path / "other"), {"w": torch.ones(2)})
+
+
+def test_an_async_save_of_non_contiguous_and_empty_tensors_is_exact(tmp_path):
+    base = torch.arange(24.0).reshape(4, 6)
+    state = {"t": base.t(), "s": base[:, 1:3], "e": torch.zeros(0, 3), "z": torch.tensor(2.5)}
+    want = {k: v.clone() for k, v in state.items()}
+    anyshard.save(str(tmp_path / "c"), state, async_=True).result()
+    with anyshard.open(str(tmp_path / "c")) as view:
+        for k, v in want.items():
+            assert torch.equal(view.get_tensor(k), v), k
