@@ -80,16 +80,21 @@ def full(v):
     return v.full_tensor() if isinstance(v, DTensor) else v
 
 
-def save_task(layout: str, ckpt: str, truth_dir: str, seed: int) -> int:
-    state = train_state(layout, seed)
-    anyshard.save(ckpt, state)
-    tensors = {k: full(v).contiguous() for k, v in _flat(state) if isinstance(v, torch.Tensor)}
+def _write_truth(tensors: dict, state: dict, truth_dir: str) -> None:
+    """Rank 0 keeps the full tensors (torch's own gather) and the JSON values as the oracle."""
     if dist.get_rank() == 0:
         os.makedirs(truth_dir, exist_ok=True)
         save_file(tensors, os.path.join(truth_dir, "truth.safetensors"))
         others = {k: v for k, v in _flat(state) if not isinstance(v, torch.Tensor)}
         with open(os.path.join(truth_dir, "values.json"), "w") as f:
             json.dump(others, f)
+
+
+def save_task(layout: str, ckpt: str, truth_dir: str, seed: int) -> int:
+    state = train_state(layout, seed)
+    anyshard.save(ckpt, state)
+    tensors = {k: full(v).contiguous() for k, v in _flat(state) if isinstance(v, torch.Tensor)}
+    _write_truth(tensors, state, truth_dir)
     return len(tensors)
 
 
@@ -184,11 +189,6 @@ def async_save_task(ckpt: str, truth_dir: str) -> int:
         if isinstance(v, torch.Tensor):
             (v.to_local() if isinstance(v, DTensor) else v).fill_(-3)
     handle.result()
-    if dist.get_rank() == 0:
-        os.makedirs(truth_dir, exist_ok=True)
-        save_file(tensors, os.path.join(truth_dir, "truth.safetensors"))
-        others = {k: v for k, v in _flat(state) if not isinstance(v, torch.Tensor)}
-        with open(os.path.join(truth_dir, "values.json"), "w") as f:
-            json.dump(others, f)
+    _write_truth(tensors, state, truth_dir)
     dist.barrier()
     return load_check_task("tp4", ckpt, truth_dir, 5)
