@@ -49,8 +49,8 @@ class TensorLayout:
         stored = stored_mapping(fqn, self.hold, self.mesh.axis_sizes, nbytes, self.local.dim())
         part = self.local
         sizes = self.mesh.axis_sizes
-        writers = sum(isinstance(op, Replicate) for op in self.hold.ops)  # the ops resolving them
-        for op in stored.ops[len(stored.ops) - writers :] if writers else ():
+        kept = sum(not isinstance(op, Replicate) for op in self.hold.ops)
+        for op in stored.ops[kept:]:  # the ops that resolve the replicated dims to writers
             if isinstance(op, On) and self.coords[op.axis] != op.index:
                 return stored, None
             if isinstance(op, Chunk):
