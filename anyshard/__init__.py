@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from anyshard import errors
+from anyshard import errors, ucl
 from anyshard._async import SaveHandle
 from anyshard._load import load
 from anyshard._open import CheckpointView, TensorMetadata, TensorSlice
@@ -23,4 +23,5 @@ __all__ = [
     "load",
     "open",
     "save",
+    "ucl",
 ]

@@ -38,12 +38,20 @@ def load(
     process_group=None,
     cast: bool = False,
     threads: int = 8,
+    spec=None,
+    layout: dict[str, int] | None = None,
+    coords: dict[str, int] | None = None,
 ) -> None:
     """Fill ``state_dict`` in place from the checkpoint at ``path``.
 
     Tensors may be DTensors on any mesh with any placements, or plain tensors (filled whole);
     each rank reads only the byte ranges its shards overlap. JSON values are replaced. No
     collective is needed: every rank plans and reads on its own.
+
+    With ``spec`` and ``layout`` (see `save`), ``state_dict`` holds this rank's plain local
+    tensors as the spec describes them under ``layout``, whatever layout (or spec, or none) the
+    checkpoint was saved with; ``coords`` gives the rank's mesh coordinates (default: from its
+    rank in the process group, row-major over the spec's mesh dims).
 
     >>> import torch, anyshard, tempfile
     >>> d = tempfile.mkdtemp() + "/ckpt"
@@ -55,6 +63,11 @@ def load(
     """
     manifest = read_manifest(path)
     flat = flatten_state(state_dict)
+    if spec is not None:
+        _load_spec(
+            path, manifest, flat, spec, layout or {}, coords, process_group, strict, cast, threads
+        )
+        return
     problems = _key_problems(flat, manifest) if strict else []
     fills: list[Fill] = []
     meshes: dict = {}  # device mesh -> what layouts need of it, for this call only
@@ -93,3 +106,23 @@ def load(
     for fqn, leaf in flat.items():
         if fqn in manifest.values:
             leaf.replace(manifest.values[fqn])
+
+
+def _load_spec(path, manifest, flat, spec, layout, coords, group, strict, cast, threads) -> None:
+    from anyshard import _spec
+
+    parsed = _spec.resolve_spec(spec)
+    fills, problems, value_keys = _spec.spec_fills(
+        manifest, flat, parsed, layout, coords, group, strict=strict, cast=cast
+    )
+    for k in value_keys:
+        if k not in manifest.values and strict:
+            problems.append(f"{k}: a JSON value the checkpoint lacks")
+    if problems:
+        raise StateDictMismatchError(
+            f"{path}: the state dict does not match the checkpoint:\n  " + "\n  ".join(problems)
+        )
+    fill_regions(path, manifest, fills, threads=threads)
+    for k in value_keys:
+        if k in manifest.values:
+            flat[k].replace(manifest.values[k])

@@ -11,8 +11,8 @@ from anyshard._read import Fill, fill_regions
 from anyshard.errors import AnyshardError
 from anyshard.format.checkpoint import data_path, read_manifest
 from anyshard.format.datafile import ST_TO_DTYPE, DataFileHeader
+from anyshard.format.stored import stored_shards
 from anyshard.reshard.boxes import Box, Piece, full_box
-from anyshard.ucl.compile import enumerate_shards
 
 __all__ = ["CheckpointView", "StoredShard", "TensorMetadata", "TensorSlice", "open_checkpoint"]
 
@@ -93,13 +93,11 @@ class CheckpointView:
 
     def metadata(self, name: str) -> TensorMetadata:
         entry = self._entry(name)
-        mesh = self.manifest.meshes[entry.mesh]
         shards = []
-        for coords, shard in enumerate_shards(entry.parsed, entry.shape, mesh.axis_sizes):
-            rank = mesh.rank(coords)
-            file = self.manifest.files.get(rank, "")
+        for s in stored_shards(self.manifest, name):
+            file = self.manifest.files.get(s.rank, "")
             shards.append(
-                StoredShard(rank, file, coords, tuple(p.logical_box for p in shard.pieces))
+                StoredShard(s.rank, file, s.coords, tuple(p.logical_box for p in s.shard.pieces))
             )
         return TensorMetadata(
             name, entry.shape, ST_TO_DTYPE[entry.dtype], entry.mapping, tuple(shards)

@@ -11,9 +11,17 @@ from anyshard.errors import CorruptCheckpointError
 from anyshard.format.checkpoint import data_path, read_headers
 from anyshard.format.datafile import ST_TO_DTYPE, DataFileHeader
 from anyshard.format.manifest import Manifest
+from anyshard.format.stored import describe_spec, spec_index, stored_shards
 from anyshard.reshard.boxes import Piece
 from anyshard.reshard.executor import execute_plan
-from anyshard.reshard.planner import ReadPlan, StoredShardInfo, Transfer, match_shards, plan_reads
+from anyshard.reshard.planner import (
+    ReadPlan,
+    StoredShardInfo,
+    Transfer,
+    match_shards,
+    match_sources,
+    plan_reads,
+)
 
 __all__ = ["Fill", "fill_regions"]
 
@@ -38,32 +46,53 @@ def fill_regions(
     """Read what ``fills`` need, only that, and write it into their tensors."""
     transfers: list[Transfer] = []
     shapes: dict[tuple[int, str], tuple[int, ...]] = {}
+    stored_dtype: dict[tuple[int, str], str] = {}
     for i, f in enumerate(fills):
         entry = manifest.tensors[f.fqn]
-        mesh = manifest.meshes[entry.mesh]
-        transfers += match_shards(
-            f.fqn, i, f.pieces, entry.parsed, entry.shape, mesh.axis_sizes, mesh.rank, shapes
-        )
+        if entry.mapping is None:
+            new: dict[tuple[int, str], tuple[int, ...]] = {}
+            transfers += match_sources(
+                f.fqn,
+                i,
+                f.pieces,
+                lambda needed, fqn=f.fqn: (
+                    (s.rank, s.key, s.shard) for s in stored_shards(manifest, fqn, needed)
+                ),
+                new,
+                f"the spec it was saved with ({describe_spec(manifest)})",
+            )
+            index = spec_index(manifest)
+            for key in new:
+                shapes[key] = index.written[key[0]][key[1]].stored_shape
+                stored_dtype[key] = entry.dtype
+        else:
+            mesh = manifest.meshes[entry.mesh]
+            new = {}
+            transfers += match_shards(
+                f.fqn, i, f.pieces, entry.parsed, entry.shape, mesh.axis_sizes, mesh.rank, new
+            )
+            shapes.update(new)
+            stored_dtype.update(dict.fromkeys(new, entry.dtype))
     headers = headers if headers is not None else {}
     missing = {r for r, _ in shapes} - set(headers)
     headers.update(read_headers(path, manifest, missing))
     info: dict[tuple[int, str], StoredShardInfo] = {}
     dtypes: dict[tuple[int, str], torch.dtype] = {}
-    for (rank, fqn), shape in shapes.items():
+    for (rank, key), shape in shapes.items():
         header = headers[rank]
-        stored = header.shards.get(fqn)
-        entry = manifest.tensors[fqn]
-        if stored is None or stored.shape != tuple(shape) or stored.dtype != entry.dtype:
+        stored = header.shards.get(key)
+        want = stored_dtype[(rank, key)]
+        if stored is None or stored.shape != tuple(shape) or stored.dtype != want:
             found = "nothing" if stored is None else f"{stored.dtype} {list(stored.shape)}"
             raise CorruptCheckpointError(
-                f"{header.path}: expected the shard of {fqn!r} as {entry.dtype} {list(shape)}, found {found}; "
+                f"{header.path}: expected the stored tensor {key!r} as {want} {list(shape)}, found {found}; "
                 "the data file does not belong to this manifest"
             )
         dtype = ST_TO_DTYPE[stored.dtype]
-        info[(rank, fqn)] = StoredShardInfo(
+        info[(rank, key)] = StoredShardInfo(
             stored.start, stored.stop, dtype.itemsize, stored.crc32c
         )
-        dtypes[(rank, fqn)] = dtype
+        dtypes[(rank, key)] = dtype
     direct_ok = [
         f.dest.device.type == "cpu"
         and f.dest.is_contiguous()

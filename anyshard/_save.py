@@ -13,7 +13,7 @@ from anyshard._state import flatten_state, json_roundtrip
 from anyshard.errors import AnyshardError, SaveError
 from anyshard.format import storage
 from anyshard.format.datafile import DTYPE_TO_ST, write_datafile
-from anyshard.format.manifest import MANIFEST_NAME, Manifest, MeshEntry, TensorEntry
+from anyshard.format.manifest import MANIFEST_NAME, Manifest, MeshEntry, SpecEntry, TensorEntry
 from anyshard.ucl.mapping import On
 
 __all__ = ["save"]
@@ -67,6 +67,25 @@ def _plan_local(
     return writes, entries, values
 
 
+def _plan_spec(state_dict, spec, layout, coords, group):
+    from anyshard import _spec
+    from anyshard.ucl.evaluate import layout_for
+
+    parsed = _spec.resolve_spec(spec)
+    lay = layout_for(parsed, layout)
+    me = _spec.rank_coords(lay, coords, group)
+    writes, entries, values = _spec.spec_writes(flatten_state(state_dict), parsed, lay, me, group)
+    mesh = _spec.spec_mesh(lay).to_json()
+    for e in entries.values():
+        e["mesh"], e["mapping"] = mesh, None
+    info = {
+        "text": parsed.text or str(parsed),
+        "layout": _spec.layout_json(parsed, lay),
+        "mesh": mesh,
+    }
+    return writes, entries, values, info
+
+
 def _merge(reports: list[dict], path: str) -> Manifest:
     """Rank 0: the manifest from every rank's report; raises SaveError on any failure."""
     failed = [(r, rep["error"]) for r, rep in enumerate(reports) if rep["error"]]
@@ -79,6 +98,15 @@ def _merge(reports: list[dict], path: str) -> Manifest:
     mesh_ids: dict[str, int] = {}
     tensors: dict[str, TensorEntry] = {}
     values: dict[str, Any] = {}
+    spec = None
+    for rep in reports:
+        if rep.get("spec") is not None and spec is None:
+            key = repr(rep["spec"]["mesh"])
+            mesh_ids[key] = len(meshes)
+            meshes.append(MeshEntry.from_json(rep["spec"]["mesh"]))
+            spec = SpecEntry(
+                text=rep["spec"]["text"], layout=rep["spec"]["layout"], mesh=mesh_ids[key]
+            )
     for rep in reports:
         for fqn, e in rep["entries"].items():
             if fqn in tensors:
@@ -100,6 +128,7 @@ def _merge(reports: list[dict], path: str) -> Manifest:
         tensors=dict(sorted(tensors.items())),
         values=dict(sorted(values.items())),
         library=_library(),
+        spec=spec,
     )
     _check_writers(manifest, reports, path)
     return manifest
@@ -129,11 +158,27 @@ def _library() -> str:
     return f"anyshard {__version__}"
 
 
-def save(path: str, state_dict: dict[str, Any], *, process_group=None, async_: bool = False):
+def save(
+    path: str,
+    state_dict: dict[str, Any],
+    *,
+    process_group=None,
+    async_: bool = False,
+    spec=None,
+    layout: dict[str, int] | None = None,
+    coords: dict[str, int] | None = None,
+):
     """Save ``state_dict`` to ``path`` (a directory or URL), collectively over ``process_group``.
 
     Each rank writes the shards it holds into its own safetensors file (replicated regions once,
     spread over their holders); then rank 0 writes ``manifest.json``, the commit.
+
+    With ``spec`` (a UCL spec: text, path, shipped name or `anyshard.ucl.Spec`) and ``layout``
+    (mesh dim sizes and params, e.g. ``{"tp": 2, "pp": 2, "hidden": 4096}``), ``state_dict``
+    holds this rank's plain local tensors as the spec describes them (fused, padded, flattened,
+    locally numbered); each rank writes them as they are and the manifest records the spec. The
+    rank's mesh coordinates come from its rank in row-major order of the spec's mesh dims, or
+    from ``coords``.
 
     With ``async_=True`` it returns a `SaveHandle` as soon as the shards are staged in host
     memory (pinned when CUDA is used): the caller may modify its tensors right away, and the
@@ -157,7 +202,13 @@ def save(path: str, state_dict: dict[str, Any], *, process_group=None, async_: b
             raise SaveError(
                 f"{path} already holds a committed checkpoint; save to a new path (e.g. the next step)"
             )
-        writes, entries, values = _plan_local(state_dict, process_group, to_host=not async_)
+        if spec is not None:
+            writes, entries, values, info = _plan_spec(
+                state_dict, spec, layout or {}, coords, process_group
+            )
+            report["spec"] = info if me == 0 else None
+        else:
+            writes, entries, values = _plan_local(state_dict, process_group, to_host=not async_)
         report.update(
             entries=entries, values=values if me == 0 or values else {}, count=len(writes)
         )
@@ -204,3 +255,97 @@ def _write_and_commit(path: str, writes, report: dict[str, Any], group) -> None:
         raise local_error
     if not outcome["ok"]:
         raise SaveError(outcome["error"])
+
+
+def save_local_states(
+    path: str,
+    states: dict[int, dict[str, Any]],
+    *,
+    spec,
+    layout: dict[str, int],
+) -> None:
+    """Write a checkpoint for a whole layout from one process: ``states[rank]`` holds the local
+    tensors of that rank (row-major over the spec's mesh dims), exactly as if every rank had
+    called `save` with ``spec`` and ``layout``. Every rank of the layout must be given."""
+    from anyshard import _spec
+    from anyshard.ucl.evaluate import coords_of_rank, layout_for
+
+    parsed = _spec.resolve_spec(spec)
+    lay = layout_for(parsed, layout)
+    if sorted(states) != list(range(lay.world_size)):
+        raise AnyshardError(
+            f"save_local_states needs the states of ranks 0..{lay.world_size - 1} of the layout "
+            f"{dict(lay.sizes)}; got ranks {sorted(states)}"
+        )
+    if storage.exists(storage.join(path, MANIFEST_NAME)):
+        raise SaveError(f"{path} already holds a committed checkpoint; save to a new path")
+    flats = {r: flatten_state(s) for r, s in states.items()}
+    averaged = _average_locally(parsed, lay, flats)
+    mesh = _spec.spec_mesh(lay).to_json()
+    reports = []
+    for rank in range(lay.world_size):
+        coords = coords_of_rank(lay.sizes, rank)
+        writes, entries, values = _spec.spec_writes(
+            averaged.get(rank, flats[rank]), parsed, lay, coords, None, distributed=False
+        )
+        for e in entries.values():
+            e["mesh"], e["mapping"] = mesh, None
+        report: dict[str, Any] = {
+            "error": None,
+            "file": None,
+            "count": len(writes),
+            "entries": entries,
+            "values": values,
+            "spec": None,
+        }
+        if rank == 0:
+            report["spec"] = {
+                "text": parsed.text or str(parsed),
+                "layout": _spec.layout_json(parsed, lay),
+                "mesh": mesh,
+            }
+        if writes:
+            storage.makedirs(storage.join(path, DATA_DIR))
+            write_datafile(storage.join(path, *_file_name(rank).split("/")), writes)
+            report["file"] = _file_name(rank)
+        reports.append(report)
+    manifest = _merge(reports, path)
+    try:
+        storage.write_bytes_atomic(
+            storage.join(path, MANIFEST_NAME), manifest.dumps(), exclusive=True
+        )
+    except FileExistsError:
+        raise SaveError(
+            f"{path} already holds a committed checkpoint; save to a new path"
+        ) from None
+
+
+def _average_locally(parsed, lay, flats: dict) -> dict:
+    """``average(axis)`` tensors replaced, in copies of the states, by their mean over ``axis``."""
+    from anyshard._state import Leaf
+    from anyshard.ucl.evaluate import compile, coords_of_rank
+
+    out: dict[int, dict] = {}
+    for rank in flats:
+        coords = coords_of_rank(lay.sizes, rank)
+        for name, t in compile(parsed, lay, coords).items():
+            if not t.average or name not in flats[rank]:
+                continue
+            members = {rank}
+            for axis in t.average:
+                members = {
+                    _rank_at(lay, {**coords_of_rank(lay.sizes, m), axis: i})
+                    for m in members
+                    for i in range(lay.sizes[axis])
+                }
+            values = [flats[m][name].value for m in sorted(members)]
+            mean = torch.stack([v.double() for v in values]).mean(0).to(values[0].dtype)
+            out.setdefault(rank, dict(flats[rank]))[name] = Leaf({}, name, mean)
+    return out
+
+
+def _rank_at(lay, coords: dict[str, int]) -> int:
+    r = 0
+    for d, n in lay.sizes.items():
+        r = r * n + coords[d]
+    return r

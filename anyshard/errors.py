@@ -17,6 +17,9 @@ __all__ = [
     "SaveError",
     "StateDictMismatchError",
     "StorageError",
+    "UCLError",
+    "UCLSemanticError",
+    "UCLSyntaxError",
 ]
 
 
@@ -48,20 +51,46 @@ class MappingError(AnyshardError, ValueError):
     """A mapping expression is well formed but does not fit the tensor or the mesh."""
 
 
-class MappingSyntaxError(MappingError):
-    """A mapping expression could not be parsed; carries ``line``, ``column`` and an excerpt."""
+class UCLError(AnyshardError, ValueError):
+    """A UCL text (spec or mapping) is wrong at a place: carries ``line``, ``column``, ``expected``
+    and ``excerpt`` (the offending line with a caret under the column)."""
 
     def __init__(self, message: str, *, text: str, line: int, column: int, expected: str):
         self.text = text
         self.line = line
         self.column = column
         self.expected = expected
+        self.reason = message
         lines = text.splitlines() or [""]
         src = lines[line - 1] if 0 < line <= len(lines) else ""
         caret = " " * max(column - 1, 0) + "^"
+        self.excerpt = f"{src}\n{caret}"
         super().__init__(
             f"{message} at line {line}, column {column}; expected {expected}:\n  {src}\n  {caret}"
         )
+
+    def __reduce__(self):  # keep the keyword-only constructor picklable across processes
+        return (
+            _rebuild_ucl_error,
+            (type(self), self.reason, self.text, self.line, self.column, self.expected),
+        )
+
+
+def _rebuild_ucl_error(cls, message, text, line, column, expected):
+    return cls(message, text=text, line=line, column=column, expected=expected)
+
+
+class UCLSyntaxError(UCLError):
+    """A UCL text does not follow the grammar."""
+
+
+class UCLSemanticError(UCLError):
+    """A UCL text parses but means nothing valid: an unknown name, a wrong argument, a layout
+    that does not fit."""
+
+
+class MappingSyntaxError(MappingError, UCLSyntaxError):
+    """A mapping expression could not be parsed; carries ``line``, ``column`` and an excerpt."""
 
 
 class LayoutError(AnyshardError, ValueError):

@@ -18,7 +18,15 @@ import numpy as np
 from anyshard.errors import CorruptCheckpointError, FormatVersionError
 from anyshard.ucl.mapping import Mapping, parse_mapping
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST_NAME", "Manifest", "MeshEntry", "TensorEntry"]
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "MANIFEST_NAME",
+    "Manifest",
+    "MeshEntry",
+    "SpecEntry",
+    "TensorEntry",
+]
 
 FORMAT_NAME = "anyshard-checkpoint"
 FORMAT_VERSION = 1
@@ -124,14 +132,18 @@ class TensorEntry:
     dtype: str
     shape: tuple[int, ...]
     mesh: int
-    mapping: str
+    mapping: str | None  # None: the manifest's spec says where the shards are
 
     def __post_init__(self) -> None:
         if any(n < 0 for n in self.shape):
             raise ValueError(f"negative size in shape {self.shape}")
+        if self.mapping is not None and not isinstance(self.mapping, str):
+            raise TypeError(f"mapping {self.mapping!r} is not a string")
 
     @property
     def parsed(self) -> Mapping:
+        if self.mapping is None:
+            raise ValueError("the tensor is stored under the manifest's spec, not a mapping")
         return parse_mapping(self.mapping)
 
     def to_json(self) -> dict[str, Any]:
@@ -147,6 +159,29 @@ class TensorEntry:
         return cls(
             dtype=j["dtype"], shape=tuple(j["shape"]), mesh=int(j["mesh"]), mapping=j["mapping"]
         )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SpecEntry:
+    """The UCL spec a checkpoint was saved under, with its layout (mesh sizes and params).
+
+    Tensors whose entry has no mapping are stored as the spec's local tensors: the rank at each
+    coordinate of the spec's mesh wrote its local tensors, under their local names.
+    """
+
+    text: str
+    layout: dict[str, int]
+    mesh: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"text": self.text, "layout": dict(self.layout), "mesh": self.mesh}
+
+    @classmethod
+    def from_json(cls, j: MappingType[str, Any]) -> SpecEntry:
+        layout = {str(k): int(v) for k, v in j["layout"].items()}
+        if not isinstance(j["text"], str):
+            raise TypeError("spec text is not a string")
+        return cls(text=j["text"], layout=layout, mesh=int(j["mesh"]))
 
 
 def _check_relative(name: str, where: str) -> str:
@@ -175,9 +210,10 @@ class Manifest:
     values: dict[str, Any] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
     library: str = ""
+    spec: SpecEntry | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
             "library": self.library,
@@ -188,13 +224,26 @@ class Manifest:
             "values": self.values,
             "metadata": self.metadata,
         }
+        if self.spec is not None:
+            out["spec"] = self.spec.to_json()
+        return out
 
     def shards_per_rank(self) -> np.ndarray:
         """How many stored shards each rank's data file must hold, in O(tensors + ranks x
         distinct writer patterns): tensors are grouped by mesh and by the coordinates their
         mapping pins (``on()``, or 0 for mesh dims it leaves out)."""
+        if self.spec is not None:
+            from anyshard.format.stored import spec_index
+
+            counts = np.zeros(self.world_size, dtype=np.int64)
+            for rank, names in spec_index(self).written.items():
+                counts[rank] += len(names)
+        else:
+            counts = np.zeros(self.world_size, dtype=np.int64)
         groups: dict[tuple[int, tuple], int] = {}
         for t in self.tensors.values():
+            if t.mapping is None:
+                continue
             mesh = self.meshes[t.mesh]
             ops = t.parsed.ops
             pinned = {op.axis: op.index for op in ops if type(op).__name__ == "On"}
@@ -207,7 +256,6 @@ class Manifest:
                 None if d in free and d not in pinned else pinned.get(d, 0) for d in mesh.dims
             )
             groups[(t.mesh, index)] = groups.get((t.mesh, index), 0) + 1
-        counts = np.zeros(self.world_size, dtype=np.int64)
         grids: dict[int, np.ndarray] = {}
         for (mesh_id, index), n in groups.items():
             grid = grids.setdefault(mesh_id, self.meshes[mesh_id].rank_grid())
@@ -248,6 +296,7 @@ class Manifest:
                 values=j.get("values", {}),
                 metadata=j.get("metadata", {}),
                 library=j.get("library", ""),
+                spec=SpecEntry.from_json(j["spec"]) if j.get("spec") is not None else None,
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             if isinstance(e, CorruptCheckpointError):
@@ -263,7 +312,34 @@ def _check_tensors(manifest: Manifest, where: str) -> None:
     """Each tensor entry names a known dtype, an existing mesh, and a mapping over that mesh."""
     from anyshard.format.datafile import ST_TO_DTYPE
 
+    if manifest.spec is not None:
+        from anyshard.errors import UCLError
+        from anyshard.format.stored import spec_index
+
+        if not 0 <= manifest.spec.mesh < len(manifest.meshes):
+            raise CorruptCheckpointError(
+                f"{where}: the spec's mesh {manifest.spec.mesh} does not exist"
+            )
+        try:
+            spec_index(manifest)
+        except (UCLError, ValueError) as e:
+            raise CorruptCheckpointError(
+                f"{where}: the manifest's spec does not compile for its layout ({e})"
+            ) from None
     for fqn, t in manifest.tensors.items():
+        if t.mapping is None:
+            if manifest.spec is None:
+                why = "it has no mapping and the manifest has no spec"
+            elif fqn not in spec_index(manifest).sources:
+                why = "the spec stores no shard of it"
+            elif t.dtype not in ST_TO_DTYPE:
+                why = f"dtype {t.dtype!r} is not one of {', '.join(sorted(ST_TO_DTYPE))}"
+            else:
+                continue
+            raise CorruptCheckpointError(
+                f"{where}: the entry of tensor {fqn!r} is malformed: {why}; the manifest is corrupt "
+                "or was written by an incompatible tool"
+            )
         if t.dtype not in ST_TO_DTYPE:
             why = f"dtype {t.dtype!r} is not one of {', '.join(sorted(ST_TO_DTYPE))}"
         elif not 0 <= t.mesh < len(manifest.meshes):

@@ -9,8 +9,8 @@ from anyshard.errors import ChecksumError, CorruptCheckpointError
 from anyshard.format import storage
 from anyshard.format.checkpoint import data_path, read_headers, read_manifest
 from anyshard.format.checksum import crc32c
+from anyshard.format.stored import describe_spec, stored_shards
 from anyshard.reshard.boxes import box_numel, intersect
-from anyshard.ucl.compile import enumerate_shards
 
 __all__ = ["VerifyReport", "verify_checkpoint"]
 
@@ -25,12 +25,12 @@ class VerifyReport:
     bytes_checked: int
 
 
-def _coverage(fqn: str, entry, mesh) -> Iterator[tuple[int, tuple[int, ...]]]:
-    """(rank, shard shape) of every stored shard; raises if they do not cover the tensor once."""
+def _coverage(manifest, fqn: str, entry) -> Iterator[tuple[int, str, tuple[int, ...]]]:
+    """(rank, key, shape) of every stored shard; raises if they do not cover the tensor once."""
     boxes = []
-    for coords, shard in enumerate_shards(entry.parsed, entry.shape, mesh.axis_sizes):
-        boxes += [p.logical_box for p in shard.pieces if box_numel(p.logical_box)]
-        yield mesh.rank(coords), shard.shape
+    for s in stored_shards(manifest, fqn):
+        boxes += [p.logical_box for p in s.shard.pieces if box_numel(p.logical_box)]
+        yield s.rank, s.key, s.shard.shape
     total = sum(box_numel(b) for b in boxes)
     want = 1
     for n in entry.shape:
@@ -41,7 +41,8 @@ def _coverage(fqn: str, entry, mesh) -> Iterator[tuple[int, tuple[int, ...]]]:
     )
     if overlap:
         raise CorruptCheckpointError(
-            f"{fqn}: stored shards hold {total} elements of {want} (mapping {entry.mapping!r}); "
+            f"{fqn}: stored shards hold {total} elements of {want} "
+            f"({'mapping ' + repr(entry.mapping) if entry.mapping else describe_spec(manifest)}); "
             "the tensor is not covered exactly once"
         )
 
@@ -52,9 +53,11 @@ def verify_checkpoint(
     """Re-read every stored shard of the checkpoint at ``path``; raise on the first problem."""
     manifest = read_manifest(path)
     wanted: dict[int, dict[str, tuple[int, ...]]] = {}
+    dtypes: dict[tuple[int, str], str] = {}
     for fqn, entry in manifest.tensors.items():
-        for rank, shape in _coverage(fqn, entry, manifest.meshes[entry.mesh]):
-            wanted.setdefault(rank, {})[fqn] = tuple(shape)
+        for rank, key, shape in _coverage(manifest, fqn, entry):
+            wanted.setdefault(rank, {})[key] = tuple(shape)
+            dtypes[(rank, key)] = entry.dtype
     headers = read_headers(path, manifest, wanted)
     total = sum(s.stop - s.start for h in headers.values() for s in h.shards.values())
     done = shards = 0
@@ -64,7 +67,7 @@ def verify_checkpoint(
         with storage.FileReader(file) as reader:
             for fqn, shape in sorted(wanted[rank].items()):
                 s = header.shards.get(fqn)
-                if s is None or s.shape != shape or s.dtype != manifest.tensors[fqn].dtype:
+                if s is None or s.shape != shape or s.dtype != dtypes[(rank, fqn)]:
                     raise CorruptCheckpointError(
                         f"{file}: the shard of {fqn!r} is missing or has the wrong shape/dtype"
                     )

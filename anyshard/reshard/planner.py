@@ -6,7 +6,7 @@ Pure: shapes, mappings and file headers in; plans out. No I/O, no torch.distribu
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from collections.abc import Mapping as MappingType
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -14,9 +14,9 @@ from typing import NamedTuple
 import numpy as np
 
 from anyshard.errors import CorruptCheckpointError
-from anyshard.reshard.boxes import Piece, box_numel, box_shape, intersect
+from anyshard.reshard.boxes import Box, Piece, box_numel, box_shape, intersect
 from anyshard.reshard.runs import contiguous_from, piece_offsets, unit_length_dim
-from anyshard.ucl.compile import enumerate_shards
+from anyshard.ucl.compile import Shard, enumerate_shards
 from anyshard.ucl.mapping import Mapping
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "StoredShardInfo",
     "Transfer",
     "match_shards",
+    "match_sources",
     "plan_reads",
 ]
 
@@ -37,8 +38,11 @@ MiB = 1 << 20
 
 @dataclass(frozen=True, slots=True)
 class Transfer:
-    """Copy ``src`` (a piece of the stored shard of ``fqn`` in ``rank``'s file) to ``dst``
-    (a piece of target tensor number ``target``); both hold the same logical box."""
+    """Copy ``src`` (a piece of the stored tensor ``fqn`` in ``rank``'s file) to ``dst``
+    (a piece of target tensor number ``target``); both hold the same logical box.
+
+    ``fqn`` is the key the shard is stored under: the logical name, or under a spec the local
+    name of the tensor that rank saved."""
 
     fqn: str
     target: int
@@ -134,26 +138,54 @@ def match_shards(
     Raises `CorruptCheckpointError` when the stored shards do not cover the target exactly once.
     ``shard_shapes``, when given, receives the shape of every stored shard used, by (rank, fqn).
     """
+
+    def sources(needed: Box):
+        for coords, shard in enumerate_shards(mapping, shape, sizes, needed=needed):
+            yield rank_of(coords), fqn, shard
+
+    return match_sources(
+        fqn,
+        target,
+        target_pieces,
+        sources,
+        shard_shapes,
+        f"the manifest's mapping {str(mapping)!r}",
+    )
+
+
+def match_sources(
+    fqn: str,
+    target: int,
+    target_pieces: Sequence[Piece],
+    sources: Callable[[Box], Iterable[tuple[int, str, Shard]]],
+    shard_shapes: dict[tuple[int, str], tuple[int, ...]] | None = None,
+    described_by: str = "the manifest",
+) -> list[Transfer]:
+    """Transfers that fill ``target_pieces`` (regions of logical tensor ``fqn``) from the stored
+    shards ``sources(needed_box)`` gives as ``(rank, stored key, shard)``.
+
+    Raises `CorruptCheckpointError` when they do not cover the target exactly once.
+    ``shard_shapes``, when given, receives the shape of every stored shard used, by (rank, key).
+    """
     out: list[Transfer] = []
     for tp in target_pieces:
         if box_numel(tp.logical_box) == 0:
             continue
         got = 0
-        for coords, shard in enumerate_shards(mapping, shape, sizes, needed=tp.logical_box):
-            rank = rank_of(coords)
+        for rank, key, shard in sources(tp.logical_box):
             if shard_shapes is not None:
-                shard_shapes[(rank, fqn)] = shard.shape
+                shard_shapes[(rank, key)] = shard.shape
             for sp in shard.pieces:
                 x = intersect(sp.logical_box, tp.logical_box)
                 if x is None:
                     continue
-                out.append(Transfer(fqn, target, rank, sp.restrict(x), tp.restrict(x)))
+                out.append(Transfer(key, target, rank, sp.restrict(x), tp.restrict(x)))
                 got += box_numel(x)
         need = box_numel(tp.logical_box)
         if got != need:
             raise CorruptCheckpointError(
                 f"{fqn}: the stored shards hold {got} of the {need} elements of region "
-                f"{list(tp.logical_box)}; the manifest's mapping {str(mapping)!r} does not cover the tensor exactly once"
+                f"{list(tp.logical_box)}; {described_by} does not cover the tensor exactly once"
             )
     return out
 

@@ -1,0 +1,275 @@
+"""Saving and loading plain local tensors that a UCL spec describes (``spec=``, ``layout=``)."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from anyshard import _collectives as coll
+from anyshard._read import Fill
+from anyshard._state import Leaf, json_roundtrip
+from anyshard.errors import AnyshardError, LayoutError, StateDictMismatchError
+from anyshard.format.datafile import DTYPE_TO_ST, ST_TO_DTYPE
+from anyshard.format.manifest import Manifest, MeshEntry
+from anyshard.ucl.evaluate import (
+    Layout,
+    LocalTensor,
+    all_coords,
+    compile,
+    coords_of_rank,
+    layout_for,
+)
+from anyshard.ucl.spec import Spec, parse
+
+__all__ = ["resolve_spec", "shipped_specs", "spec_fills", "spec_writes"]
+
+SPEC_DIR = Path(__file__).parent / "ucl" / "specs"
+
+
+def shipped_specs() -> list[str]:
+    """Names of the specs shipped with anyshard (``anyshard/ucl/specs/*.ucl``)."""
+    return sorted(p.stem for p in SPEC_DIR.glob("*.ucl"))
+
+
+def resolve_spec(spec: Spec | str | Path) -> Spec:
+    """A `Spec` from a parsed spec, a spec's text, a path to a ``.ucl`` file, or the name of a
+    shipped spec (``"megatron_gpt"``)."""
+    if isinstance(spec, Spec):
+        return spec
+    if isinstance(spec, Path):
+        return parse(spec.read_text())
+    if not isinstance(spec, str):
+        raise TypeError(f"spec must be a Spec, a text, a path or a name, not {type(spec).__name__}")
+    if "\n" in spec or ";" in spec:
+        return parse(spec)
+    if spec in shipped_specs():
+        return parse((SPEC_DIR / f"{spec}.ucl").read_text())
+    p = Path(spec)
+    if p.is_file():
+        return parse(p.read_text())
+    raise AnyshardError(
+        f"spec {spec!r} is neither a file nor a shipped spec ({', '.join(shipped_specs())}) "
+        "nor spec text"
+    )
+
+
+def layout_json(spec: Spec, lay: Layout) -> dict[str, int]:
+    """The layout as a checkpoint records it: every mesh dim's size and every param's value."""
+    out = dict(lay.sizes)
+    for p in spec.params:
+        out[p.name] = lay.values[p.name]
+    return out
+
+
+def spec_mesh(lay: Layout) -> MeshEntry:
+    """Ranks in row-major order of the spec's mesh dims (the last varies fastest)."""
+    sizes = tuple(lay.sizes.values())
+    strides = []
+    step = 1
+    for n in reversed(sizes):
+        strides.append(step if n > 1 else 0)
+        step *= n
+    return MeshEntry(dims=tuple(lay.sizes), sizes=sizes, offset=0, strides=tuple(reversed(strides)))
+
+
+def rank_coords(lay: Layout, coords: Mapping[str, int] | None, group) -> dict[str, int]:
+    """This rank's mesh coordinates: given, or from its rank in ``group`` (row-major)."""
+    world = coll.world_size(group)
+    if lay.world_size != world and (coords is None or coll.active(group)):
+        raise LayoutError(
+            f"the layout {dict(lay.sizes)} has {lay.world_size} rank(s) but the process group has "
+            f"{world}; launch {lay.world_size} processes, or write every rank's tensors from one "
+            "process with anyshard.ucl.save_local_states"
+        )
+    if coords is not None:
+        out = {d: int(coords.get(d, 0)) for d in lay.sizes}
+        unknown = set(coords) - set(lay.sizes)
+        if unknown:
+            raise LayoutError(f"coordinates for {sorted(unknown)}, not mesh dims of the spec")
+        return out
+    return coords_of_rank(lay.sizes, coll.rank(group))
+
+
+def _suggest(name: str, value: torch.Tensor, locals_: dict[str, LocalTensor]) -> str:
+    close = difflib.get_close_matches(name, list(locals_), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    shape = ", ".join(str(n) for n in value.shape)
+    return (
+        f"{name}: no rule of the spec gives this local tensor under this layout{hint}; "
+        f'add a rule, e.g.  "{name}" -> "{name}" [{shape}] : <mapping>;'
+    )
+
+
+def _match(
+    flat: dict[str, Leaf], locals_: dict[str, LocalTensor], strict: bool
+) -> tuple[list[tuple[str, torch.Tensor, LocalTensor]], dict[str, Leaf], list[str]]:
+    """Pair the state's tensors with the spec's local tensors; JSON values pass through."""
+    pairs, values, problems = [], {}, []
+    for name, leaf in sorted(flat.items()):
+        v = leaf.value
+        if not isinstance(v, torch.Tensor):
+            values[name] = leaf
+            continue
+        t = locals_.get(name)
+        if t is None:
+            problems.append(_suggest(name, v, locals_))
+            continue
+        if tuple(v.shape) != t.shape:
+            problems.append(
+                f"{name}: local shape {list(v.shape)} in the state dict, but the spec gives "
+                f"{list(t.shape)} under this layout (rule at line {t.rule.line})"
+            )
+            continue
+        pairs.append((name, v, t))
+    if strict:
+        missing = sorted(set(locals_) - set(flat))
+        if missing:
+            problems.append(
+                f"the spec gives {len(missing)} local tensor(s) that the state dict lacks: "
+                + ", ".join(missing)
+            )
+    return pairs, values, problems
+
+
+def _average(
+    name: str, value: torch.Tensor, t: LocalTensor, lay: Layout, me, group
+) -> torch.Tensor:
+    out = value.detach().clone()
+    for axis in t.average:
+        g = axis_group(lay, axis, me, group)
+        if g is not None:
+            out = out.float() if not out.is_floating_point() else out
+            dist.all_reduce(out, group=g)
+            out /= lay.sizes[axis]
+    return out.to(value.dtype)
+
+
+_GROUPS: dict[tuple, Any] = {}
+
+
+def axis_group(lay: Layout, axis: str, coords: Mapping[str, int], group):
+    """The process group of the ranks that differ from ``coords`` only along ``axis``.
+
+    Collective: every rank of ``group`` creates every such group, in the same order.
+    """
+    if not coll.active(group) or lay.sizes[axis] == 1:
+        return None
+    key = (tuple(lay.sizes.items()), axis, id(group))
+    if key not in _GROUPS:
+        mesh = spec_mesh(lay)
+        made = {}
+        others = {d: n for d, n in lay.sizes.items() if d != axis}
+        for c in all_coords(others):
+            members = [mesh.rank({**c, axis: i}) for i in range(lay.sizes[axis])]
+            ranks = [dist.get_global_rank(group, r) if group is not None else r for r in members]
+            made[tuple(sorted(c.items()))] = dist.new_group(ranks)
+        _GROUPS[key] = made
+    mine = tuple(sorted((d, v) for d, v in coords.items() if d != axis))
+    return _GROUPS[key][mine]
+
+
+def spec_writes(
+    state_flat: dict[str, Leaf],
+    spec: Spec,
+    lay: Layout,
+    coords: Mapping[str, int],
+    group,
+    *,
+    distributed: bool = True,
+) -> tuple[list[tuple[str, torch.Tensor]], dict[str, dict], dict[str, Any]]:
+    """What this rank writes (local name, tensor as stored), the logical tensors it reports
+    (name -> dtype, shape), and its JSON values."""
+    locals_ = compile(spec, lay, coords)
+    pairs, values, problems = _match(state_flat, locals_, strict=True)
+    if problems:
+        raise StateDictMismatchError(
+            "the state dict does not match the spec:\n  " + "\n  ".join(problems)
+        )
+    writes: list[tuple[str, torch.Tensor]] = []
+    entries: dict[str, dict] = {}
+    if distributed and any(t.average for t in locals_.values()):
+        for axis in dict.fromkeys(a for t in locals_.values() for a in t.average):
+            axis_group(lay, axis, coords, group)
+    for name, value, t in pairs:
+        if value.dtype not in DTYPE_TO_ST:
+            raise AnyshardError(f"{name}: dtype {value.dtype} cannot be stored in safetensors")
+        stored = value
+        if t.average and distributed:
+            stored = _average(name, stored, t, lay, coords, group)
+        if t.transpose is not None:
+            stored = stored.transpose(*t.transpose)
+        if t.dtype is not None:
+            stored = stored.to(ST_TO_DTYPE[t.dtype])
+        code = DTYPE_TO_ST[stored.dtype]
+        for part in t.parts:
+            if part.primary and not t.alias:
+                entries[part.logical] = {"dtype": code, "shape": list(part.logical_shape)}
+        if t.written:
+            if stored.device.type != "cpu":
+                stored = stored.to("cpu")
+            writes.append((name, stored.contiguous()))
+    return writes, entries, {k: json_roundtrip(leaf.value) for k, leaf in values.items()}
+
+
+def spec_fills(
+    manifest: Manifest,
+    flat: dict[str, Leaf],
+    spec: Spec,
+    layout: Mapping[str, int],
+    coords: Mapping[str, int] | None,
+    group,
+    *,
+    strict: bool,
+    cast: bool,
+) -> tuple[list[Fill], list[str], list[str]]:
+    """Fills for the local tensors of ``flat`` under ``spec`` at ``layout``; with the problems
+    found and the JSON value keys."""
+    lay = layout_for(spec, layout)
+    me = rank_coords(lay, coords, group)
+    locals_ = compile(spec, lay, me)
+    pairs, values, problems = _match(flat, locals_, strict)
+    fills: list[Fill] = []
+    for name, value, t in pairs:
+        if not value.is_contiguous():
+            problems.append(f"{name}: the local tensor is not contiguous; pass contiguous tensors")
+            continue
+        dest = value.transpose(*t.transpose) if t.transpose is not None else value
+        for part in t.parts:
+            entry = manifest.tensors.get(part.logical)
+            if entry is None:
+                if strict:
+                    problems.append(
+                        f"{name}: holds logical tensor {part.logical!r}, which the checkpoint lacks"
+                    )
+                continue
+            if entry.shape != part.logical_shape:
+                problems.append(
+                    f"{name}: logical tensor {part.logical!r} has shape {list(entry.shape)} in the "
+                    f"checkpoint, {list(part.logical_shape)} under this spec and layout"
+                )
+                continue
+            stored = ST_TO_DTYPE[entry.dtype]
+            if value.dtype != stored and not cast and t.dtype is None:
+                problems.append(
+                    f"{name}: dtype {value.dtype}, but {part.logical!r} is {stored} in the "
+                    "checkpoint (pass cast=True to convert, or add cast() to the rule)"
+                )
+                continue
+            fills.append(Fill(part.logical, dest, part.shard.pieces))
+    if strict:
+        wanted = set()
+        for c in all_coords(lay.sizes):
+            for t in compile(spec, lay, c).values():
+                wanted.update(p.logical for p in t.parts)
+        extra = sorted(set(manifest.tensors) - wanted)
+        if extra:
+            problems.append(
+                f"in the checkpoint but held by no rank under this spec and layout ({len(extra)}): "
+                + ", ".join(extra)
+            )
+    return fills, problems, sorted(values)

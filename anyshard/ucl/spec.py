@@ -1,0 +1,751 @@
+"""UCL specs: the typed syntax tree, the parser and the printer.
+
+A spec describes every local tensor of a model family under a layout::
+
+    mesh pp, dp, tp;
+    param hidden, ffn, layers;
+    let lps = layers / pp;
+    "layers.{i:int}.mlp.w2.weight" for i in range(lps)
+        -> "layers.{rank(pp) * lps + i}.mlp.w2.weight" [hidden, ffn] : chunk(1, tp) | replicate(dp);
+
+`parse` gives a `Spec`; ``str(spec)`` gives text that parses back to an equal `Spec`. Static
+checks (names, argument kinds, captures) run at parse time; checks that need the layout's numbers
+run in `anyshard.ucl.compile`. Both raise errors carrying line, column and what was expected.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import lark
+
+from anyshard.errors import UCLSemanticError, UCLSyntaxError
+
+__all__ = [
+    "And",
+    "BinOp",
+    "Call",
+    "Capture",
+    "Combine",
+    "Compare",
+    "Group",
+    "KwArg",
+    "Let",
+    "ListArg",
+    "Loop",
+    "MeshDecl",
+    "Neg",
+    "Not",
+    "Num",
+    "OpCall",
+    "Or",
+    "Param",
+    "ParamDecl",
+    "Part",
+    "Pattern",
+    "Rule",
+    "Spec",
+    "Template",
+    "Var",
+    "parse",
+]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Node:
+    line: int = field(default=0, compare=False, repr=False)
+    column: int = field(default=0, compare=False, repr=False)
+
+
+# --- expressions --------------------------------------------------------------------------------
+
+_PREC = {"+": 1, "-": 1, "*": 2, "/": 2, "//": 2, "%": 2}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Num(Node):
+    value: int
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Var(Node):
+    """A param, a ``let``, a loop variable, or a mesh dim (its size)."""
+
+    name: str
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Call(Node):
+    """``rank(axis)``, ``min``, ``max``, ``cdiv(a, b)`` (ceil division), ``round_up(a, m)``."""
+
+    fn: str
+    args: tuple[Expr, ...]
+
+    def __str__(self) -> str:
+        return f"{self.fn}({', '.join(map(str, self.args))})"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BinOp(Node):
+    """``+ - *``; ``/`` exact division (an error when it leaves a remainder); ``//`` floor; ``%``."""
+
+    op: str
+    left: Expr
+    right: Expr
+
+    def __str__(self) -> str:
+        p = _PREC[self.op]
+        left = _wrap(self.left, _prec(self.left) < p)
+        right = _wrap(self.right, _prec(self.right) <= p)
+        return f"{left} {self.op} {right}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Neg(Node):
+    operand: Expr
+
+    def __str__(self) -> str:
+        return f"-{_wrap(self.operand, _prec(self.operand) < 3)}"
+
+
+Expr = Num | Var | Call | BinOp | Neg
+
+
+def _prec(e: Expr) -> int:
+    if isinstance(e, BinOp):
+        return _PREC[e.op]
+    return 3 if isinstance(e, Neg) else 4
+
+
+def _wrap(e: Expr, paren: bool) -> str:
+    return f"({e})" if paren else str(e)
+
+
+# --- conditions ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Compare(Node):
+    op: str
+    left: Expr
+    right: Expr
+
+    def __str__(self) -> str:
+        return f"{self.left} {self.op} {self.right}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Not(Node):
+    operand: Cond
+
+    def __str__(self) -> str:
+        return f"not {self.operand}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class And(Node):
+    left: Cond
+    right: Cond
+
+    def __str__(self) -> str:
+        return f"{self.left} and {self.right}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Or(Node):
+    left: Cond
+    right: Cond
+
+    def __str__(self) -> str:
+        return f"{self.left} or {self.right}"
+
+
+Cond = Compare | Not | And | Or
+
+
+# --- names --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Capture(Node):
+    """``{name:int}`` in a local-name pattern."""
+
+    name: str
+    type: str = "int"
+
+    def __str__(self) -> str:
+        return f"{{{self.name}:{self.type}}}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Pattern(Node):
+    """A local tensor name with typed captures: ``"layers.{i:int}.attention.wqkv.weight"``."""
+
+    parts: tuple[str | Capture, ...]
+
+    def __str__(self) -> str:
+        return '"' + "".join(str(p) for p in self.parts) + '"'
+
+    @property
+    def captures(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.parts if isinstance(p, Capture))
+
+    def regex(self) -> re.Pattern:
+        out = []
+        for p in self.parts:
+            out.append(f"(?P<{p.name}>0|[1-9][0-9]*)" if isinstance(p, Capture) else re.escape(p))
+        return re.compile("".join(out))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Template(Node):
+    """A logical tensor name computed from captures: ``"layers.{rank(pp) * lps + i}.w"``."""
+
+    parts: tuple[str | Expr, ...]
+
+    def __str__(self) -> str:
+        return '"' + "".join(p if isinstance(p, str) else f"{{{p}}}" for p in self.parts) + '"'
+
+
+# --- mappings -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KwArg(Node):
+    name: str
+    value: Expr
+
+    def __str__(self) -> str:
+        return f"{self.name}={self.value}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ListArg(Node):
+    items: tuple[Expr, ...]
+
+    def __str__(self) -> str:
+        return f"[{', '.join(map(str, self.items))}]"
+
+
+Arg = Num | Var | Call | BinOp | Neg | KwArg | ListArg
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OpCall(Node):
+    """A mapping primitive applied to the tensor so far: ``chunk(0, tp)``, ``pad(0, 1024)``."""
+
+    name: str
+    args: tuple[Arg, ...]
+
+    def __str__(self) -> str:
+        return f"{self.name}({', '.join(map(str, self.args))})"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Loop(Node):
+    var: str
+    count: Expr
+
+    def __str__(self) -> str:
+        return f"{self.var} in range({self.count})"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Part(Node):
+    """A logical tensor, its global shape, and the mapping that takes it to (part of) the local
+    tensor; ``when`` (inside a combinator) makes the part conditional."""
+
+    name: Template
+    shape: tuple[Expr, ...]
+    ops: tuple[OpCall, ...] = ()
+    when: Cond | None = None
+
+    def __str__(self) -> str:
+        s = f"{self.name} [{', '.join(map(str, self.shape))}]"
+        if self.ops:
+            s += " : " + " | ".join(map(str, self.ops))
+        if self.when is not None:
+            s += f" when {self.when}"
+        return s
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Group(Node):
+    """``for j in range(n) { items }`` or ``when cond { items }`` inside a combinator."""
+
+    items: tuple[Part | Group, ...]
+    loop: Loop | None = None
+    when: Cond | None = None
+
+    def __str__(self) -> str:
+        head = f"for {self.loop}" if self.loop is not None else f"when {self.when}"
+        return f"{head} {{ {', '.join(map(str, self.items))} }}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Combine(Node):
+    """``fuse(dim, parts...)``, ``interleave(dim, [block, ...], parts...)`` or
+    ``bucket(align=a, multiple=m, parts...)``: one local tensor holding several logical ones."""
+
+    kind: str
+    args: tuple[Arg | Part | Group, ...]
+
+    def __str__(self) -> str:
+        return f"{self.kind}({', '.join(map(str, self.args))})"
+
+    @property
+    def items(self) -> tuple[Part | Group, ...]:
+        return tuple(a for a in self.args if isinstance(a, (Part, Group)))
+
+    @property
+    def params(self) -> tuple[Arg, ...]:
+        return tuple(a for a in self.args if not isinstance(a, (Part, Group)))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Rule(Node):
+    """``[alias] PATTERN [for ...] [when ...] -> SOURCE [| op ...];``"""
+
+    pattern: Pattern
+    source: Part | Combine
+    ops: tuple[OpCall, ...] = ()
+    loops: tuple[Loop, ...] = ()
+    when: Cond | None = None
+    alias: bool = False
+
+    def __str__(self) -> str:
+        s = "alias " if self.alias else ""
+        s += str(self.pattern)
+        if self.loops:
+            s += " for " + ", ".join(map(str, self.loops))
+        if self.when is not None:
+            s += f" when {self.when}"
+        body = str(self.source)
+        if self.ops:
+            body += " | " + " | ".join(map(str, self.ops))
+        return f"{s}\n    -> {body};"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MeshDecl(Node):
+    dims: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return f"mesh {', '.join(self.dims)};"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Param(Node):
+    name: str
+    default: Expr | None = None
+
+    def __str__(self) -> str:
+        return self.name if self.default is None else f"{self.name} = {self.default}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParamDecl(Node):
+    params: tuple[Param, ...]
+
+    def __str__(self) -> str:
+        return f"param {', '.join(map(str, self.params))};"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Let(Node):
+    name: str
+    expr: Expr
+
+    def __str__(self) -> str:
+        return f"let {self.name} = {self.expr};"
+
+
+Statement = MeshDecl | ParamDecl | Let | Rule
+
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    """A parsed spec. ``str()`` gives text that parses back to an equal `Spec`."""
+
+    statements: tuple[Statement, ...]
+    text: str = field(default="", compare=False, repr=False)
+
+    def __str__(self) -> str:
+        return "\n".join(map(str, self.statements)) + "\n"
+
+    @property
+    def mesh(self) -> tuple[str, ...]:
+        return tuple(d for s in self.statements if isinstance(s, MeshDecl) for d in s.dims)
+
+    @property
+    def params(self) -> tuple[Param, ...]:
+        return tuple(p for s in self.statements if isinstance(s, ParamDecl) for p in s.params)
+
+    @property
+    def lets(self) -> tuple[Let, ...]:
+        return tuple(s for s in self.statements if isinstance(s, Let))
+
+    @property
+    def rules(self) -> tuple[Rule, ...]:
+        return tuple(s for s in self.statements if isinstance(s, Rule))
+
+
+# --- parsing ------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _parser() -> lark.Lark:
+    grammar = (Path(__file__).parent / "spec.lark").read_text()
+    return lark.Lark(
+        grammar, parser="lalr", start=["start", "expr"], propagate_positions=True, strict=False
+    )
+
+
+_WORDS = {
+    "NAME": "a name",
+    "INT": "an integer",
+    "STRING": 'a quoted name ("...")',
+    "$END": "the end of the spec",
+    "COMBINER": "fuse(, interleave( or bucket(",
+    "CMP": "a comparison (==, !=, <, <=, >, >=)",
+    "MULOP": "*, /, // or %",
+    "ALIAS": "alias",
+}
+
+
+def _describe(terminals) -> str:
+    literals = {
+        t.name: t.pattern.value
+        for t in _parser().terminals
+        if isinstance(t.pattern, lark.lexer.PatternStr)
+    }
+    words = {_WORDS.get(n) or (repr(literals[n]) if n in literals else n) for n in terminals}
+    return ", ".join(sorted(words))
+
+
+def _syntax_error(e: lark.exceptions.UnexpectedInput, text: str, line0=0, col0=0) -> UCLSyntaxError:
+    expected = getattr(e, "expected", None) or getattr(e, "allowed", None) or []
+    line, column = e.line, e.column
+    what = "unexpected input"
+    token = getattr(e, "token", None)
+    if token is not None and token.type == "$END":
+        line, column = token.end_line or line, token.end_column or column
+        what = "unexpected end of input"
+    elif token is not None:
+        what = f"unexpected {token!s:.30}"
+    elif isinstance(e, lark.exceptions.UnexpectedCharacters):
+        what = f"unexpected character {e.char!r}"
+    line = line if line and line > 0 else 1
+    column = column if column and column > 0 else 1
+    if line0:
+        line, column = line0 + line - 1, (col0 + column - 1 if line == 1 else column)
+    return UCLSyntaxError(
+        what, text=text, line=line, column=column, expected=_describe(expected) or "a statement"
+    )
+
+
+class _Builder:
+    def __init__(self, text: str):
+        self.text = text
+
+    def error(self, node, message: str, expected: str) -> UCLSemanticError:
+        return UCLSemanticError(
+            message,
+            text=self.text,
+            line=getattr(node, "line", 1) or 1,
+            column=getattr(node, "column", 1) or 1,
+            expected=expected,
+        )
+
+    @staticmethod
+    def pos(tree_or_token) -> dict[str, int]:
+        if isinstance(tree_or_token, lark.Token):
+            return {"line": tree_or_token.line, "column": tree_or_token.column}
+        meta = tree_or_token.meta
+        if getattr(meta, "empty", True):
+            return {"line": 0, "column": 0}
+        return {"line": meta.line, "column": meta.column}
+
+    # expressions
+    def expr(self, t) -> Expr:
+        if isinstance(t, lark.Token):
+            raise AssertionError(t)
+        k = t.data
+        if k == "num":
+            return Num(value=int(t.children[0]), **self.pos(t))
+        if k == "var":
+            return Var(name=str(t.children[0]), **self.pos(t))
+        if k == "call":
+            fn, *args = t.children
+            return Call(
+                fn=str(fn), args=tuple(self.expr(a) for a in args if a is not None), **self.pos(t)
+            )
+        if k == "binop":
+            left, op, right = t.children
+            return BinOp(op=str(op), left=self.expr(left), right=self.expr(right), **self.pos(op))
+        if k == "neg":
+            return Neg(operand=self.expr(t.children[1]), **self.pos(t))
+        raise AssertionError(k)
+
+    def cond(self, t) -> Cond:
+        k = t.data
+        if k == "compare":
+            left, op, right = t.children
+            return Compare(op=str(op), left=self.expr(left), right=self.expr(right), **self.pos(t))
+        if k == "not_":
+            return Not(operand=self.cond(t.children[0]), **self.pos(t))
+        if k == "and_":
+            return And(left=self.cond(t.children[0]), right=self.cond(t.children[1]), **self.pos(t))
+        if k == "or_":
+            return Or(left=self.cond(t.children[0]), right=self.cond(t.children[1]), **self.pos(t))
+        raise AssertionError(k)
+
+    def arg(self, t) -> Arg:
+        if t.data == "kwarg":
+            name, value = t.children
+            return KwArg(name=str(name), value=self.expr(value), **self.pos(t))
+        if t.data == "list_arg":
+            return ListArg(
+                items=tuple(self.expr(c) for c in t.children if c is not None), **self.pos(t)
+            )
+        return self.expr(t)
+
+    def op(self, t) -> OpCall:
+        name, *args = t.children
+        return OpCall(
+            name=str(name), args=tuple(self.arg(a) for a in args if a is not None), **self.pos(name)
+        )
+
+    def pattern(self, tok: lark.Token) -> Pattern:
+        body = str(tok)[1:-1]
+        parts: list[str | Capture] = []
+        i = 0
+        for m in re.finditer(r"\{([^{}]*)\}", body):
+            if m.start() > i:
+                parts.append(body[i : m.start()])
+            column = tok.column + 1 + m.start()
+            cap = re.fullmatch(
+                r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*(?::\s*([A-Za-z_]+)\s*)?", m.group(1)
+            )
+            if cap is None:
+                raise UCLSyntaxError(
+                    f"malformed capture {m.group(0)!r} in a local-name pattern",
+                    text=self.text,
+                    line=tok.line,
+                    column=column,
+                    expected="a capture such as {i:int}",
+                )
+            kind = cap.group(2) or "int"
+            if kind != "int":
+                raise UCLSemanticError(
+                    f"capture type {kind!r} is not supported",
+                    text=self.text,
+                    line=tok.line,
+                    column=column,
+                    expected="int",
+                )
+            if parts and isinstance(parts[-1], Capture):
+                raise UCLSemanticError(
+                    "two captures must be separated by text",
+                    text=self.text,
+                    line=tok.line,
+                    column=column,
+                    expected="text such as '.' between captures",
+                )
+            parts.append(Capture(name=cap.group(1), line=tok.line, column=column))
+            i = m.end()
+        rest = body[i:]
+        if "{" in rest or "}" in rest:
+            raise UCLSyntaxError(
+                "unbalanced brace in a name",
+                text=self.text,
+                line=tok.line,
+                column=tok.column + 1 + i + max(rest.find("{"), rest.find("}")),
+                expected="{capture} with both braces",
+            )
+        if rest:
+            parts.append(rest)
+        return Pattern(parts=tuple(parts), **self.pos(tok))
+
+    def template(self, tok: lark.Token) -> Template:
+        body = str(tok)[1:-1]
+        parts: list[str | Expr] = []
+        i = 0
+        for m in re.finditer(r"\{([^{}]*)\}", body):
+            if m.start() > i:
+                parts.append(body[i : m.start()])
+            col0 = tok.column + 1 + m.start() + 1
+            try:
+                tree = _parser().parse(m.group(1), start="expr")
+            except lark.exceptions.UnexpectedInput as e:
+                raise _syntax_error(e, self.text, tok.line, col0) from None
+            parts.append(self._shift(self.expr(tree), tok.line, col0))
+            i = m.end()
+        rest = body[i:]
+        if "{" in rest or "}" in rest:
+            raise UCLSyntaxError(
+                "unbalanced brace in a name",
+                text=self.text,
+                line=tok.line,
+                column=tok.column + 1 + i + max(rest.find("{"), rest.find("}")),
+                expected="{expression} with both braces",
+            )
+        if rest:
+            parts.append(rest)
+        return Template(parts=tuple(parts), **self.pos(tok))
+
+    def _shift(self, e, line: int, col0: int):
+        """Positions of an expression parsed from inside a string, made absolute."""
+        kw = {"line": line, "column": col0 + max(e.column, 1) - 1}
+        if isinstance(e, Call):
+            return Call(fn=e.fn, args=tuple(self._shift(a, line, col0) for a in e.args), **kw)
+        if isinstance(e, BinOp):
+            return BinOp(
+                op=e.op,
+                left=self._shift(e.left, line, col0),
+                right=self._shift(e.right, line, col0),
+                **kw,
+            )
+        if isinstance(e, Neg):
+            return Neg(operand=self._shift(e.operand, line, col0), **kw)
+        if isinstance(e, Var):
+            return Var(name=e.name, **kw)
+        return Num(value=e.value, **kw)
+
+    def loop(self, t) -> Loop:
+        var, count = t.children
+        return Loop(var=str(var), count=self.expr(count), **self.pos(var))
+
+    def part(self, t, when=None) -> Part:
+        name, shape, pipeline = t.children
+        ops = () if pipeline is None else tuple(self.op(o) for o in pipeline.children)
+        dims = tuple(self.expr(c) for c in shape.children if c is not None)
+        return Part(name=self.template(name), shape=dims, ops=ops, when=when, **self.pos(name))
+
+    def item(self, t) -> Part | Group:
+        if t.data == "part_item":
+            part, *rest = t.children
+            when = self.cond(rest[0].children[0]) if rest else None
+            return self.part(part, when)
+        if t.data == "group":
+            loop, *items = t.children
+            return Group(
+                loop=self.loop(loop),
+                items=tuple(self.item(i) for i in items if i is not None),
+                **self.pos(t),
+            )
+        if t.data == "cond_group":
+            cond, *items = t.children
+            return Group(
+                when=self.cond(cond),
+                items=tuple(self.item(i) for i in items if i is not None),
+                **self.pos(t),
+            )
+        raise AssertionError(t.data)
+
+    def combine(self, t) -> Combine:
+        kind, *args = t.children
+        out = []
+        for a in args:
+            if a is None:
+                continue
+            if isinstance(a, lark.Tree) and a.data in ("part_item", "group", "cond_group"):
+                out.append(self.item(a))
+            else:
+                out.append(self.arg(a))
+        return Combine(kind=str(kind), args=tuple(out), **self.pos(kind))
+
+    def rule(self, t) -> Rule:
+        children = list(t.children)
+        alias = False
+        if isinstance(children[0], lark.Token) and children[0].type == "ALIAS":
+            alias = True
+            children.pop(0)
+        pattern = self.pattern(children.pop(0))
+        loops: tuple[Loop, ...] = ()
+        when = None
+        body = children.pop()
+        for c in children:
+            if c is None:
+                continue
+            if c.data == "loops":
+                loops = tuple(self.loop(lp) for lp in c.children)
+            elif c.data == "when":
+                when = self.cond(c.children[0])
+        src, *ops = body.children
+        rule_ops = tuple(self.op(o) for o in ops)
+        if src.data == "part":
+            # `"x" [n] | op` and `"x" [n] : op` say the same: keep one form, so that printing
+            # and parsing again gives an equal tree.
+            part = self.part(src)
+            source = Part(
+                name=part.name,
+                shape=part.shape,
+                ops=part.ops + rule_ops,
+                line=part.line,
+                column=part.column,
+            )
+            rule_ops = ()
+        else:
+            source = self.combine(src)
+        return Rule(
+            pattern=pattern,
+            source=source,
+            ops=rule_ops,
+            loops=loops,
+            when=when,
+            alias=alias,
+            **self.pos(pattern_token(t)),
+        )
+
+    def statement(self, t) -> Statement:
+        k = t.data
+        if k == "mesh_decl":
+            return MeshDecl(dims=tuple(str(c) for c in t.children), **self.pos(t))
+        if k == "param_decl":
+            params = []
+            for p in t.children:
+                name, default = p.children
+                params.append(
+                    Param(
+                        name=str(name),
+                        default=None if default is None else self.expr(default),
+                        **self.pos(name),
+                    )
+                )
+            return ParamDecl(params=tuple(params), **self.pos(t))
+        if k == "let_decl":
+            name, expr = t.children
+            return Let(name=str(name), expr=self.expr(expr), **self.pos(name))
+        if k == "rule":
+            return self.rule(t)
+        raise AssertionError(k)
+
+
+def pattern_token(t: lark.Tree) -> lark.Token:
+    return next(c for c in t.children if isinstance(c, lark.Token) and c.type == "STRING")
+
+
+def parse(text: str) -> Spec:
+    """Parse and statically check a spec; raises `UCLSyntaxError` or `UCLSemanticError`."""
+    if not isinstance(text, str):
+        raise TypeError(f"parse() takes the spec's text, not {type(text).__name__}")
+    try:
+        tree = _parser().parse(text, start="start")
+    except lark.exceptions.UnexpectedInput as e:
+        raise _syntax_error(e, text) from None
+    b = _Builder(text)
+    spec = Spec(tuple(b.statement(s) for s in tree.children), text=text)
+    from anyshard.ucl.check import check_spec
+
+    check_spec(spec, text)
+    return spec
