@@ -32,7 +32,9 @@ ORDERS = {
 CFG = {
     "gpt": dict(hidden=8, heads=4, kv_heads=2, ffn=12, vocab=10, layers=4),
     # uneven GQA: 3 query groups over tp=2; vocab padding changes with tp
-    "megatron_gpt": dict(hidden=12, heads=6, kv_heads=3, ffn=10, vocab=7, layers=4, vocab_divisor=4),
+    "megatron_gpt": dict(
+        hidden=12, heads=6, kv_heads=3, ffn=10, vocab=7, layers=4, vocab_divisor=4
+    ),
     "hf_llama": dict(hidden=8, heads=4, kv_heads=2, ffn=12, vocab=10, layers=2),
     "hf_llama_tied": dict(hidden=8, heads=4, kv_heads=2, ffn=12, vocab=10, layers=2, tied=1),
     "deepspeed_zero": dict(hidden=4, ffn=6, vocab=5, layers=4),
@@ -42,7 +44,10 @@ CFG = {
 
 # (saved layout, loaded layouts): tp, pp, dp/zero and ep change together
 LAYOUTS = {
-    "gpt": ({"pp": 2, "dp": 2, "tp": 2}, [{"tp": 4}, {"pp": 4, "dp": 1, "tp": 1}, {"dp": 3, "tp": 2}, {}]),
+    "gpt": (
+        {"pp": 2, "dp": 2, "tp": 2},
+        [{"tp": 4}, {"pp": 4, "dp": 1, "tp": 1}, {"dp": 3, "tp": 2}, {}],
+    ),
     "megatron_gpt": (
         {"pp": 2, "dp": 2, "tp": 2},
         [{"tp": 3}, {"pp": 4, "tp": 1}, {"pp": 1, "dp": 3, "tp": 2}, {"tp": 4}],
@@ -52,7 +57,10 @@ LAYOUTS = {
         {"pp": 2, "dp": 3, "tp": 2},
         [{"pp": 1, "dp": 2, "tp": 1}, {"pp": 4, "dp": 1, "tp": 2}, {"pp": 2, "dp": 4, "tp": 3}],
     ),
-    "moe": ({"pp": 2, "ep": 2, "tp": 2}, [{"ep": 1}, {"ep": 4, "pp": 1}, {"pp": 4, "ep": 2, "tp": 3}]),
+    "moe": (
+        {"pp": 2, "ep": 2, "tp": 2},
+        [{"ep": 1}, {"ep": 4, "pp": 1}, {"pp": 4, "ep": 2, "tp": 3}],
+    ),
 }
 
 CASES = [
