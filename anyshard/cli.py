@@ -1,4 +1,5 @@
-"""The ``anyshard`` command: inspect and verify checkpoints, list and clean checkpoint roots.
+"""The ``anyshard`` command: inspect and verify checkpoints, list and clean checkpoint roots,
+check and explain UCL specs.
 
 Exit codes: 0 ok, 1 a problem found (verify), 2 bad usage or input.
 Run: ``anyshard --help``, ``anyshard ls /ckpt``.
@@ -19,7 +20,100 @@ _EXAMPLES = {
     "verify": "examples:\n  anyshard verify /ckpt/step-001000",
     "ls": "examples:\n  anyshard ls /ckpt\n  anyshard ls s3://bucket/run1 --json",
     "gc": "examples:\n  anyshard gc /ckpt --dry-run\n  anyshard gc s3://bucket/run1",
+    "ucl check": "examples:\n  anyshard ucl check my_model.ucl\n"
+    "  anyshard ucl check megatron_gpt --layout pp=2,dp=2,tp=2,hidden=4096,heads=32,kv_heads=8,"
+    "ffn=11008,vocab=32000,layers=32",
+    "ucl explain": "examples:\n  anyshard ucl explain megatron_gpt --layout tp=2,hidden=64,heads=4,"
+    "ffn=128,vocab=100,layers=2 model.layers.0.self_attn.q_proj.weight",
 }
+
+
+class _Usage(Exception):
+    """Bad command-line input: one line on stderr, exit code 2."""
+
+
+def _layout_arg(text: str | None) -> dict[str, int]:
+    if not text:
+        return {}
+    out = {}
+    for item in text.split(","):
+        key, eq, value = item.partition("=")
+        try:
+            if not eq or not key.strip():
+                raise ValueError
+            out[key.strip()] = int(value)
+        except ValueError:
+            raise _Usage(
+                f"--layout: {item!r} is not NAME=INT; write e.g. --layout tp=2,pp=2,hidden=64"
+            ) from None
+    return out
+
+
+def _load_spec_arg(name: str):
+    from pathlib import Path
+
+    from anyshard._spec import SPEC_DIR, shipped_specs
+    from anyshard.ucl import parse
+
+    p = Path(name)
+    if p.is_file():
+        return parse(p.read_text()), str(p)
+    if name in shipped_specs():
+        return parse((SPEC_DIR / f"{name}.ucl").read_text()), f"{name} (shipped)"
+    raise _Usage(
+        f"{name}: no such file, and not a shipped spec (shipped: {', '.join(shipped_specs())})"
+    )
+
+
+def _ucl_check(args) -> int:
+    from anyshard.errors import UCLError
+    from anyshard.ucl.explain import check_layout
+
+    layout = _layout_arg(args.layout)
+    try:
+        spec, where = _load_spec_arg(args.file)
+    except UCLError as e:
+        print(f"{args.file}: {e}", file=sys.stderr)
+        return 1
+    params = ", ".join(
+        p.name if p.default is None else f"{p.name}={p.default}" for p in spec.params
+    )
+    print(
+        f"{where}: ok: {len(spec.rules)} rules; mesh ({', '.join(spec.mesh)}); params {params or '-'}"
+    )
+    if not args.layout:
+        return 0
+    try:
+        report = check_layout(spec, layout)
+    except UCLError as e:
+        print(f"{args.file}: under --layout {args.layout}: {e}", file=sys.stderr)
+        return 1
+    print(
+        f"layout {args.layout}: {report.ranks} ranks, {report.local_tensors} local tensors, "
+        f"{len(report.logical)} logical tensors"
+    )
+    for problem in report.problems:
+        print(f"problem: {problem}", file=sys.stderr)
+    if report.problems:
+        return 1
+    print("every logical tensor is saved exactly once")
+    return 0
+
+
+def _ucl_explain(args) -> int:
+    from anyshard.errors import UCLError
+    from anyshard.ucl.explain import explain
+
+    layout = _layout_arg(args.layout)
+    try:
+        spec, _ = _load_spec_arg(args.file)
+        print(explain(spec, layout, args.name))
+    except UCLError as e:
+        print(f"{args.file}: {e}", file=sys.stderr)
+        return 1
+    except KeyError as e:
+        raise _Usage(str(e.args[0])) from None
+    return 0
 
 
 def _human(n: int) -> str:
@@ -182,6 +276,33 @@ def _parser() -> argparse.ArgumentParser:
         "--dry-run", action="store_true", help="print what would be removed, remove nothing"
     )
     s.set_defaults(run=_gc)
+    s = sub.add_parser(
+        "ucl",
+        help="check and explain UCL specs",
+        description="Check a UCL spec (a .ucl file or the name of a shipped spec), or explain "
+        "where a tensor lives under a layout.",
+    )
+    ucl_sub = s.add_subparsers(dest="ucl_command", required=True)
+    c = ucl_sub.add_parser(
+        "check",
+        help="parse and check a spec; with --layout, compile it for every rank and check that "
+        "every logical tensor is saved exactly once",
+        epilog=_EXAMPLES["ucl check"],
+        formatter_class=fmt,
+    )
+    c.add_argument("file", help="a .ucl file or a shipped spec name")
+    c.add_argument("--layout", help="mesh sizes and params, e.g. tp=2,pp=2,hidden=64")
+    c.set_defaults(run=_ucl_check)
+    c = ucl_sub.add_parser(
+        "explain",
+        help="which rank holds which region of a tensor, as a small text diagram",
+        epilog=_EXAMPLES["ucl explain"],
+        formatter_class=fmt,
+    )
+    c.add_argument("file", help="a .ucl file or a shipped spec name")
+    c.add_argument("--layout", required=True, help="mesh sizes and params, e.g. tp=2,hidden=64")
+    c.add_argument("name", help="a logical tensor name, or a local tensor name")
+    c.set_defaults(run=_ucl_explain)
     return p
 
 
@@ -189,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return args.run(args)
-    except AnyshardError as e:
+    except (AnyshardError, _Usage) as e:
         print(f"anyshard {args.command}: {e}", file=sys.stderr)
         return 2
 
