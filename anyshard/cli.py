@@ -137,6 +137,7 @@ def _inspect(args) -> int:
                 "world_size": m.world_size,
                 "meshes": [x.to_json() for x in m.meshes],
                 "values": m.values,
+                "spec": m.spec.to_json() if m.spec is not None else None,
                 "tensors": [
                     {
                         "name": r.name,
@@ -157,12 +158,15 @@ def _inspect(args) -> int:
         print(
             f"{args.path}: anyshard checkpoint, saved by {m.world_size} rank(s); meshes: {meshes}"
         )
+        if m.spec is not None:
+            layout = ",".join(f"{k}={v}" for k, v in m.spec.layout.items())
+            print(f"saved as local tensors under a UCL spec, layout {layout}")
         width = max([len(r.name) for r in rows] + [6])
         print(f"{'tensor':{width}}  {'shape':>16}  {'dtype':9}  {'bytes':>10}  shards  mapping")
         for r in rows:
             dtype = str(r.dtype).removeprefix("torch.")
             print(
-                f"{r.name:{width}}  {str(list(r.shape)):>16}  {dtype:9}  {_human(r.nbytes):>10}  {r.num_shards:6}  {r.mapping}"
+                f"{r.name:{width}}  {str(list(r.shape)):>16}  {dtype:9}  {_human(r.nbytes):>10}  {r.num_shards:6}  {r.mapping if r.mapping is not None else '(spec)'}"
             )
         print(
             f"{len(rows)} tensors, {_human(sum(r.nbytes for r in rows))}; {len(m.values)} JSON values"
@@ -310,6 +314,11 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return args.run(args)
+    except BrokenPipeError:  # e.g. piped into `head`: not an error of ours
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (AnyshardError, _Usage) as e:
         print(f"anyshard {args.command}: {e}", file=sys.stderr)
         return 2
