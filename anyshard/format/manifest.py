@@ -29,9 +29,9 @@ __all__ = [
 ]
 
 FORMAT_NAME = "anyshard-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest; a checkpoint without a spec is written as version 1
 MANIFEST_NAME = "manifest.json"
-KNOWN_VERSIONS = (1,)
+KNOWN_VERSIONS = (1, 2)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -215,7 +215,7 @@ class Manifest:
     def to_json(self) -> dict[str, Any]:
         out = {
             "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
+            "format_version": FORMAT_VERSION if self.spec is not None else 1,
             "library": self.library,
             "world_size": self.world_size,
             "meshes": [m.to_json() for m in self.meshes],
