@@ -33,6 +33,7 @@ __all__ = [
     "read_bytes",
     "remove_tree",
     "size",
+    "upload",
     "write_bytes_atomic",
     "FileReader",
 ]
@@ -245,6 +246,22 @@ def open_writer(path: str, *, fsync: bool = True) -> Iterator[BinaryIO]:
         raise
     except OSError as e:
         raise StorageError(f"cannot write {path}: {e}") from e
+
+
+def upload(src: str, dst: str, *, block: int = 8 << 20) -> int:
+    """Copy the file ``src`` to ``dst`` (either may be a URL) as a stream of ``block``-byte
+    parts, in bounded memory; returns the bytes copied."""
+    done = 0
+    buf = bytearray(block)
+    with FileReader(src) as reader, open_writer(dst) as out:
+        total = size(src)
+        while done < total:
+            n = min(block, total - done)
+            view = memoryview(buf)[:n]
+            reader.read_into(done, view)
+            out.write(view)
+            done += n
+    return done
 
 
 # --- positional reads -------------------------------------------------------------------------

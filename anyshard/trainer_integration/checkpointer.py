@@ -5,22 +5,28 @@ the commit; a restore reads only committed steps, so a crash at any moment leave
 never a checkpoint that looks committed but is not. Old steps are deleted only once a newer one
 has committed, and only by rank 0.
 
-This version is synchronous: `Checkpointer.save` returns once the step is committed and
-retention has run. There is no async save and no tiered ``local_dir`` mode yet.
+Retention runs in the background after each commit. With ``local_dir`` (tiered mode) each step
+is first saved to local disk and committed there, then uploaded to ``root`` in the background
+(data files first, the manifest last: the commit on the object store); a restore reads the newest
+step from local disk where every file it needs is there, else from ``root``.
 
 Run the examples: ``python -m pytest --doctest-modules anyshard/trainer_integration/checkpointer.py``
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import anyshard
+from anyshard import _async
 from anyshard import _collectives as coll
 from anyshard.errors import AnyshardError
 from anyshard.format import steps, storage
+from anyshard.format.checkpoint import read_manifest
 from anyshard.format.manifest import MANIFEST_NAME
 
 __all__ = ["Checkpointer"]
@@ -78,10 +84,16 @@ class Checkpointer:
     """Save training state every ``every_steps`` steps under ``root`` and restore the newest.
 
     ``root`` is a local path or an fsspec URL. ``keep_last`` keeps the newest N committed steps
-    (None: keep all), ``keep_every`` additionally keeps every step divisible by it. With
-    ``async_``, `save` returns once the shards are staged in host memory and the files are
-    written in the background; at most one save is in flight, and the next `save` (or `wait`)
-    waits for it, raises its error, and applies retention. No tiered ``local_dir`` yet.
+    (None: keep all), ``keep_every`` additionally keeps every step divisible by it; retention runs
+    in the background after a newer step has committed. With ``async_``, `save` returns once the
+    shards are staged in host memory and the files are written in the background; at most one
+    save is in flight, and the next `save` (or `wait`) waits for it and raises its error.
+
+    With ``local_dir`` (a local directory, one per node), steps are saved there first and
+    uploaded to ``root`` in the background; the newest ``keep_local`` steps stay on local disk.
+    `restore_latest` picks the newest step that every rank can read, from local disk where all
+    the files it needs are there (a restart on the same nodes), else from ``root`` (a replacement
+    node, or a lost local disk).
 
     >>> import tempfile, torch
     >>> root = tempfile.mkdtemp()
@@ -103,6 +115,8 @@ class Checkpointer:
         keep_last: int | None = None,
         keep_every: int | None = None,
         async_: bool = False,
+        local_dir: str | None = None,
+        keep_local: int = 1,
         process_group=None,
     ):
         if every_steps is None:
@@ -111,50 +125,115 @@ class Checkpointer:
             ("every_steps", every_steps),
             ("keep_last", keep_last),
             ("keep_every", keep_every),
+            ("keep_local", keep_local),
         ):
             _positive(name, value)
+        if local_dir is not None and storage.is_url(local_dir):
+            raise ValueError(f"local_dir must be a local directory, not the URL {local_dir!r}")
         self.root = root
         self.every_steps = every_steps
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.process_group = process_group
         self.async_ = async_
-        self._pending = None  # the SaveHandle of the async save in flight
+        self.local_dir = local_dir
+        self.keep_local = keep_local
+        self._pending: list = []  # SaveHandles of the background work in flight
 
     def step_path(self, step: int) -> str:
-        """Where ``step`` is (or would be) saved."""
+        """Where ``step`` is (or would be) saved in ``root``."""
         return storage.join(self.root, steps.step_dir_name(step))
+
+    def local_path(self, step: int) -> str | None:
+        """Where ``step`` is (or would be) saved on local disk; None without ``local_dir``."""
+        if self.local_dir is None:
+            return None
+        return storage.join(self.local_dir, steps.step_dir_name(step))
 
     def save(self, step: int, app_state: Mapping[str, Any]) -> bool:
         """Save ``app_state`` as ``step`` if ``step`` is a multiple of ``every_steps``.
 
-        Collective over the process group, like `anyshard.save`. Returns whether it saved. After
-        the commit, rank 0 applies retention and removes debris older than this step.
+        Collective over the process group, like `anyshard.save`. Returns whether it saved.
         """
         if step % self.every_steps:
             return False
         self.wait()
         state = _state_dicts(app_state)
         path = self.step_path(step)
+        if self.local_dir is not None:  # the root is cleared and written in the background
+            self._save_tiered(step, state)
+            return True
         self._clear_stale(path)
         if self.async_:
-            self._pending = anyshard.save(
-                path, state, process_group=self.process_group, async_=True
-            )
-            return True
-        anyshard.save(path, state, process_group=self.process_group)
+            handle = anyshard.save(path, state, process_group=self.process_group, async_=True)
+            self._pending.append(handle)
+        else:
+            anyshard.save(path, state, process_group=self.process_group)
         if coll.rank(self.process_group) == 0:
-            self._apply_retention()
+            self._pending.append(_async.submit(self._apply_retention))
         return True
 
+    def _save_tiered(self, step: int, state: dict[str, Any]) -> None:
+        local, remote = self.local_path(step), self.step_path(step)
+        self._clear_stale(local)
+        group = _async.background_group(self.process_group)  # collective: on this thread
+        handle = anyshard.save(local, state, process_group=self.process_group, async_=self.async_)
+        if handle is not None:
+            self._pending.append(handle)
+        self._pending.append(_async.submit(lambda: self._upload(step, local, remote, group)))
+
+    def _upload(self, step: int, local: str, remote: str, group) -> None:
+        """Background: every rank uploads its own data file, then rank 0 the manifest."""
+        me = coll.rank(group)
+        error = None
+        if me == 0:  # debris of a crashed attempt at this step, before anyone writes
+            try:
+                if storage.exists(remote) and not storage.exists(
+                    storage.join(remote, MANIFEST_NAME)
+                ):
+                    steps.remove_step(remote)
+            except Exception as e:
+                error = f"rank 0: {e}"
+        error = coll.broadcast_json(error, group)
+        try:
+            if error is not None:
+                raise AnyshardError(error)
+            mine = storage.join(local, "data", f"rank-{me:05d}.safetensors")
+            if not storage.exists(storage.join(local, MANIFEST_NAME)) and me == 0:
+                raise AnyshardError(f"{local}: the local save of step {step} did not commit")
+            if storage.exists(mine):
+                storage.makedirs(storage.join(remote, "data"))
+                storage.upload(mine, storage.join(remote, "data", f"rank-{me:05d}.safetensors"))
+        except Exception as e:
+            error = f"rank {me}: {e}"
+        errors = coll.gather_json(error, group)
+        outcome: dict[str, Any] = {"ok": True}
+        if me == 0:
+            try:
+                failed = [e for e in errors if e]
+                if failed:
+                    raise AnyshardError(
+                        f"upload of step {step} to {remote} failed; the step stays on local "
+                        f"disk: {failed[0]}"
+                    )
+                data = storage.read_bytes(storage.join(local, MANIFEST_NAME))
+                storage.write_bytes_atomic(
+                    storage.join(remote, MANIFEST_NAME), data, exclusive=True
+                )
+                self._apply_retention()
+            except Exception as e:
+                outcome = {"ok": False, "error": str(e)}
+        outcome = coll.broadcast_json(outcome, group)
+        if outcome["ok"]:
+            self._apply_local_retention(step)
+        else:
+            raise AnyshardError(outcome["error"])
+
     def wait(self) -> None:
-        """Wait for the async save in flight (if any): raise its error, or apply retention."""
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        pending.result()
-        if coll.rank(self.process_group) == 0:
-            self._apply_retention()
+        """Wait for the background work in flight (save, upload, retention); raise its error."""
+        pending, self._pending = self._pending, []
+        for handle in pending:
+            handle.result()
 
     def _clear_stale(self, path: str) -> None:
         # A crashed earlier attempt at this same step may have left files (perhaps from another
@@ -186,13 +265,72 @@ class Checkpointer:
                 stacklevel=3,
             )
 
+    def _apply_local_retention(self, uploaded: int) -> None:
+        """Every rank: local step directories older than the newest ``keep_local`` uploaded
+        ones go (each node holds its own; a step is removed whole, tolerating others doing the
+        same on a shared disk)."""
+        try:
+            names = storage.listdir(self.local_dir) if storage.exists(self.local_dir) else []
+            found = sorted(
+                int(n.rsplit("-", 1)[1])
+                for n in (os.path.basename(x.rstrip("/")) for x in names)
+                if n.startswith("step-") and n.rsplit("-", 1)[1].isdigit()
+            )
+            keep = {s for s in found if s <= uploaded}
+            keep = set(sorted(keep)[-self.keep_local :]) | {s for s in found if s > uploaded}
+            for s in found:
+                if s not in keep:
+                    shutil.rmtree(self.local_path(s), ignore_errors=True)
+        except OSError as e:
+            warnings.warn(
+                f"anyshard: local retention under {self.local_dir} failed ({e})", stacklevel=2
+            )
+
     def latest_step(self) -> int | None:
-        """The newest committed step, the same on every rank (rank 0 lists and broadcasts)."""
+        """The newest committed step in ``root``, the same on every rank (rank 0 lists and
+        broadcasts)."""
         found = None
         if coll.rank(self.process_group) == 0:
             latest = steps.latest_committed(self.root)
             found = None if latest is None else latest.step
         return coll.broadcast_json(found, self.process_group)
+
+    def _local_complete(self, step: int) -> bool:
+        """Whether this rank finds ``step`` committed on its local disk with every data file."""
+        path = self.local_path(step)
+        try:
+            manifest = read_manifest(path)
+        except AnyshardError:
+            return False
+        return all(os.path.exists(os.path.join(path, f)) for f in manifest.files.values())
+
+    def _choose_step(self) -> tuple[int | None, bool]:
+        """The step to restore and whether this rank reads it from local disk."""
+        remote = None
+        local_steps: list[int] = []
+        if coll.rank(self.process_group) == 0:
+            latest = steps.latest_committed(self.root)
+            remote = None if latest is None else latest.step
+        if self.local_dir is not None and storage.exists(self.local_dir):
+            local_steps = [s.step for s in steps.list_steps(self.local_dir) if s.committed]
+        candidates = coll.broadcast_json(
+            {"remote": remote, "local": sorted(local_steps, reverse=True)}, self.process_group
+        )
+        remote = candidates["remote"]
+        ordered = [s for s in candidates["local"] if remote is None or s > remote]
+        ordered += [remote] if remote is not None else []
+        if self.local_dir is None:
+            return remote, False
+        mine = {s: self._local_complete(s) for s in ordered}
+        # a step every rank can read: locally complete here, or committed in root
+        ok = [s for s in ordered if mine[s] or s == remote]
+        agreed = coll.gather_json(ok, self.process_group)
+        choice = None
+        if coll.rank(self.process_group) == 0:
+            common = set.intersection(*(set(a) for a in agreed)) if agreed else set()
+            choice = max(common) if common else None
+        choice = coll.broadcast_json(choice, self.process_group)
+        return choice, choice is not None and mine.get(choice, False)
 
     def restore_latest(self, app_state: Mapping[str, Any]) -> int | None:
         """Load the newest committed step into ``app_state``; return that step, or None if none.
@@ -203,12 +341,17 @@ class Checkpointer:
         """
         _check_app_state(app_state)
         self.wait()
-        step = self.latest_step()
+        step, local = self._choose_step()
         if step is None:
             return None
         state = _state_dicts(app_state)
-        anyshard.load(self.step_path(step), state, process_group=self.process_group)
+        path = self.local_path(step) if local else self.step_path(step)
+        self.restored_from = path
+        anyshard.load(path, state, process_group=self.process_group)
         for name, obj in app_state.items():
             if _is_stateful(obj):
                 obj.load_state_dict(state[name])
+            elif state[name] is not obj:  # a dict of JSON values was loaded as one value
+                obj.clear()
+                obj.update(state[name])
         return step

@@ -170,6 +170,7 @@ def checkpointer_task(root: str, layout_save: str, layout_load: str) -> list:
             truth[step] = {
                 k: full(v).clone() for k, v in _flat(state) if isinstance(v, torch.Tensor)
             }
+    ckpt.wait()  # retention runs in the background after each commit
     target = _Holder(train_state(layout_load, 7))
     restored = Checkpointer(root).restore_latest({"train": target})
     for k, v in _flat(target.state):

@@ -27,3 +27,19 @@ def test_a_dp2_tp2_save_to_s3_loads_bit_exact_under_tp4(pool4, s3_server, s3):
             got = view.get_tensor(name)
             assert got.dtype == t.dtype and torch.equal(got, t), name
         assert view.get_value("step") == 3
+
+
+def test_tiered_checkpointer_uploads_and_a_replacement_node_restores_from_s3(
+    pool4, s3_server, s3, tmp_path
+):
+    import shutil
+
+    from anyshard.format import steps
+
+    root, local = f"{s3}/tiered", str(tmp_path / "local")
+    env = s3_server.env()
+    listed = pool4.run(TASKS, "tiered_save_task", env, root, local)
+    assert listed == [["step-000000004"]] * 4  # keep_local=1
+    assert [s.step for s in steps.list_steps(root) if s.committed] == [4]  # keep_last=1
+    shutil.rmtree(local)
+    assert pool4.run(TASKS, "tiered_restore_task", env, root, local) == [[4, True]] * 4

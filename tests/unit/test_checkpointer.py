@@ -59,6 +59,7 @@ def _train(root: str, num_steps: int = 10) -> tuple[Toy, dict, dict]:
             saved[step] = {
                 k: v.clone() if torch.is_tensor(v) else v for k, v in toy.state_dict().items()
             }
+    ckpt.wait()  # retention runs in the background after each commit
     return toy, extra, saved
 
 
@@ -142,6 +143,7 @@ def test_the_next_save_removes_older_debris_but_never_newer(tmp_path):
     _crash_debris(root, 2)
     _crash_debris(root, 5)
     ckpt.save(3, state)
+    ckpt.wait()
     assert _step_numbers(root) == [(1, True), (3, True), (5, False)]
 
 
