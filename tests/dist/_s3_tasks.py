@@ -128,3 +128,19 @@ def tiered_restore_task(env: dict[str, str], root: str, local: str) -> list:
         got = got.full_tensor() if isinstance(got, DTensor) else got
         assert torch.equal(got, t), name
     return [step, reader.restored_from.startswith("s3://")]
+
+
+def faulty_round_task(env: dict[str, str], url: str, seed: int) -> str:
+    """Save and load back through a proxy that injects faults: bit-exact, or a clean error."""
+    from anyshard.errors import SaveError, StorageError
+
+    use_environment(env)
+    try:
+        save_task(env, url, seed)
+    except (StorageError, SaveError) as e:
+        return f"save failed: {type(e).__name__}"
+    try:
+        load_check_task(env, url, seed)
+    except StorageError as e:
+        return f"load failed: {type(e).__name__}"
+    return "ok"
