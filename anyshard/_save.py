@@ -73,7 +73,7 @@ def _plan_spec(state_dict, spec, layout, coords, group):
 
     parsed = _spec.resolve_spec(spec)
     lay = layout_for(parsed, layout)
-    me = _spec.rank_coords(lay, coords, group)
+    me = _spec.rank_coords(lay, coords, group, saving=True)
     writes, entries, values = _spec.spec_writes(flatten_state(state_dict), parsed, lay, me, group)
     mesh = _spec.spec_mesh(lay).to_json()
     for e in entries.values():
@@ -130,6 +130,17 @@ def _merge(reports: list[dict], path: str) -> Manifest:
         library=_library(),
         spec=spec,
     )
+    if spec is not None:
+        from anyshard.format.stored import spec_index
+
+        problems = spec_index(manifest).coverage_problems()
+        if problems:
+            raise SaveError(
+                f"save to {path}: under this spec and layout the saved local tensors do not hold "
+                "every logical tensor exactly once (a replicate() or on() missing or one too "
+                "many?); nothing was committed. `anyshard ucl check SPEC --layout ...` shows "
+                "all problems:\n  " + "\n  ".join(problems)
+            )
     _check_writers(manifest, reports, path)
     return manifest
 
@@ -241,6 +252,7 @@ def _write_and_commit(path: str, writes, report: dict[str, Any], group) -> None:
     if me == 0:
         try:
             manifest = _merge(reports, path)
+            storage.makedirs(path)  # a save of JSON values only has no data directory
             target = storage.join(path, MANIFEST_NAME)
             try:  # exclusive: a concurrent save to the same path cannot commit over this one
                 storage.write_bytes_atomic(target, manifest.dumps(), exclusive=True)
@@ -310,6 +322,7 @@ def save_local_states(
             report["file"] = _file_name(rank)
         reports.append(report)
     manifest = _merge(reports, path)
+    storage.makedirs(path)
     try:
         storage.write_bytes_atomic(
             storage.join(path, MANIFEST_NAME), manifest.dumps(), exclusive=True

@@ -77,10 +77,13 @@ def spec_mesh(lay: Layout) -> MeshEntry:
     return MeshEntry(dims=tuple(lay.sizes), sizes=sizes, offset=0, strides=tuple(reversed(strides)))
 
 
-def rank_coords(lay: Layout, coords: Mapping[str, int] | None, group) -> dict[str, int]:
-    """This rank's mesh coordinates: given, or from its rank in ``group`` (row-major)."""
+def rank_coords(
+    lay: Layout, coords: Mapping[str, int] | None, group, *, saving: bool = False
+) -> dict[str, int]:
+    """This rank's mesh coordinates: given, or from its rank in ``group`` (row-major). A save
+    needs one process per rank of the layout; a load may run anywhere with ``coords``."""
     world = coll.world_size(group)
-    if lay.world_size != world and (coords is None or coll.active(group)):
+    if lay.world_size != world and (saving or coords is None or coll.active(group)):
         raise LayoutError(
             f"the layout {dict(lay.sizes)} has {lay.world_size} rank(s) but the process group has "
             f"{world}; launch {lay.world_size} processes, or write every rank's tensors from one "

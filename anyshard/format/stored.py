@@ -9,11 +9,12 @@ names; compiling the spec for every coordinate of its mesh says which logical re
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from anyshard.format.manifest import Manifest, MeshEntry
-from anyshard.reshard.boxes import Box, intersect
+from anyshard.reshard.boxes import Box, box_numel, intersect
 from anyshard.ucl.compile import Shard, enumerate_shards
 from anyshard.ucl.evaluate import LocalTensor, all_coords, compile, layout_for
 from anyshard.ucl.spec import Spec, parse
@@ -36,7 +37,36 @@ class SpecIndex:
     spec: Spec
     written: dict[int, dict[str, LocalTensor]]  # rank -> local tensors it wrote, by local name
     sources: dict[str, list[StoredShard]]  # logical name -> the stored shards holding it
-    logical_shapes: dict[str, tuple[int, ...]]
+    logical_shapes: dict[str, tuple[int, ...]]  # every logical tensor any rank holds
+
+    def coverage_problems(self, limit: int = 8) -> list[str]:
+        """Logical tensors that the saved local tensors do not hold exactly once."""
+        problems = []
+        for logical, shape in sorted(self.logical_shapes.items()):
+            boxes = [
+                (p.logical_box, s)
+                for s in self.sources.get(logical, ())
+                for p in s.shard.pieces
+                if box_numel(p.logical_box)
+            ]
+            held, want = sum(box_numel(b) for b, _ in boxes), math.prod(shape)
+            where = ""
+            if held == want and len(boxes) <= 4096:
+                for i, (a, sa) in enumerate(boxes):
+                    for b, sb in boxes[i + 1 :]:
+                        if intersect(a, b) is not None:
+                            where = f"; {sa.key} (rank {sa.rank}) and {sb.key} (rank {sb.rank}) both save {list(intersect(a, b))}"
+                            held = want + 1
+                            break
+                    if where:
+                        break
+            if held != want:
+                problems.append(
+                    f"{logical}: the saved local tensors hold {held} of its {want} elements{where}"
+                )
+            if len(problems) >= limit:
+                break
+        return problems
 
 
 @functools.lru_cache(maxsize=16)
@@ -49,11 +79,12 @@ def _index(text: str, layout: tuple[tuple[str, int], ...], mesh: MeshEntry) -> S
     for coords in all_coords(lay.sizes):
         rank = mesh.rank(coords)
         for name, t in compile(spec, lay, coords).items():
+            for part in t.parts:
+                shapes.setdefault(part.logical, part.logical_shape)
             if not t.written:
                 continue
             written.setdefault(rank, {})[name] = t
             for part in t.parts:
-                shapes.setdefault(part.logical, part.logical_shape)
                 if part.primary:
                     sources.setdefault(part.logical, []).append(
                         StoredShard(rank, name, part.shard, coords)

@@ -8,7 +8,6 @@ tensor may hold pieces of several logical tensors (``fuse``, ``interleave``, ``b
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 from collections.abc import Iterator, Mapping
@@ -43,7 +42,6 @@ from anyshard.ucl.spec import (
     Spec,
     Template,
     Var,
-    parse,
 )
 
 __all__ = [
@@ -102,7 +100,11 @@ class Layout:
 
 
 def _as_spec(spec: Spec | str) -> Spec:
-    return parse(spec) if isinstance(spec, str) else spec
+    if isinstance(spec, Spec):
+        return spec
+    from anyshard._spec import resolve_spec
+
+    return resolve_spec(spec)  # text, a .ucl path, or a shipped spec's name
 
 
 class _Eval:
@@ -587,12 +589,7 @@ def _compile(spec: Spec, lay: Layout, coords: tuple) -> dict[str, LocalTensor]:
     ev = _Eval(spec, dict(lay.values), dict(coords))
     out: dict[str, LocalTensor] = {}
     for r in spec.rules:
-        counts = []
-        env = dict(lay.values)
-        for lp in r.loops:
-            counts.append(ev.expr(lp.count, env))
-        for values in itertools.product(*(range(n) for n in counts)):
-            renv = {**env, **{lp.var: v for lp, v in zip(r.loops, values, strict=True)}}
+        for renv in _loop_envs(ev, r.loops, dict(lay.values)):
             if r.when is not None and not ev.cond(r.when, renv):
                 continue
             t = ev.rule(r, renv)
@@ -606,6 +603,11 @@ def _compile(spec: Spec, lay: Layout, coords: tuple) -> dict[str, LocalTensor]:
     return out
 
 
-@functools.lru_cache(maxsize=64)
-def _cached_spec(text: str) -> Spec:
-    return parse(text)
+def _loop_envs(ev: _Eval, loops, env: dict) -> Iterator[dict]:
+    """Every binding of the rule's loop variables; a count may use the loops before it."""
+    if not loops:
+        yield env
+        return
+    first, rest = loops[0], loops[1:]
+    for v in range(ev.expr(first.count, env)):
+        yield from _loop_envs(ev, rest, {**env, first.var: v})

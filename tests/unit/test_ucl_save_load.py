@@ -141,3 +141,46 @@ def test_a_save_with_spec_in_a_single_process_needs_a_one_rank_layout(tmp_path):
     path = str(tmp_path / "z")
     anyshard.save(path, locals_for(truth(), 1, 0), spec=SPEC, layout={"tp": 1})
     assert torch.equal(anyshard.open(path).get_tensor("emb"), truth()["emb"])
+
+
+@pytest.mark.parametrize(
+    "spec,layout,states,why",
+    [
+        (  # replicate(dp) forgotten: every dp rank saves the same shard
+            'mesh dp, tp;\n"w" -> "w" [4] : chunk(0, tp);\n',
+            {"dp": 2, "tp": 2},
+            {r: {"w": torch.zeros(2)} for r in range(4)},
+            "w: the saved local tensors hold 8 of its 4 elements",
+        ),
+        (  # held only where on() says no rank saves it
+            'mesh pp;\n"e" when rank(pp) == 1 -> "e" [2] : on(pp, 0);\n"f" -> "f" [1] : replicate(pp);\n',
+            {"pp": 2},
+            {0: {"f": torch.zeros(1)}, 1: {"e": torch.zeros(2), "f": torch.zeros(1)}},
+            "e: the saved local tensors hold 0 of its 2 elements",
+        ),
+    ],
+)
+def test_a_spec_that_saves_an_element_twice_or_never_commits_nothing(
+    tmp_path, spec, layout, states, why
+):
+    from anyshard.errors import SaveError
+
+    path = str(tmp_path / "bad")
+    with pytest.raises(SaveError, match="nothing was committed") as e:
+        ucl.save_local_states(path, states, spec=spec, layout=layout)
+    assert why in str(e.value)
+    assert not os.path.exists(os.path.join(path, "manifest.json"))
+
+
+def test_loops_may_depend_on_earlier_loops_and_compile_takes_shipped_names():
+    spec = ucl.parse(
+        'mesh tp;\n"w.{i:int}.{j:int}" for i in range(2), j in range(i + 1) -> "w{i}{j}" [2];\n'
+    )
+    assert list(ucl.compile(spec, {}, {})) == ["w.0.0", "w.1.0", "w.1.1"]
+    sizes = dict(tp=2, hidden=8, heads=2, ffn=4, vocab=5, layers=1)
+    assert "lm_head.weight" in ucl.compile("hf_llama", sizes, {"tp": 1})
+
+
+def test_a_save_of_json_values_only_commits(tmp_path):
+    anyshard.save(str(tmp_path / "j"), {"step": 3, "cfg": {"lr": 0.1}})
+    assert anyshard.open(str(tmp_path / "j")).get_value("cfg") == {"lr": 0.1}
