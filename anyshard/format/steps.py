@@ -126,8 +126,15 @@ def find_debris(steps: list[StepInfo]) -> list[StepInfo]:
 
 
 def remove_step(path: str) -> None:
-    """Remove one step directory and everything under it (a missing one is already removed)."""
+    """Remove one step directory and everything under it (a missing one is already removed).
+
+    The manifest goes first, durably: a removal interrupted at any moment leaves at worst an
+    uncommitted step (debris), never a committed one whose data files are gone.
+    """
+    manifest = storage.join(path, MANIFEST_NAME)
     try:
+        if storage.exists(manifest):
+            storage.remove_file(manifest)
         storage.remove_tree(path)
     except FileNotFoundError:
         pass

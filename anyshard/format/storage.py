@@ -31,6 +31,7 @@ __all__ = [
     "makedirs",
     "open_writer",
     "read_bytes",
+    "remove_file",
     "remove_tree",
     "size",
     "upload",
@@ -115,6 +116,16 @@ def listdir(path: str) -> list[str]:
     fs.invalidate_cache(p)
     names = retry(path, "list", lambda t: call(fs, "ls", t, p, detail=False))
     return sorted(posixpath.basename(e.rstrip("/")) for e in names)
+
+
+def remove_file(path: str) -> None:
+    """Remove one file (locally, durably: the directory entry is synced)."""
+    if is_url(path):
+        _url_op(path, "remove", "rm_file")
+        return
+    local = _local(path)
+    os.unlink(local)
+    _fsync_dir(os.path.dirname(local) or ".")
 
 
 def remove_tree(path: str) -> None:

@@ -16,7 +16,6 @@ Run the examples: ``python -m pytest --doctest-modules anyshard/trainer_integrat
 from __future__ import annotations
 
 import os
-import shutil
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -225,7 +224,9 @@ class Checkpointer:
                 outcome = {"ok": False, "error": str(e)}
         outcome = coll.broadcast_json(outcome, group)
         if outcome["ok"]:
-            self._apply_local_retention(step)
+            # one rank per node cleans its local disk (LOCAL_RANK 0 under torchrun)
+            if int(os.environ.get("LOCAL_RANK", me)) == 0:
+                self._apply_local_retention(step)
         else:
             raise AnyshardError(outcome["error"])
 
@@ -266,9 +267,7 @@ class Checkpointer:
             )
 
     def _apply_local_retention(self, uploaded: int) -> None:
-        """Every rank: local step directories older than the newest ``keep_local`` uploaded
-        ones go (each node holds its own; a step is removed whole, tolerating others doing the
-        same on a shared disk)."""
+        """Local step directories older than the newest ``keep_local`` uploaded ones go."""
         try:
             names = storage.listdir(self.local_dir) if storage.exists(self.local_dir) else []
             found = sorted(
@@ -280,7 +279,7 @@ class Checkpointer:
             keep = set(sorted(keep)[-self.keep_local :]) | {s for s in found if s > uploaded}
             for s in found:
                 if s not in keep:
-                    shutil.rmtree(self.local_path(s), ignore_errors=True)
+                    steps.remove_step(self.local_path(s))
         except OSError as e:
             warnings.warn(
                 f"anyshard: local retention under {self.local_dir} failed ({e})", stacklevel=2
@@ -332,12 +331,13 @@ class Checkpointer:
         choice = coll.broadcast_json(choice, self.process_group)
         return choice, choice is not None and mine.get(choice, False)
 
-    def restore_latest(self, app_state: Mapping[str, Any]) -> int | None:
+    def restore_latest(self, app_state: Mapping[str, Any], *, strict: bool = True) -> int | None:
         """Load the newest committed step into ``app_state``; return that step, or None if none.
 
         The template is each entry's current ``state_dict()``: tensors are filled in place under
         their current layout, then each Stateful gets ``load_state_dict``; plain dicts are
-        updated in place. Uncommitted steps are never read.
+        updated in place. Uncommitted steps are never read. ``strict=False`` lets a rank load
+        a part of the checkpoint (a pipeline stage holds only its layers).
         """
         _check_app_state(app_state)
         self.wait()
@@ -347,7 +347,7 @@ class Checkpointer:
         state = _state_dicts(app_state)
         path = self.local_path(step) if local else self.step_path(step)
         self.restored_from = path
-        anyshard.load(path, state, process_group=self.process_group)
+        anyshard.load(path, state, process_group=self.process_group, strict=strict)
         for name, obj in app_state.items():
             if _is_stateful(obj):
                 obj.load_state_dict(state[name])
