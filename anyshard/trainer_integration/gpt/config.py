@@ -1,0 +1,608 @@
+"""Configuration of the reference GPT trainer: typed sections, a TOML file, command-line overrides.
+
+Precedence, lowest first: the defaults below (sized so a step takes about a second on 2 CPU cores
+with 2 to 4 ranks), the TOML file (tables ``[model]``, ``[parallel]``, ``[train]``,
+``[checkpoint]``, ``[fault]`` and the top-level key ``run_dir``), the overrides
+(``--train.steps 10`` or ``--train.steps=10``), and last the environment variable
+``ANYSHARD_FAULT="rank:step[:mode]"`` (e.g. ``1:7:sigkill``), which sets the fault to inject
+without editing the config, so a test or a shell can crash one run of an unchanged command.
+`Config.validate` checks that the sizes fit the parallel layout, all problems at once.
+
+Run the examples: ``python -m pytest --doctest-modules anyshard/trainer_integration/gpt/config.py``
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import math
+import os
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+from anyshard.format import storage
+
+__all__ = [
+    "FAULT_ENV",
+    "MESH_ORDER",
+    "CheckpointConfig",
+    "Config",
+    "ConfigError",
+    "FaultConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "TrainConfig",
+    "config_to_dict",
+    "dump_toml",
+    "load_config",
+    "loads_config",
+    "parse_fault_env",
+]
+
+FAULT_ENV = "ANYSHARD_FAULT"
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
+_FAULT_MODES = ("sigkill", "raise")
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, of the wrong type, or conflicts with another."""
+
+
+# Frozen so a config handed to every rank cannot drift; change one with dataclasses.replace.
+# (No slots: on Python 3.10 a frozen dataclass with slots does not unpickle, and spawn pickles.)
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """The transformer: a Llama-style decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU)."""
+
+    vocab_size: int = 256  # token ids; 256 covers the byte tokenizer
+    dim: int = 64  # width of the residual stream
+    n_layers: int = 4  # transformer blocks
+    n_heads: int = 4  # query heads; head_dim = dim // n_heads
+    n_kv_heads: int = 2  # key/value heads (grouped-query attention); divides n_heads
+    ffn_dim: int = 128  # hidden size of the SwiGLU MLP (of each expert when n_experts > 0)
+    max_seq_len: int = 64  # longest sequence the RoPE tables cover
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    rope_theta: float = 10000.0  # RoPE base frequency
+    tie_embeddings: bool = False  # share the token embedding with the output projection
+    n_experts: int = 0  # 0: a dense MLP; > 0: a mixture of experts in every layer
+    top_k: int = 2  # experts each token is routed to, when n_experts > 0
+    init_std: float = 0.02  # standard deviation of the normal initialisation of weights
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """Degrees of the device mesh, one per axis; their product is the world size."""
+
+    pp: int = 1  # pipeline stages; each holds n_layers // pp layers
+    dp_replicate: int = 1  # data-parallel replicas (the replicate axis of HSDP)
+    dp_shard: int = 1  # data-parallel shards (FSDP2)
+    ep: int = 1  # expert parallel: experts split over ep ranks, which also see different data
+    cp: int = 1  # context parallel: each sequence split over cp ranks
+    tp: int = 1  # tensor parallel: heads and the ffn hidden size split over tp ranks
+    pp_schedule: str = "1F1B"  # pipeline schedule: "1F1B" or "GPipe"
+    microbatches: int = 2  # microbatches per step on each pipeline, when pp > 1
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks: the product of the six degrees."""
+        return math.prod(size for _, size in self.dims())
+
+    @property
+    def dp_size(self) -> int:
+        """The number of ranks that see different data: dp_replicate * dp_shard * ep."""
+        return self.dp_replicate * self.dp_shard * self.ep
+
+    def dims(self) -> tuple[tuple[str, int], ...]:
+        """The (axis name, degree) pairs in mesh order, outermost first.
+
+        >>> ParallelConfig(dp_shard=2, tp=2).dims()
+        (('pp', 1), ('dp_replicate', 1), ('dp_shard', 2), ('ep', 1), ('cp', 1), ('tp', 2))
+        """
+        return tuple((name, getattr(self, name)) for name in MESH_ORDER)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """The optimisation: AdamW with linear warmup then cosine decay, over fixed-size batches."""
+
+    steps: int = 30  # optimizer steps of the run
+    seq_len: int = 32  # tokens per training sequence
+    global_batch: int = 8  # sequences per optimizer step, over all data-parallel ranks
+    lr: float = 3e-3  # peak learning rate, reached after warmup_steps
+    warmup_steps: int = 5  # linear warmup from 0 to lr
+    min_lr_ratio: float = 0.1  # cosine decay to lr * min_lr_ratio at `steps`
+    weight_decay: float = 0.1  # AdamW decoupled weight decay
+    beta1: float = 0.9  # AdamW first-moment decay
+    beta2: float = 0.95  # AdamW second-moment decay
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    seed: int = 0  # seeds the initialisation and the order of the data
+    log_every: int = 1  # log the loss every this many steps
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Where and how often the trainer saves through `anyshard.trainer_integration.Checkpointer`."""
+
+    root: str = "runs/demo/ckpt"  # directory or URL holding step-NNNNNNNNN checkpoints
+    every_steps: int = 5  # save every this many steps
+    keep_last: int = 2  # committed checkpoints kept; older ones are deleted
+    async_: bool = False  # save in the background while training continues
+    local_dir: str | None = None  # tiered mode: save to this local directory, then upload to root
+    storage: str = "local"  # "local" (a file system) or "s3" (an S3-compatible object store)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultConfig:
+    """A crash to inject, to test resuming; ANYSHARD_FAULT="rank:step[:mode]" overrides it."""
+
+    kill_rank: int | None = None  # the rank that fails; None injects nothing
+    kill_step: int | None = None  # it fails at the start of this step
+    mode: str = "sigkill"  # "sigkill" (the process dies at once) or "raise" (an exception)
+    only_first_attempt: bool = True  # fail only in the first attempt, not after a restart
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """A whole run: the five sections and where the logs go."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    run_dir: str = "runs/demo"  # where logs go
+
+    def validate(self) -> None:
+        """Raise `ConfigError` listing every value that conflicts with another, with a fix.
+
+        >>> Config().validate()
+        >>> try:
+        ...     Config(model=ModelConfig(n_kv_heads=3)).validate()
+        ... except ConfigError as e:
+        ...     print(e)  # doctest: +NORMALIZE_WHITESPACE
+        invalid configuration:
+          - model.n_heads (4) is not divisible by model.n_kv_heads (3): each key/value head
+            serves a group of query heads; set n_kv_heads to one of 1, 2, 4
+        """
+        problems = _problems(self)
+        if problems:
+            raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+_SECTIONS = ("model", "parallel", "train", "checkpoint", "fault")
+
+# The interval of each number, checked first: the rules between values divide by them.
+_RANGES = {
+    "model": {
+        **dict.fromkeys(("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads"), "[1, inf)"),
+        **dict.fromkeys(("ffn_dim", "max_seq_len", "top_k"), "[1, inf)"),
+        **dict.fromkeys(("norm_eps", "rope_theta", "init_std"), "(0, inf)"),
+        "n_experts": "[0, inf)",
+    },
+    "parallel": dict.fromkeys((*MESH_ORDER, "microbatches"), "[1, inf)"),
+    "train": {
+        **dict.fromkeys(("steps", "seq_len", "global_batch", "log_every"), "[1, inf)"),
+        **dict.fromkeys(("warmup_steps", "weight_decay", "grad_clip", "seed"), "[0, inf)"),
+        **dict.fromkeys(("beta1", "beta2"), "[0, 1)"),
+        "min_lr_ratio": "[0, 1]",
+        "lr": "(0, inf)",
+    },
+    "checkpoint": dict.fromkeys(("every_steps", "keep_last"), "[1, inf)"),
+    "fault": {"kill_rank": "[0, inf)", "kill_step": "[1, inf)"},  # None: no fault
+}
+_CHOICES = [
+    ("parallel", "pp_schedule", ("1F1B", "GPipe")),
+    ("checkpoint", "storage", ("local", "s3")),
+    ("fault", "mode", _FAULT_MODES),
+]
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _inside(value: float, interval: str) -> bool:
+    low, high = (float(x) for x in interval[1:-1].split(","))
+    above = value >= low if interval[0] == "[" else value > low
+    return above and (value <= high if interval[-1] == "]" else value < high)
+
+
+def _range_problems(cfg: Config) -> list[str]:
+    problems = []
+    for section, intervals in _RANGES.items():
+        for key, interval in intervals.items():
+            value = getattr(getattr(cfg, section), key)
+            if value is not None and not _inside(value, interval):
+                problems.append(f"{section}.{key} must be in {interval}; got {value!r}")
+    for section, key, valid in _CHOICES:
+        value = getattr(getattr(cfg, section), key)
+        if value not in valid:
+            problems.append(
+                f"{section}.{key} must be one of {', '.join(map(repr, valid))}; got {value!r}"
+            )
+    return problems
+
+
+def _model_problems(m: ModelConfig) -> list[str]:
+    problems = []
+    if m.n_heads % m.n_kv_heads:
+        problems.append(
+            f"model.n_heads ({m.n_heads}) is not divisible by model.n_kv_heads ({m.n_kv_heads}): "
+            f"each key/value head serves a group of query heads; set n_kv_heads to one of "
+            f"{_divisors(m.n_heads)}"
+        )
+    if m.dim % m.n_heads:
+        problems.append(
+            f"model.dim ({m.dim}) is not divisible by model.n_heads ({m.n_heads}); "
+            f"set n_heads to one of {_divisors(m.dim)}"
+        )
+    elif (m.dim // m.n_heads) % 2:
+        problems.append(
+            f"the head size model.dim / model.n_heads ({m.dim} / {m.n_heads} = "
+            f"{m.dim // m.n_heads}) is odd, and RoPE rotates pairs; make dim / n_heads even"
+        )
+    if m.vocab_size < 256:
+        problems.append(
+            f"model.vocab_size ({m.vocab_size}) is below 256, the byte tokenizer's ids; set it >= 256"
+        )
+    if m.n_experts and m.top_k > m.n_experts:
+        problems.append(
+            f"model.top_k ({m.top_k}) exceeds model.n_experts ({m.n_experts}); "
+            f"set top_k to at most {m.n_experts}"
+        )
+    return problems
+
+
+def _split_problems(m: ModelConfig, p: ParallelConfig) -> list[str]:
+    """Sizes that a mesh axis splits evenly: layers over pp, heads and ffn over tp, experts over ep."""
+    problems = []
+    for key, degree, what in [
+        ("n_layers", "pp", "each pipeline stage holds the same number of layers"),
+        ("n_heads", "tp", "tensor parallelism splits the attention heads"),
+        ("n_kv_heads", "tp", "tensor parallelism splits the key/value heads"),
+        ("ffn_dim", "tp", "tensor parallelism splits the MLP hidden size"),
+    ]:
+        size, n = getattr(m, key), getattr(p, degree)
+        if size % n:
+            problems.append(
+                f"model.{key} ({size}) is not divisible by parallel.{degree} ({n}): {what}; "
+                f"set {degree} to one of {_divisors(size)} or {key} to a multiple of {n}"
+            )
+    if p.ep > 1 and m.n_experts == 0:
+        problems.append(
+            f"parallel.ep ({p.ep}) > 1 needs a mixture of experts, but model.n_experts is 0; "
+            f"set n_experts to a multiple of {p.ep}, or ep = 1"
+        )
+    elif m.n_experts % p.ep:
+        problems.append(
+            f"model.n_experts ({m.n_experts}) is not divisible by parallel.ep ({p.ep}): each "
+            f"expert-parallel rank holds the same number of experts; set n_experts to a "
+            f"multiple of {p.ep}"
+        )
+    return problems
+
+
+def _batch_problems(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -> list[str]:
+    problems = []
+    if t.global_batch % p.dp_size:
+        problems.append(
+            f"train.global_batch ({t.global_batch}) is not divisible by the data-parallel degree "
+            f"dp_replicate * dp_shard * ep = {p.dp_replicate} * {p.dp_shard} * {p.ep} = "
+            f"{p.dp_size}; set global_batch to a multiple of {p.dp_size}"
+        )
+    elif p.pp > 1 and (t.global_batch // p.dp_size) % p.microbatches:
+        local = t.global_batch // p.dp_size
+        problems.append(
+            f"the per-rank batch global_batch / {p.dp_size} = {local} is not divisible by "
+            f"parallel.microbatches ({p.microbatches}) with pp = {p.pp}; set microbatches to "
+            f"one of {_divisors(local)}"
+        )
+    if p.pp > 1 and p.pp_schedule == "1F1B" and p.microbatches < p.pp:
+        problems.append(
+            f"parallel.microbatches ({p.microbatches}) is below parallel.pp ({p.pp}), which the "
+            f"1F1B schedule needs; set microbatches >= {p.pp} or pp_schedule = 'GPipe'"
+        )
+    if p.cp > 1 and t.seq_len % (2 * p.cp):
+        problems.append(
+            f"train.seq_len ({t.seq_len}) is not divisible by 2 * parallel.cp ({2 * p.cp}): "
+            f"context parallelism splits each sequence into 2 * cp balanced chunks; set "
+            f"seq_len to a multiple of {2 * p.cp}"
+        )
+    if t.seq_len > m.max_seq_len:
+        problems.append(
+            f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}); "
+            f"set max_seq_len >= {t.seq_len} or a shorter seq_len"
+        )
+    return problems
+
+
+def _fault_problems(f: FaultConfig, p: ParallelConfig, t: TrainConfig) -> list[str]:
+    if (f.kill_rank is None) != (f.kill_step is None):
+        return [
+            f"fault.kill_rank ({f.kill_rank}) and fault.kill_step ({f.kill_step}) must be set "
+            f"together; set both (or {FAULT_ENV}=rank:step) or neither"
+        ]
+    problems = []
+    if f.kill_rank is not None and f.kill_rank >= p.world_size:
+        problems.append(
+            f"fault.kill_rank ({f.kill_rank}) is not a rank of the world of {p.world_size}; "
+            f"set it below {p.world_size}"
+        )
+    if f.kill_step is not None and f.kill_step > t.steps:
+        problems.append(
+            f"fault.kill_step ({f.kill_step}) is after the last step (train.steps = {t.steps}), "
+            f"so it never fires; set it to at most {t.steps}"
+        )
+    return problems
+
+
+def _problems(cfg: Config) -> list[str]:
+    """Every rule the config breaks, sorted; the rules between values once the ranges hold."""
+    problems = _range_problems(cfg)
+    if not problems:
+        m, p, t = cfg.model, cfg.parallel, cfg.train
+        problems += _model_problems(m) + _split_problems(m, p) + _batch_problems(m, p, t)
+        problems += _fault_problems(cfg.fault, p, t)
+    return sorted(problems)
+
+
+@functools.cache
+def _types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _scalar(tp: Any) -> tuple[type, bool]:
+    """The scalar type of a field and whether it is optional (``X | None``)."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return (args[0], True) if args else (tp, False)
+
+
+def _type_name(tp: Any) -> str:
+    scalar, optional = _scalar(tp)
+    name = {bool: "bool (true or false)"}.get(scalar, scalar.__name__)
+    return f"{name} or none" if optional else name
+
+
+def _parse_text(text: str, tp: Any) -> Any:
+    """A command-line value as the field's type; raises ValueError if it is not one."""
+    scalar, optional = _scalar(tp)
+    word = text.strip().lower()
+    if optional and word in ("none", "null"):
+        return None
+    if scalar is bool:
+        if word in ("true", "1", "yes"):
+            return True
+        if word in ("false", "0", "no"):
+            return False
+        raise ValueError(text)
+    return scalar(text)
+
+
+def _check_toml(value: Any, tp: Any) -> Any:
+    """A TOML value as the field's type (an int is a float too); raises ValueError if not."""
+    scalar, _ = _scalar(tp)
+    if scalar is float and type(value) in (int, float):
+        return float(value)
+    if type(value) is not scalar:
+        raise ValueError(value)
+    return value
+
+
+def _unknown(where: str, what: str, name: str, valid: Sequence[str], among: str) -> ConfigError:
+    close = difflib.get_close_matches(name, valid, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ";"
+    return ConfigError(f"{where}: unknown {what}{hint} {among}: {', '.join(valid)}")
+
+
+def _field_type(section: str | None, key: str, where: str) -> Any:
+    """The type of ``section.key`` (``key`` alone for a top-level key); ConfigError if unknown."""
+    cls = Config if section is None else _types(Config)[section]
+    types = {k: v for k, v in _types(cls).items() if section is not None or k not in _SECTIONS}
+    if key not in types:
+        if section is None:
+            valid = [*_SECTIONS, *types]
+            raise _unknown(
+                where, f"section or key {key!r}", key, valid, "valid sections and top-level keys"
+            )
+        raise _unknown(
+            where, f"key {key!r} in [{section}]", key, list(types), f"valid keys of [{section}]"
+        )
+    return types[key]
+
+
+def _set(values: dict, section: str | None, key: str, value: Any) -> None:
+    (values if section is None else values.setdefault(section, {}))[key] = value
+
+
+def _apply_toml(values: dict, doc: Mapping[str, Any], source: str) -> None:
+    for name, table in doc.items():
+        if name not in _SECTIONS:
+            _field_type(None, name, source)
+            _set(
+                values, None, name, _converted(_check_toml, table, None, name, f"{source}: {name}")
+            )
+            continue
+        if not isinstance(table, dict):
+            raise ConfigError(f"{source}: {name} must be a table ([{name}]), got {table!r}")
+        for key, value in table.items():
+            _field_type(name, key, f"{source}: [{name}]")
+            where = f"{source}: [{name}] {key}"
+            _set(values, name, key, _converted(_check_toml, value, name, key, where))
+
+
+def _converted(convert, value: Any, section: str | None, key: str, where: str) -> Any:
+    tp = _field_type(section, key, where)
+    try:
+        return convert(value, tp)
+    except ValueError:
+        default = getattr(Config() if section is None else getattr(Config(), section), key)
+        raise ConfigError(
+            f"{where}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__}); "
+            f"for example the default, {_toml_value(default) if default is not None else 'none'}"
+        ) from None
+
+
+def _split_overrides(overrides: Sequence[str]) -> list[tuple[str, str | None]]:
+    """``--a.b value`` and ``--a.b=value`` as (name, value) pairs; value None when absent."""
+    args, pairs, i = list(overrides), [], 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(
+                f"expected an override like --train.steps 10 or --train.steps=10, got {arg!r}"
+            )
+        name, eq, value = arg[2:].partition("=")
+        if eq:
+            pairs.append((name, value))
+            i += 1
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            pairs.append((name, args[i + 1]))
+            i += 2
+        else:
+            pairs.append((name, None))
+            i += 1
+    return pairs
+
+
+def _apply_overrides(values: dict, overrides: Sequence[str]) -> None:
+    for name, text in _split_overrides(overrides):
+        section, _, key = name.partition(".") if "." in name else ("", "", name)
+        where = f"--{name}"
+        if section and section not in _SECTIONS:
+            raise _unknown(where, f"section {section!r}", section, _SECTIONS, "valid sections")
+        tp = _field_type(section or None, key, where)
+        if text is None:  # a bare flag: true for a bool, an error otherwise
+            if _scalar(tp)[0] is not bool:
+                raise ConfigError(f"{where}: missing value; expected {_type_name(tp)}")
+            text = "true"
+        value = _converted(_parse_text, text, section or None, key, f"{where} {text}")
+        _set(values, section or None, key, value)
+
+
+def parse_fault_env(text: str) -> dict[str, Any]:
+    """The `FaultConfig` fields that ANYSHARD_FAULT="rank:step[:mode]" sets; {} when empty.
+
+    Without a mode the configured one stays.
+
+    >>> parse_fault_env("1:7:sigkill")
+    {'kill_rank': 1, 'kill_step': 7, 'mode': 'sigkill'}
+    >>> parse_fault_env("0:3")
+    {'kill_rank': 0, 'kill_step': 3}
+    """
+    text = text.strip()
+    if not text:
+        return {}
+    parts = text.split(":")
+    try:
+        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in _FAULT_MODES):
+            raise ValueError(text)
+        fault: dict[str, Any] = {"kill_rank": int(parts[0]), "kill_step": int(parts[1])}
+    except ValueError:
+        raise ConfigError(
+            f"{FAULT_ENV}={text!r}: expected rank:step[:mode] with mode one of "
+            f"{', '.join(_FAULT_MODES)}, e.g. {FAULT_ENV}=1:7:sigkill"
+        ) from None
+    return fault | ({"mode": parts[2]} if len(parts) == 3 else {})
+
+
+def _build(values: dict) -> Config:
+    sections = {name: _types(Config)[name](**values.pop(name, {})) for name in _SECTIONS}
+    return Config(**sections, **values)
+
+
+def loads_config(
+    text: str,
+    overrides: Sequence[str] = (),
+    *,
+    source: str = "<string>",
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """Like `load_config`, from TOML text; ``source`` names it in error messages.
+
+    >>> loads_config("[train]\\nsteps = 10\\n", ["--parallel.tp=2"], environ={}).train.steps
+    10
+    """
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{source}: not valid TOML: {e}") from e
+    values: dict[str, Any] = {}
+    _apply_toml(values, doc, source)
+    _apply_overrides(values, overrides)
+    environ = os.environ if environ is None else environ
+    values.setdefault("fault", {}).update(parse_fault_env(environ.get(FAULT_ENV, "")))
+    cfg = _build(values)
+    cfg.validate()
+    return cfg
+
+
+def load_config(
+    path: str | None = None,
+    overrides: Sequence[str] = (),
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """The defaults, then the TOML file at ``path``, then ``overrides``, then ANYSHARD_FAULT.
+
+    ``overrides`` are command-line words: ``["--parallel.tp", "2", "--train.steps=10"]``;
+    ``environ`` defaults to ``os.environ``. Raises `ConfigError` (a ValueError) on an unknown
+    key, a value of the wrong type, or values that conflict (see `Config.validate`).
+
+    >>> cfg = load_config(None, ["--parallel.dp_shard", "2", "--checkpoint.async_=yes"], environ={})
+    >>> cfg.parallel.world_size, cfg.checkpoint.async_
+    (2, True)
+    """
+    text = "" if path is None else storage.read_bytes(path).decode("utf-8")
+    return loads_config(text, overrides, source=path or "<defaults>", environ=environ)
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    """The config as nested dicts of JSON values, one per section, plus ``run_dir``."""
+    return dataclasses.asdict(cfg)
+
+
+_ESCAPES = {
+    '"': '\\"',
+    "\\": "\\\\",
+    "\b": "\\b",
+    "\t": "\\t",
+    "\n": "\\n",
+    "\f": "\\f",
+    "\r": "\\r",
+}
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)  # the shortest text that reads back as the same float
+    chars = (
+        _ESCAPES.get(c, f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c) for c in value
+    )
+    return '"' + "".join(chars) + '"'
+
+
+def dump_toml(cfg: Config) -> str:
+    """The config as TOML that `load_config` reads back equal; None values are left out.
+
+    >>> cfg = Config(train=TrainConfig(steps=10))
+    >>> loads_config(dump_toml(cfg), environ={}) == cfg
+    True
+    >>> print(dump_toml(cfg).splitlines()[0])
+    run_dir = "runs/demo"
+    """
+    values = config_to_dict(cfg)
+    lines = [f"{k} = {_toml_value(v)}" for k, v in values.items() if k not in _SECTIONS]
+    for name in _SECTIONS:
+        lines += ["", f"[{name}]"]
+        lines += [f"{k} = {_toml_value(v)}" for k, v in values[name].items() if v is not None]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,317 @@
+"""Every parallelism of the reference trainer, composed on one DeviceMesh.
+
+Mesh dims, slowest first: ``pp, dp_replicate, dp_shard, ep, cp, tp`` (size-1 dims included).
+
+- **dp_shard** (with **ep** and **cp**, whose ranks also see different tokens): FSDP2
+  ``fully_shard`` of every block and of the root, over those dims flattened into one; with
+  **dp_replicate**, HSDP on the 2-D mesh (dp_replicate, that flattened dim).
+- **tp**: DTensor tensor parallelism, column-parallel wq/wk/wv/w1/w3/output, row-parallel
+  wo/w2, vocabulary-parallel embedding, sequence parallel for the norms.
+- **pp**: torch.distributed.pipelining, layers split evenly over stages, GPipe or 1F1B.
+- **cp**: the sequence split over ranks; keys and values gathered with autograd-aware
+  collectives (torch's ``context_parallel`` has no CPU kernels).
+- **ep**: experts sharded over ep ranks (DTensor ``Shard(0)``), tokens dispatched by all-to-all.
+
+Every rank builds the whole model from one seed, then keeps and shards its part, so all layouts
+start from the same logical weights.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from anyshard.trainer_integration.gpt.config import ModelConfig, ParallelConfig
+from anyshard.trainer_integration.gpt.model import GPT, ParallelContext, build_model
+
+__all__ = ["Parallel", "TrainStep", "build", "setup_mesh"]
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
+
+
+@dataclass
+class Parallel:
+    """The layout of this rank: mesh, coordinates and the groups the trainer uses."""
+
+    cfg: ParallelConfig
+    mesh: object  # DeviceMesh over MESH_DIMS
+    coords: dict[str, int]
+    ctx: ParallelContext = field(default_factory=ParallelContext)
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's index among the ranks that see different samples (dp x ep)."""
+        c, p = self.coords, self.cfg
+        return (c["dp_replicate"] * p.dp_shard + c["dp_shard"]) * p.ep + c["ep"]
+
+    @property
+    def data_size(self) -> int:
+        return self.cfg.dp_replicate * self.cfg.dp_shard * self.cfg.ep
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords["pp"]
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coords["pp"] == self.cfg.pp - 1
+
+
+def setup_mesh(pcfg: ParallelConfig) -> Parallel:
+    """The world DeviceMesh (torch.distributed must be initialised with the right world size)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    sizes = tuple(getattr(pcfg, d) for d in MESH_DIMS)
+    if not dist.is_initialized() and math.prod(sizes) == 1:  # a single process: a group of one
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if math.prod(sizes) != world:
+        raise ValueError(
+            f"the parallel degrees {dict(zip(MESH_DIMS, sizes, strict=True))} multiply to "
+            f"{math.prod(sizes)}, but {world} processes run; launch that many (torchrun "
+            "--nproc-per-node) or change the degrees"
+        )
+    mesh = init_device_mesh("cpu", sizes, mesh_dim_names=MESH_DIMS)
+    coords = {d: mesh[d].get_local_rank() for d in MESH_DIMS}
+    par = Parallel(pcfg, mesh, coords)
+    if pcfg.cp > 1:
+        par.ctx.cp_group, par.ctx.cp_rank, par.ctx.cp_size = (
+            mesh["cp"].get_group(),
+            coords["cp"],
+            pcfg.cp,
+        )
+    if pcfg.ep > 1:
+        par.ctx.ep_group, par.ctx.ep_rank, par.ctx.ep_size = (
+            mesh["ep"].get_group(),
+            coords["ep"],
+            pcfg.ep,
+        )
+    return par
+
+
+def _fsdp_mesh(par: Parallel):
+    """The mesh FSDP shards over: (dp_shard, ep, cp) flattened, with dp_replicate for HSDP."""
+    shard_dims = tuple(d for d in ("dp_shard", "ep", "cp") if getattr(par.cfg, d) > 1)
+    mesh = par.mesh
+    if len(shard_dims) > 1:
+        name = "_".join(shard_dims)
+        flat = mesh[shard_dims]._flatten(name)
+        if par.cfg.dp_replicate == 1:
+            return flat
+        shard_dims = (name,)
+    dims = (("dp_replicate",) if par.cfg.dp_replicate > 1 else ()) + shard_dims
+    if not dims:
+        return None
+    with warnings.catch_warnings():  # a 2-D (replicate, flattened shard) mesh for HSDP
+        warnings.simplefilter("ignore", UserWarning)
+        return mesh[dims]
+
+
+def _tensor_parallel(model: GPT, tp_mesh) -> None:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    top = {}
+    if model.tok_embeddings is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if model.norm is not None:
+        top["norm"] = SequenceParallel()
+        top["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    if top:
+        parallelize_module(model, tp_mesh, top)
+    for block in model.layers.values():
+        plan = {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            ),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            ),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        }
+        parallelize_module(block, tp_mesh, plan)
+
+
+def _expert_parallel(model: GPT, ep_mesh) -> list[nn.Parameter]:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    params = []
+    for block in model.layers.values():
+        experts = block.feed_forward.experts
+        for name in ("w1", "w2", "w3"):
+            p = nn.Parameter(distribute_tensor(getattr(experts, name).data, ep_mesh, [Shard(0)]))
+            setattr(experts, name, p)
+            params.append(p)
+    return params
+
+
+def build(mcfg: ModelConfig, par: Parallel, seed: int) -> tuple[GPT, list[nn.Parameter]]:
+    """The model part this rank holds, parallelised; and its expert-parallel parameters."""
+    p = par.cfg
+    if mcfg.n_experts and p.tp > 1:
+        raise ValueError("mixture of experts with tensor parallelism is not supported; use ep")
+    if mcfg.tie_embeddings and p.pp > 1:
+        raise ValueError("tied embeddings need the embedding and output on one stage; use pp=1")
+    model = build_model(mcfg, seed, par.ctx)
+    if p.pp > 1:
+        model.keep_stage(par.pp_rank, p.pp)
+    if p.tp > 1:
+        _tensor_parallel(model, par.mesh["tp"])
+    expert_params: list[nn.Parameter] = []
+    if mcfg.n_experts and p.ep > 1:
+        expert_params = _expert_parallel(model, par.mesh["ep"])
+    fsdp_mesh = _fsdp_mesh(par)
+    if fsdp_mesh is not None:
+        from torch.distributed.fsdp import fully_shard
+
+        ignored = set(expert_params)
+        for block in model.layers.values():
+            fully_shard(block, mesh=fsdp_mesh, ignored_params=ignored or None)
+        fully_shard(model, mesh=fsdp_mesh, ignored_params=ignored or None)
+    return model, expert_params
+
+
+def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+class TrainStep:
+    """One optimizer step on this rank's batch; returns the global mean loss (every rank)."""
+
+    def __init__(
+        self,
+        model: GPT,
+        par: Parallel,
+        optimizer: torch.optim.Optimizer,
+        expert_params: list[nn.Parameter],
+        *,
+        grad_clip: float = 0.0,
+        microbatches: int = 1,
+        schedule: str = "1F1B",
+    ):
+        self.model, self.par, self.optimizer = model, par, optimizer
+        self.expert_params = expert_params
+        self.grad_clip = grad_clip
+        self.schedule = None
+        if par.cfg.pp > 1:
+            from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+            stage = PipelineStage(
+                model,
+                par.pp_rank,
+                par.cfg.pp,
+                torch.device("cpu"),
+                group=par.mesh["pp"].get_group(),
+            )
+            kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule.lower()]
+            self.schedule = kind(stage, n_microbatches=microbatches, loss_fn=_cross_entropy)
+        self._expert_group = None
+        if expert_params:
+            others = tuple(d for d in ("dp_replicate", "dp_shard", "cp") if getattr(par.cfg, d) > 1)
+            if others:
+                mesh = par.mesh[others]
+                if len(others) > 1:
+                    mesh = mesh._flatten("_".join(others) + "_for_experts")
+                self._expert_group = mesh.get_group()
+
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        par = self.par
+        if par.cfg.cp > 1:  # this rank's contiguous chunk of the sequence
+            n = inputs.shape[1] // par.cfg.cp
+            c = par.coords["cp"]
+            inputs, targets = inputs[:, c * n : (c + 1) * n], targets[:, c * n : (c + 1) * n]
+        inputs, targets = inputs.contiguous(), targets.contiguous()
+        local = torch.zeros((), dtype=torch.float64)
+        if self.schedule is None:
+            loss = _cross_entropy(self.model(inputs), targets)
+            loss.backward()
+            local += loss.detach().double()
+        else:
+            losses: list[torch.Tensor] = []
+            if par.pp_rank == 0:
+                self.schedule.step(inputs)
+            elif par.is_last_stage:
+                self.schedule.step(target=targets, losses=losses)
+                local += torch.stack([x.detach() for x in losses]).double().mean()
+            else:
+                self.schedule.step()
+        self._sync_expert_grads()
+        if self.grad_clip > 0:
+            self._clip()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        # the global mean: every data rank's (and cp chunk's) last-stage loss, averaged
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(local)
+            holders = par.data_size * par.cfg.cp * par.cfg.tp
+            return float(local) / holders
+        return float(local)
+
+    def _sync_expert_grads(self) -> None:
+        """Expert gradients: summed over the data ranks that hold the same experts, divided by
+        every data rank (the all-to-all already summed what the ep ranks sent)."""
+        if not self.expert_params:
+            return
+        n = self.par.data_size * self.par.cfg.cp
+        for p in self.expert_params:
+            if p.grad is None:
+                continue
+            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            if self._expert_group is not None:
+                dist.all_reduce(g, group=self._expert_group)
+            g.div_(n)
+
+    @torch.no_grad()
+    def _clip(self) -> None:
+        total = torch.zeros((), dtype=torch.float64)
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        for g in grads:
+            n = g.norm()
+            if hasattr(n, "full_tensor"):
+                n = n.full_tensor()
+            total += n.double() ** 2
+        if self.par.cfg.pp > 1:
+            dist.all_reduce(total, group=self.par.mesh["pp"].get_group())
+        norm = total.sqrt()
+        scale = min(1.0, self.grad_clip / (float(norm) + 1e-6))
+        if scale < 1.0:
+            for g in grads:
+                g.mul_(scale)
+
+
+def make_optimizer(model: nn.Module, lr: float, betas, weight_decay: float) -> torch.optim.AdamW:
+    return torch.optim.AdamW(
+        model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay, foreach=False
+    )
+
+
+def lr_at(step: int, *, lr: float, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup to ``lr``, then cosine decay to ``lr * min_ratio`` at ``total``."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+StepFn = Callable[[torch.Tensor, torch.Tensor], float]

@@ -1,0 +1,242 @@
+"""The reference training loop: any layout, checkpoints through anyshard, faults and restarts.
+
+Launch with torchrun (one process per rank; gloo on CPU, nccl on CUDA)::
+
+    torchrun --nproc-per-node 4 --max-restarts 1 -m anyshard.trainer_integration.gpt.train \\
+        --parallel.dp_shard 2 --parallel.tp 2 --train.steps 20
+
+Each run restores the newest committed checkpoint under ``checkpoint.root`` (whatever layout
+saved it), trains to ``train.steps`` and saves every ``checkpoint.every_steps``. A fault
+(``fault.kill_rank`` at ``fault.kill_step``, or ANYSHARD_FAULT=rank:step[:mode]) kills a rank
+with SIGKILL (or raises) on the first attempt; torchrun restarts the group, which resumes. Rank 0
+appends one JSON line per step to ``run_dir/losses.jsonl`` and one per (re)start to
+``run_dir/events.jsonl`` (restored step, recovery time, lost steps).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from anyshard.trainer_integration.checkpointer import Checkpointer
+from anyshard.trainer_integration.gpt.config import Config, load_config
+from anyshard.trainer_integration.gpt.data import DataLoader, load_corpus
+from anyshard.trainer_integration.gpt.parallel import (
+    TrainStep,
+    build,
+    lr_at,
+    make_optimizer,
+    setup_mesh,
+)
+
+__all__ = ["TrainState", "init_distributed", "main", "run"]
+
+
+class TrainState:
+    """Everything a resume needs, as one Stateful: model, AdamW, data position, RNG, step."""
+
+    def __init__(self, model, optimizer, loader: DataLoader):
+        self.model, self.optimizer, self.loader = model, optimizer, loader
+        self.step = 0
+
+    def _options(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(flatten_optimizer_state_dict=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options())
+        return {
+            "model": model_sd,
+            "optim": optim_sd,
+            "data": self.loader.state_dict(),
+            "rng": torch.get_rng_state(),
+            "step": self.step,
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=sd["model"],
+            optim_state_dict=sd["optim"],
+            options=self._options(),
+        )
+        self.loader.load_state_dict(sd["data"])
+        torch.set_rng_state(sd["rng"])
+        self.step = int(sd["step"])
+
+
+def init_distributed() -> None:
+    """Join the process group that torchrun describes, in a store namespace of its own per
+    restart attempt (a restarted group must not meet the keys of the one it replaces)."""
+    if dist.is_initialized() or "WORLD_SIZE" not in os.environ:
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=rank == 0 and not agent_store,
+        timeout=__import__("datetime").timedelta(seconds=120),
+    )
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"anyshard-attempt-{attempt}/", store),
+        rank=rank,
+        world_size=world,
+    )
+
+
+def _attempt() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def _fault(cfg: Config) -> tuple[int | None, int | None, str]:
+    spec = os.environ.get("ANYSHARD_FAULT")
+    if spec:
+        parts = spec.split(":")
+        return int(parts[0]), int(parts[1]), parts[2] if len(parts) > 2 else "sigkill"
+    return cfg.fault.kill_rank, cfg.fault.kill_step, cfg.fault.mode
+
+
+def _layout_name(cfg: Config) -> str:
+    p = cfg.parallel
+    parts = [f"{d}={getattr(p, d)}" for d in ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")]
+    return " ".join(x for x in parts if not x.endswith("=1")) or "single"
+
+
+def _append(path: str, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def run(cfg: Config, *, max_steps: int | None = None) -> list[float]:
+    """Train (restoring first) until ``cfg.train.steps``, or for at most ``max_steps`` steps of
+    this call; returns this call's losses. torch.distributed must be initialised if the layout
+    has more than one rank."""
+    started = time.time()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    torch.manual_seed(cfg.train.seed)
+    par = setup_mesh(cfg.parallel)
+    model, experts = build(cfg.model, par, cfg.train.seed)
+    t = cfg.train
+    optimizer = make_optimizer(model, t.lr, (t.beta1, t.beta2), t.weight_decay)
+    step_fn = TrainStep(
+        model,
+        par,
+        optimizer,
+        experts,
+        grad_clip=t.grad_clip,
+        microbatches=cfg.parallel.microbatches,
+        schedule=cfg.parallel.pp_schedule,
+    )
+    loader = DataLoader(
+        load_corpus(),
+        seq_len=t.seq_len,
+        global_batch=t.global_batch,
+        dp_rank=par.data_rank,
+        dp_size=par.data_size,
+        seed=t.seed,
+    )
+    state = TrainState(model, optimizer, loader)
+    c = cfg.checkpoint
+    ckpt = Checkpointer(
+        c.root,
+        every_steps=c.every_steps,
+        keep_last=c.keep_last,
+        async_=c.async_,
+        local_dir=c.local_dir,
+    )
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    restored = ckpt.restore_latest({"train": state}, strict=cfg.parallel.pp == 1)
+    layout = _layout_name(cfg)
+    kill_rank, kill_step, mode = _fault(cfg)
+    armed = kill_step is not None and (_attempt() == 0 or not cfg.fault.only_first_attempt)
+    fault_file = os.path.join(cfg.run_dir, "fault.json")
+    losses: list[float] = []
+    first = True
+    while state.step < t.steps and (max_steps is None or len(losses) < max_steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(
+                state.step, lr=t.lr, warmup=t.warmup_steps, total=t.steps, min_ratio=t.min_lr_ratio
+            )
+        inputs, targets = loader.next_batch()
+        if armed and state.step == kill_step and rank == kill_rank:
+            ckpt.wait()
+            _append(
+                fault_file, {"time": time.time(), "step": state.step, "rank": rank, "mode": mode}
+            )
+            if mode == "raise":
+                raise RuntimeError(f"injected fault on rank {rank} at step {state.step}")
+            os.kill(os.getpid(), signal.SIGKILL)
+        loss = step_fn(inputs, targets)
+        state.step += 1
+        losses.append(loss)
+        if rank == 0:
+            _append(
+                os.path.join(cfg.run_dir, "losses.jsonl"),
+                {
+                    "step": state.step,
+                    "loss": loss,
+                    "layout": layout,
+                    "attempt": _attempt(),
+                    "time": time.time(),
+                },
+            )
+            if first:
+                event = {
+                    "event": "start",
+                    "layout": layout,
+                    "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                    "attempt": _attempt(),
+                    "restored_step": restored,
+                    "startup_to_first_step_s": time.time() - started,
+                }
+                if os.path.exists(fault_file):
+                    last = [json.loads(x) for x in open(fault_file)][-1]
+                    if last["time"] < started + 1e-9 and not last.get("recovered"):
+                        event["recovery_s"] = time.time() - last["time"]
+                        event["lost_steps"] = last["step"] - (restored or 0)
+                        _append(fault_file, {**last, "recovered": True, "time": last["time"]})
+                _append(os.path.join(cfg.run_dir, "events.jsonl"), event)
+        first = False
+        ckpt.save(state.step, {"train": state})
+    ckpt.wait()
+    return losses
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    path = None
+    if argv[:1] == ["--config"]:
+        path, argv = argv[1], argv[2:]
+    cfg = load_config(path, argv)
+    init_distributed()
+    try:
+        run(cfg)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""Task functions for the reference trainer's parallelism tests: a few optimizer steps on
+synthetic token batches under a layout, returning the global losses."""
+
+from __future__ import annotations
+
+import torch
+
+from anyshard.trainer_integration.gpt.config import load_config
+from anyshard.trainer_integration.gpt.parallel import TrainStep, build, make_optimizer, setup_mesh
+
+
+def global_batch(step: int, batch: int, seq: int, vocab: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, vocab, (batch, seq + 1), generator=g)
+
+
+def losses(overrides: list[str], steps: int = 3) -> list[float]:
+    cfg = load_config(None, overrides)
+    par = setup_mesh(cfg.parallel)
+    model, experts = build(cfg.model, par, cfg.train.seed)
+    t = cfg.train
+    opt = make_optimizer(model, t.lr, (t.beta1, t.beta2), t.weight_decay)
+    step_fn = TrainStep(
+        model,
+        par,
+        opt,
+        experts,
+        grad_clip=t.grad_clip,
+        microbatches=cfg.parallel.microbatches,
+        schedule=cfg.parallel.pp_schedule,
+    )
+    out = []
+    per = t.global_batch // par.data_size
+    for step in range(steps):
+        b = global_batch(step, t.global_batch, t.seq_len, cfg.model.vocab_size)
+        mine = b[par.data_rank * per : (par.data_rank + 1) * per]
+        out.append(step_fn(mine[:, :-1], mine[:, 1:]))
+    return out
