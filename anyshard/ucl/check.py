@@ -112,8 +112,11 @@ class _Checker:
         for d in self.mesh:
             if d in scope:
                 raise self.error(meshes[0], f"mesh dim {d!r} is declared twice", "distinct names")
+            if d in FUNCTIONS:
+                raise self.error(meshes[0], f"mesh dim {d!r} is a function name", "another name")
             scope.add(d)
-        patterns: dict[tuple, Rule] = {}
+        self.in_rule = False
+        patterns: dict[tuple, list[Rule]] = {}
         for s in self.spec.statements:
             if isinstance(s, MeshDecl):
                 if s is not meshes[0]:
@@ -133,16 +136,19 @@ class _Checker:
                 self._define(s, s.name, scope)
                 scope.add(s.name)
             elif isinstance(s, Rule):
+                self.in_rule = True
                 self.rule(s, scope)
+                self.in_rule = False
                 key = tuple(p if isinstance(p, str) else "{}" for p in s.pattern.parts)
-                if key in patterns:
+                earlier = patterns.get(key, [])
+                clash = next((r for r in earlier if r.when is None or s.when is None), None)
+                if clash is not None:
                     raise self.error(
                         s,
-                        f"rule for {s.pattern} repeats the one at line {patterns[key].line}",
-                        "one rule per local-name pattern (use 'when' to choose among layouts)",
+                        f"rule for {s.pattern} repeats the one at line {clash.line}",
+                        "one rule per local-name pattern (use 'when' on each to choose among layouts)",
                     )
-                if s.when is None:
-                    patterns[key] = s
+                patterns.setdefault(key, []).append(s)
 
     def _before(self, stmt):
         for s in self.spec.statements:
@@ -181,6 +187,12 @@ class _Checker:
                     f"{e.fn}(" + ", ".join(["x"] * (n or 2)) + ")",
                 )
             if e.fn == "rank":
+                if not self.in_rule:
+                    raise self.error(
+                        e,
+                        "rank() is a rank's coordinate: it has a value only inside a rule",
+                        "rank() in a rule's names, conditions or mappings, not in param or let",
+                    )
                 self.axis(e.args[0])
                 return
             for a in e.args:
@@ -215,28 +227,29 @@ class _Checker:
             raise self.error(
                 op, f"unknown mapping primitive {op.name!r}", _one_of(OPS, "a primitive")
             )
-        for sig in OPS[op.name]:
-            if self._fits(op, sig):
-                break
-        else:
+        sig = next((s for s in OPS[op.name] if self._fits(op, s)), None)
+        if sig is None:
+            # the arguments have the right shape but one meant as a mesh dim is not: say which
+            sig = next((s for s in OPS[op.name] if self._fits(op, s, any_axis=True)), None)
+        if sig is None:
             raise self.error(op, f"wrong arguments to {op.name}", USAGE[op.name])
+        slots = iter(sig.split(" ")[0])
         for a in op.args:
             if isinstance(a, KwArg):
                 self.expr(a.value, scope)
-            elif isinstance(a, ListArg):
+                continue
+            kind = next(slots)
+            if kind == "l":
                 for x in a.items:
                     self.expr(x, scope)
-        positional = [a for a in op.args if not isinstance(a, (KwArg, ListArg))]
-        sig = next(s for s in OPS[op.name] if self._fits(op, s)).split(" ")[0]
-        for a, kind in zip(positional, sig.replace("l", ""), strict=False):
-            if kind == "e":
+            elif kind == "e":
                 self.expr(a, scope)
             elif kind == "a":
                 self.axis(a)
             elif kind == "d" and (not isinstance(a, Var) or a.name not in DTYPES):
                 raise self.error(a, f"{a} is not a dtype", _one_of(DTYPES, "a dtype"))
 
-    def _fits(self, op: OpCall, sig: str) -> bool:
+    def _fits(self, op: OpCall, sig: str, any_axis: bool = False) -> bool:
         head, *kws = sig.split(" ")
         positional = [a for a in op.args if not isinstance(a, KwArg)]
         kwargs = [a.name for a in op.args if isinstance(a, KwArg)]
@@ -247,7 +260,7 @@ class _Checker:
                 return False
             if kind in "ead" and isinstance(a, ListArg):
                 return False
-            if kind == "a" and not (isinstance(a, Var) and a.name in self.mesh):
+            if kind == "a" and not any_axis and not (isinstance(a, Var) and a.name in self.mesh):
                 return False
             if kind == "e" and isinstance(a, Var) and a.name in DTYPES and a.name not in self.mesh:
                 return False
@@ -305,7 +318,12 @@ class _Checker:
 
     def combine(self, c: Combine, scope: set[str]) -> None:
         params = c.params
-        kw = {a.name: a for a in params if isinstance(a, KwArg)}
+        kw: dict[str, KwArg] = {}
+        for a in params:
+            if isinstance(a, KwArg):
+                if a.name in kw:
+                    raise self.error(a, f"{a.name}= is given twice", USAGE[c.kind])
+                kw[a.name] = a
         pos = [a for a in params if not isinstance(a, KwArg)]
         allowed = {
             "fuse": ("e", ()),

@@ -32,11 +32,13 @@ from anyshard.ucl.spec import (
     Combine,
     Compare,
     KwArg,
+    Let,
     Neg,
     Not,
     Num,
     OpCall,
     Or,
+    ParamDecl,
     Part,
     Rule,
     Spec,
@@ -482,6 +484,13 @@ class _Eval:
             parts = [(logical, shape, st, flags)]
         else:
             parts = self.combine(r.source, env)
+            if not parts:
+                raise self.error(
+                    r.source,
+                    f"{r.source.kind}() holds no logical tensor under this layout (every part "
+                    f"is excluded by 'when' or an empty loop), so local tensor {name!r} would be empty",
+                    "at least one part, or a 'when' on the rule",
+                )
             for _logical, _shape, st, flags in parts:
                 for op in r.ops:
                     self.apply(st, op, env, flags)
@@ -539,18 +548,20 @@ def layout_for(spec: Spec | str, layout: Mapping[str, int]) -> Layout:
             raise LayoutError(f"mesh dim {d} has size {n}; sizes are >= 1")
         env[d] = n
     ev = _Eval(spec, env, {})
-    for p in spec.params:
-        if p.name in layout:
-            env[p.name] = int(layout[p.name])
-        elif p.default is not None:
-            env[p.name] = ev.expr(p.default, env)
-        else:
-            raise LayoutError(
-                f"the layout does not give param {p.name!r} (declared at line {p.line} of the spec); "
-                f"pass it, e.g. {p.name}=..."
-            )
-    for let in spec.lets:
-        env[let.name] = ev.expr(let.expr, env)
+    for stmt in spec.statements:  # in order: a default may use an earlier let, and vice versa
+        if isinstance(stmt, ParamDecl):
+            for p in stmt.params:
+                if p.name in layout:
+                    env[p.name] = int(layout[p.name])
+                elif p.default is not None:
+                    env[p.name] = ev.expr(p.default, env)
+                else:
+                    raise LayoutError(
+                        f"the layout does not give param {p.name!r} (declared at line {p.line} "
+                        f"of the spec); pass it, e.g. {p.name}=..."
+                    )
+        elif isinstance(stmt, Let):
+            env[stmt.name] = ev.expr(stmt.expr, env)
     return Layout({d: env[d] for d in spec.mesh}, env)
 
 

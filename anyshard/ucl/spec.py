@@ -15,6 +15,7 @@ run in `anyshard.ucl.compile`. Both raise errors carrying line, column and what 
 
 from __future__ import annotations
 
+import bisect
 import functools
 import re
 from dataclasses import dataclass, field
@@ -401,6 +402,10 @@ class Spec:
 
 # --- parsing ------------------------------------------------------------------------------------
 
+MAX_DEPTH = 100
+"""How deeply a spec may nest (expressions, conditions, groups, counted together): deeper text is
+a `UCLSyntaxError` at the place it gets too deep, not a RecursionError in what walks the tree."""
+
 
 @functools.cache
 def _parser() -> lark.Lark:
@@ -418,62 +423,157 @@ _WORDS = {
     "COMBINER": "fuse(, interleave( or bucket(",
     "CMP": "a comparison (==, !=, <, <=, >, >=)",
     "MULOP": "*, /, // or %",
-    "ALIAS": "alias",
+    "ALIAS": "'alias'",
 }
 
 
-def _describe(terminals) -> str:
+def _describe(terminals, words=_WORDS) -> str:
     literals = {
         t.name: t.pattern.value
         for t in _parser().terminals
         if isinstance(t.pattern, lark.lexer.PatternStr)
     }
-    words = {_WORDS.get(n) or (repr(literals[n]) if n in literals else n) for n in terminals}
-    return ", ".join(sorted(words))
+    out = {words.get(n) or (repr(literals[n]) if n in literals else n) for n in terminals}
+    return ", ".join(sorted(out))
 
 
-def _syntax_error(e: lark.exceptions.UnexpectedInput, text: str, line0=0, col0=0) -> UCLSyntaxError:
-    expected = getattr(e, "expected", None) or getattr(e, "allowed", None) or []
-    line, column = e.line, e.column
+class _Lines:
+    """Offsets into a text as (line, column), both from 1, with lines counted as `str.splitlines`
+    counts them: the count the error's excerpt uses, so that the caret sits under the offset."""
+
+    def __init__(self, text: str):
+        self.starts: list[int] = []
+        self.lengths: list[int] = []
+        pos = 0
+        for chunk in text.splitlines(keepends=True):
+            self.starts.append(pos)
+            self.lengths.append(len((chunk.splitlines() or [""])[0]))
+            pos += len(chunk)
+        if not self.starts:
+            self.starts, self.lengths = [0], [0]
+        self.end = len(text)
+
+    def at(self, offset: int) -> tuple[int, int]:
+        """The line and column of ``offset`` (at most just past the end of its line)."""
+        offset = min(max(offset, 0), self.end)
+        i = bisect.bisect_right(self.starts, offset) - 1
+        return i + 1, min(offset - self.starts[i], self.lengths[i]) + 1
+
+
+def _error(cls, lines: _Lines, text: str, offset: int, message: str, expected: str):
+    line, column = lines.at(offset)
+    return cls(message, text=text, line=line, column=column, expected=expected)
+
+
+def _end_of_previous(e: lark.exceptions.UnexpectedInput) -> int | None:
+    """The offset just past the last symbol the parser accepted before ``e``, where lark says."""
+    try:
+        value = e.interactive_parser.parser_state.value_stack[-1]
+    except (AttributeError, IndexError, TypeError):
+        return None
+    if isinstance(value, lark.Token):
+        return value.end_pos
+    meta = getattr(value, "meta", None)
+    if meta is None or getattr(meta, "empty", True):
+        return None
+    return getattr(meta, "end_pos", None)
+
+
+def _expected(e: lark.exceptions.UnexpectedInput) -> set[str]:
+    """The terminals that could come at the place of ``e``: those the parser, restarted there,
+    accepts (LALR's own list merges the lookaheads of similar places), else lark's list."""
+    try:
+        accepts = set(e.interactive_parser.accepts())
+    except Exception:  # noqa: BLE001 - lark internals; its own list will do
+        accepts = set()
+    return accepts or set(getattr(e, "expected", None) or getattr(e, "allowed", None) or ())
+
+
+def _syntax_error(
+    e: lark.exceptions.UnexpectedInput,
+    text: str,
+    lines: _Lines,
+    base: int = 0,
+    close: int | None = None,
+) -> UCLSyntaxError:
+    """``e`` as a `UCLSyntaxError`; ``base`` is the offset in ``text`` of what was parsed (the
+    inside of a template's braces, whose ``}`` is at ``close``), 0 for the spec itself."""
+    expected = _expected(e)
+    words = _WORDS if close is None else {**_WORDS, "$END": "'}'"}
     what = "unexpected input"
+    offset = getattr(e, "pos_in_stream", None)
     token = getattr(e, "token", None)
-    if token is not None and token.type == "$END":
-        line, column = token.end_line or line, token.end_column or column
-        what = "unexpected end of input"
-    elif token is not None:
-        what = f"unexpected {token!s:.30}"
+    if isinstance(token, lark.Token) and token.type == "$END":
+        if close is not None:
+            what, offset = "unexpected '}'", close - base
+        else:
+            what = "unexpected end of input"
+            offset = token.end_pos if token.end_pos is not None else len(text)
+    elif isinstance(token, lark.Token):
+        shown = str(token) if token.type == "STRING" else repr(str(token))
+        what, offset = f"unexpected {shown:.40}", token.start_pos
+        previous = _end_of_previous(e)
+        if (
+            "SEMICOLON" in expected
+            and previous is not None
+            and token.start_pos is not None
+            and lines.at(base + previous)[0] < lines.at(base + token.start_pos)[0]
+        ):
+            # `let a = 1` NEWLINE `let b = 2;`: the ';' is missing where the line ends
+            what, offset = "missing ';' at the end of the statement", previous
     elif isinstance(e, lark.exceptions.UnexpectedCharacters):
         what = f"unexpected character {e.char!r}"
-    line = line if line and line > 0 else 1
-    column = column if column and column > 0 else 1
-    if line0:
-        line, column = line0 + line - 1, (col0 + column - 1 if line == 1 else column)
-    return UCLSyntaxError(
-        what, text=text, line=line, column=column, expected=_describe(expected) or "a statement"
+    if not isinstance(offset, int) or offset < 0:
+        offset = len(text) - base
+    return _error(
+        UCLSyntaxError,
+        lines,
+        text,
+        base + offset,
+        what,
+        _describe(expected, words) or "a statement",
     )
 
 
 class _Builder:
     def __init__(self, text: str):
         self.text = text
+        self.lines = _Lines(text)
+        # offset in the spec of the text being built: the inside of a template's braces, or 0
+        self.base = 0
+        self.depth: dict[int, int] = {}  # start offset of a STRING token -> its depth in the tree
 
-    def error(self, node, message: str, expected: str) -> UCLSemanticError:
-        return UCLSemanticError(
-            message,
-            text=self.text,
-            line=getattr(node, "line", 1) or 1,
-            column=getattr(node, "column", 1) or 1,
-            expected=expected,
-        )
+    def error_at(self, offset: int, cls, message: str, expected: str):
+        return _error(cls, self.lines, self.text, offset, message, expected)
 
-    @staticmethod
-    def pos(tree_or_token) -> dict[str, int]:
+    def pos(self, tree_or_token) -> dict[str, int]:
         if isinstance(tree_or_token, lark.Token):
-            return {"line": tree_or_token.line, "column": tree_or_token.column}
-        meta = tree_or_token.meta
-        if getattr(meta, "empty", True):
-            return {"line": 0, "column": 0}
-        return {"line": meta.line, "column": meta.column}
+            offset = tree_or_token.start_pos
+        else:
+            meta = tree_or_token.meta
+            offset = 0 if getattr(meta, "empty", True) else meta.start_pos
+        line, column = self.lines.at(self.base + (offset or 0))
+        return {"line": line, "column": column}
+
+    def check_depth(self, tree: lark.Tree, limit: int) -> None:
+        """Raise where ``tree`` nests deeper than ``limit``; note the depth of every quoted name."""
+        stack = [(tree, 1)]
+        while stack:
+            t, d = stack.pop()
+            if d > limit:
+                at = t.children[1] if t.data == "binop" else t
+                offset = at.start_pos if isinstance(at, lark.Token) else at.meta.start_pos
+                raise self.error_at(
+                    self.base + offset,
+                    UCLSyntaxError,
+                    f"nested too deeply (more than {MAX_DEPTH} levels)",
+                    "a flatter expression (name its parts with let)",
+                )
+            for c in reversed(t.children):
+                if isinstance(c, lark.Tree):
+                    stack.append((c, d + 1))
+                elif isinstance(c, lark.Token) and c.type == "STRING":
+                    self.depth[c.start_pos] = d
 
     # expressions
     def expr(self, t) -> Expr:
@@ -481,7 +581,17 @@ class _Builder:
             raise AssertionError(t)
         k = t.data
         if k == "num":
-            return Num(value=int(t.children[0]), **self.pos(t))
+            tok = t.children[0]
+            try:
+                value = int(tok)
+            except ValueError:  # longer than sys.get_int_max_str_digits()
+                raise self.error_at(
+                    self.base + tok.start_pos,
+                    UCLSyntaxError,
+                    f"integer literal of {len(tok)} digits is too long",
+                    "a shorter integer",
+                ) from None
+            return Num(value=value, **self.pos(t))
         if k == "var":
             return Var(name=str(t.children[0]), **self.pos(t))
         if k == "call":
@@ -525,14 +635,25 @@ class _Builder:
             name=str(name), args=tuple(self.arg(a) for a in args if a is not None), **self.pos(name)
         )
 
+    def literal(self, body: str, i: int, j: int, start: int, parts: list, expected: str) -> None:
+        """Append ``body[i:j]``, the text between two braced parts of a quoted name that starts at
+        offset ``start``, to ``parts``; a brace in it has no partner."""
+        stray = re.search(r"[{}]", body[i:j])
+        if stray is not None:
+            raise self.error_at(
+                start + i + stray.start(), UCLSyntaxError, "unbalanced brace in a name", expected
+            )
+        if j > i:
+            parts.append(body[i:j])
+
     def pattern(self, tok: lark.Token) -> Pattern:
         body = str(tok)[1:-1]
+        start = tok.start_pos + 1
         parts: list[str | Capture] = []
         i = 0
         for m in re.finditer(r"\{([^{}]*)\}", body):
-            if m.start() > i:
-                parts.append(body[i : m.start()])
-            column = tok.column + 1 + m.start()
+            self.literal(body, i, m.start(), start, parts, "{capture} with both braces")
+            where = dict(zip(("line", "column"), self.lines.at(start + m.start()), strict=True))
             cap = re.fullmatch(
                 r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*(?::\s*([A-Za-z_]+)\s*)?", m.group(1)
             )
@@ -540,86 +661,52 @@ class _Builder:
                 raise UCLSyntaxError(
                     f"malformed capture {m.group(0)!r} in a local-name pattern",
                     text=self.text,
-                    line=tok.line,
-                    column=column,
                     expected="a capture such as {i:int}",
+                    **where,
                 )
             kind = cap.group(2) or "int"
             if kind != "int":
                 raise UCLSemanticError(
                     f"capture type {kind!r} is not supported",
                     text=self.text,
-                    line=tok.line,
-                    column=column,
                     expected="int",
+                    **where,
                 )
             if parts and isinstance(parts[-1], Capture):
                 raise UCLSemanticError(
                     "two captures must be separated by text",
                     text=self.text,
-                    line=tok.line,
-                    column=column,
                     expected="text such as '.' between captures",
+                    **where,
                 )
-            parts.append(Capture(name=cap.group(1), line=tok.line, column=column))
+            parts.append(Capture(name=cap.group(1), **where))
             i = m.end()
-        rest = body[i:]
-        if "{" in rest or "}" in rest:
-            raise UCLSyntaxError(
-                "unbalanced brace in a name",
-                text=self.text,
-                line=tok.line,
-                column=tok.column + 1 + i + max(rest.find("{"), rest.find("}")),
-                expected="{capture} with both braces",
-            )
-        if rest:
-            parts.append(rest)
+        self.literal(body, i, len(body), start, parts, "{capture} with both braces")
         return Pattern(parts=tuple(parts), **self.pos(tok))
 
     def template(self, tok: lark.Token) -> Template:
         body = str(tok)[1:-1]
+        start = tok.start_pos + 1
         parts: list[str | Expr] = []
         i = 0
         for m in re.finditer(r"\{([^{}]*)\}", body):
-            if m.start() > i:
-                parts.append(body[i : m.start()])
-            col0 = tok.column + 1 + m.start() + 1
+            self.literal(body, i, m.start(), start, parts, "{expression} with both braces")
+            inner = start + m.start() + 1  # offset of the text inside the braces
             try:
                 tree = _parser().parse(m.group(1), start="expr")
             except lark.exceptions.UnexpectedInput as e:
-                raise _syntax_error(e, self.text, tok.line, col0) from None
-            parts.append(self._shift(self.expr(tree), tok.line, col0))
+                raise _syntax_error(
+                    e, self.text, self.lines, inner, inner + len(m.group(1))
+                ) from None
+            self.base = inner
+            try:
+                self.check_depth(tree, MAX_DEPTH - self.depth.get(tok.start_pos, 0))
+                parts.append(self.expr(tree))
+            finally:
+                self.base = 0
             i = m.end()
-        rest = body[i:]
-        if "{" in rest or "}" in rest:
-            raise UCLSyntaxError(
-                "unbalanced brace in a name",
-                text=self.text,
-                line=tok.line,
-                column=tok.column + 1 + i + max(rest.find("{"), rest.find("}")),
-                expected="{expression} with both braces",
-            )
-        if rest:
-            parts.append(rest)
+        self.literal(body, i, len(body), start, parts, "{expression} with both braces")
         return Template(parts=tuple(parts), **self.pos(tok))
-
-    def _shift(self, e, line: int, col0: int):
-        """Positions of an expression parsed from inside a string, made absolute."""
-        kw = {"line": line, "column": col0 + max(e.column, 1) - 1}
-        if isinstance(e, Call):
-            return Call(fn=e.fn, args=tuple(self._shift(a, line, col0) for a in e.args), **kw)
-        if isinstance(e, BinOp):
-            return BinOp(
-                op=e.op,
-                left=self._shift(e.left, line, col0),
-                right=self._shift(e.right, line, col0),
-                **kw,
-            )
-        if isinstance(e, Neg):
-            return Neg(operand=self._shift(e.operand, line, col0), **kw)
-        if isinstance(e, Var):
-            return Var(name=e.name, **kw)
-        return Num(value=e.value, **kw)
 
     def loop(self, t) -> Loop:
         var, count = t.children
@@ -704,7 +791,8 @@ class _Builder:
             loops=loops,
             when=when,
             alias=alias,
-            **self.pos(pattern_token(t)),
+            line=pattern.line,
+            column=pattern.column,
         )
 
     def statement(self, t) -> Statement:
@@ -731,19 +819,17 @@ class _Builder:
         raise AssertionError(k)
 
 
-def pattern_token(t: lark.Tree) -> lark.Token:
-    return next(c for c in t.children if isinstance(c, lark.Token) and c.type == "STRING")
-
-
 def parse(text: str) -> Spec:
-    """Parse and statically check a spec; raises `UCLSyntaxError` or `UCLSemanticError`."""
+    """Parse and statically check a spec; raises `UCLSyntaxError` or `UCLSemanticError` (and
+    nothing else, whatever the text) with the line and column of the first wrong place."""
     if not isinstance(text, str):
         raise TypeError(f"parse() takes the spec's text, not {type(text).__name__}")
+    b = _Builder(text)
     try:
         tree = _parser().parse(text, start="start")
     except lark.exceptions.UnexpectedInput as e:
-        raise _syntax_error(e, text) from None
-    b = _Builder(text)
+        raise _syntax_error(e, text, b.lines) from None
+    b.check_depth(tree, MAX_DEPTH)
     spec = Spec(tuple(b.statement(s) for s in tree.children), text=text)
     from anyshard.ucl.check import check_spec
 

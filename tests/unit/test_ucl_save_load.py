@@ -184,3 +184,24 @@ def test_loops_may_depend_on_earlier_loops_and_compile_takes_shipped_names():
 def test_a_save_of_json_values_only_commits(tmp_path):
     anyshard.save(str(tmp_path / "j"), {"step": 3, "cfg": {"lr": 0.1}})
     assert anyshard.open(str(tmp_path / "j")).get_value("cfg") == {"lr": 0.1}
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("mesh pp;\nparam layers;\nlet first = rank(pp) * layers;\n", "only inside a rule"),
+        ("mesh min;\n", "'min' is a function name"),
+        ('mesh tp;\n"x" when tp == 1 -> "x" [1];\n"x" -> "x" [1];\n', "repeats the one at line 2"),
+    ],
+)
+def test_static_mistakes_are_semantic_errors(text, message):
+    with pytest.raises(ucl.UCLSemanticError, match=message):
+        ucl.parse(text)
+
+
+def test_params_and_lets_evaluate_in_order_and_empty_combinators_are_errors():
+    spec = ucl.parse('mesh tp;\nlet a = 2;\nparam p = a;\n"x" -> "y" [p];\n')
+    assert ucl.compile(spec, {}, {})["x"].shape == (2,)
+    empty = ucl.parse('mesh tp;\n"a" -> bucket(for i in range(0) { "x" [2] });\n')
+    with pytest.raises(ucl.UCLSemanticError, match="holds no logical tensor"):
+        ucl.compile(empty, {}, {})
