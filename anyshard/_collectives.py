@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["active", "broadcast_json", "gather_json", "rank", "world_size"]
+__all__ = ["active", "all_equal", "broadcast_json", "gather_json", "rank", "world_size"]
 
 
 def active(group=None) -> bool:
@@ -90,3 +90,15 @@ def broadcast_json(obj: Any, group=None, src: int = 0) -> Any:
     if int(length.item()):
         dist.broadcast(buf, src=src_global, group=group)
     return _decode(buf, int(length.item()))
+
+
+def all_equal(digest: bytes, group=None) -> bool:
+    """Whether every rank passes the same ``digest`` (at most 32 bytes): one small all-gather."""
+    if not active(group) or world_size(group) == 1:
+        return True
+    device = _device(group)
+    mine = torch.zeros(32, dtype=torch.uint8, device=device)
+    mine[: len(digest)] = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(device)
+    outs = [torch.empty(32, dtype=torch.uint8, device=device) for _ in range(world_size(group))]
+    dist.all_gather(outs, mine, group=group)
+    return all(torch.equal(o, outs[0]) for o in outs)

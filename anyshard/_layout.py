@@ -170,14 +170,27 @@ def _application_order(entries, sizes, names, fqn) -> list[int]:
     return order
 
 
-def layout_of(fqn: str, value: torch.Tensor, group=None, cache: dict | None = None) -> TensorLayout:
-    """The layout of a DTensor (from its mesh and placements) or a plain tensor (replicated)."""
+def layout_of(
+    fqn: str,
+    value: torch.Tensor,
+    group=None,
+    cache: dict | None = None,
+    holders: list[int] | None = None,
+) -> TensorLayout:
+    """The layout of a DTensor (from its mesh and placements) or a plain tensor (replicated
+    over every rank of ``group``, or over ``holders``, the group ranks that hold it, when only
+    some do: the tensors of one pipeline stage)."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(value, DTensor):
         return _dtensor_layout(fqn, value, group, {} if cache is None else cache)
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     rank = dist.get_rank(group) if dist.is_initialized() else 0
+    if holders is not None and len(holders) < world:
+        mesh = MeshEntry.from_rank_grid(("holders",), (len(holders),), list(holders))
+        hold = Mapping((Replicate(axis="holders"),))
+        coords = {"holders": holders.index(rank)}
+        return TensorLayout(mesh, coords, hold, value.detach(), tuple(value.shape))
     mesh = MeshEntry(dims=("world",), sizes=(world,), offset=0, strides=(1,))
     hold = Mapping((Replicate(axis="world"),))
     return TensorLayout(mesh, {"world": rank}, hold, value.detach(), tuple(value.shape))

@@ -46,14 +46,16 @@ def _plan_local(
     entries: dict[str, dict] = {}
     values: dict[str, Any] = {}
     meshes: dict = {}  # device mesh -> what layouts need of it, for this call only
-    for fqn, leaf in flatten_state(state).items():
+    flat = flatten_state(state)
+    holders = _plain_holders(flat, group)
+    for fqn, leaf in flat.items():
         value = leaf.value
         if not isinstance(value, torch.Tensor):
             values[fqn] = json_roundtrip(value)
             continue
         if value.dtype not in DTYPE_TO_ST:
             raise AnyshardError(f"{fqn}: dtype {value.dtype} cannot be stored in safetensors")
-        layout = layout_of(fqn, value, group, meshes)
+        layout = layout_of(fqn, value, group, meshes, holders.get(fqn))
         write, part = layout.write_plan(fqn)
         if part is not None:
             writes.append((fqn, _host(part) if to_host else part))
@@ -84,6 +86,32 @@ def _plan_spec(state_dict, spec, layout, coords, group):
         "mesh": mesh,
     }
     return writes, entries, values, info
+
+
+def _plain_holders(flat: dict, group) -> dict[str, list[int]]:
+    """The ranks holding each plain tensor that not every rank holds (the tensors of one
+    pipeline stage, say). One 32-byte all-gather when every rank holds the same names."""
+    import hashlib
+
+    from torch.distributed.tensor import DTensor
+
+    names = sorted(
+        k
+        for k, leaf in flat.items()
+        if isinstance(leaf.value, torch.Tensor) and not isinstance(leaf.value, DTensor)
+    )
+    digest = hashlib.sha256("\n".join(names).encode()).digest()
+    if coll.all_equal(digest, group):
+        return {}
+    lists = coll.gather_json(names, group)
+    partial = None
+    if lists is not None:
+        held: dict[str, list[int]] = {}
+        for r, ns in enumerate(lists):
+            for n in ns:
+                held.setdefault(n, []).append(r)
+        partial = {n: rs for n, rs in held.items() if len(rs) < len(lists)}
+    return coll.broadcast_json(partial, group)
 
 
 def _merge(reports: list[dict], path: str) -> Manifest:

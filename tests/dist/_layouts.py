@@ -193,3 +193,19 @@ def async_save_task(ckpt: str, truth_dir: str) -> int:
     _write_truth(tensors, state, truth_dir)
     dist.barrier()
     return load_check_task("tp4", ckpt, truth_dir, 5)
+
+
+def stage_plain_tensors_task(path: str) -> list:
+    """Plain tensors that only some ranks hold (a pipeline stage's optimizer step counters):
+    ranks 0-1 hold "stage0.*", ranks 2-3 "stage1.*", every rank "shared"."""
+    r = dist.get_rank()
+    stage = r // 2
+    state = {
+        f"stage{stage}.step": torch.tensor(float(10 + stage)),
+        f"stage{stage}.vec": torch.arange(5.0) + stage,
+        "shared": torch.ones(3),
+    }
+    anyshard.save(path, state)
+    back = {k: torch.zeros_like(v) for k, v in state.items()}
+    anyshard.load(path, back, strict=False)
+    return [k for k in state if torch.equal(back[k], state[k])]

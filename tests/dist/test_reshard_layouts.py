@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 import anyshard
+from anyshard.format.verify import verify_checkpoint
 
 TASKS = os.path.join(os.path.dirname(__file__), "_layouts.py")
 LAYOUTS4 = ["fsdp4", "fsdp2_tp2", "ddp2_tp2", "tp4"]
@@ -100,3 +101,21 @@ def test_the_checkpointer_keeps_the_newest_steps_and_restores_under_another_layo
 def test_an_async_save_holds_the_state_as_it_was_when_save_returned(pool4, tmp_path):
     out = pool4.run(TASKS, "async_save_task", str(tmp_path / "a"), str(tmp_path / "truth"))
     assert min(out) == max(out) > 10
+
+
+def test_plain_tensors_held_by_some_ranks_are_saved_once_by_a_holder(pool4, tmp_path):
+    path = str(tmp_path / "stages")
+    out = pool4.run(TASKS, "stage_plain_tensors_task", path)
+    assert [sorted(x) for x in out] == [
+        ["shared", f"stage{r // 2}.step", f"stage{r // 2}.vec"] for r in range(4)
+    ]
+    view = anyshard.open(path)
+    assert sorted(view.keys()) == [
+        "shared",
+        "stage0.step",
+        "stage0.vec",
+        "stage1.step",
+        "stage1.vec",
+    ]
+    assert torch.equal(view.get_tensor("stage1.vec"), torch.arange(5.0) + 1)
+    assert verify_checkpoint(path).tensors == 5
