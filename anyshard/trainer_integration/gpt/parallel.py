@@ -275,8 +275,8 @@ class TrainStep:
             return
         n = self.par.data_size * self.par.cfg.cp
         for p in self.expert_params:
-            if p.grad is None:
-                continue
+            if p.grad is None:  # every rank must join the reduction below
+                p.grad = torch.zeros_like(p)
             g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
             if self._expert_group is not None:
                 dist.all_reduce(g, group=self._expert_group)

@@ -1,0 +1,67 @@
+"""The reference trainer resumes under another layout: the checkpoint saved under layout A is
+loaded under layout B through the reshard engine, and the next 20 steps stay within the
+floating-point noise floor (the largest difference between uninterrupted runs under A and under
+B from the same start, and never less than 4 float32 ULPs of the loss: two valid reduction
+orders differ by a few ULPs even where one pair of runs happens to agree) and within 1e-4
+relative of the uninterrupted run under A.
+
+Run: python -m pytest tests/dist/test_trainer_elastic.py -q
+"""
+
+import math
+import os
+
+import pytest
+import torch
+
+TASKS = os.path.join(os.path.dirname(__file__), "_trainer_tasks.py")
+SAVE_AT, AFTER = 2, 20
+TOTAL = SAVE_AT + AFTER
+
+
+def _args(root: str, steps: int, layout: list[str], extra: list[str], every: int = 1000) -> list:
+    return [
+        "--train.steps", str(steps),
+        "--checkpoint.root", root,
+        "--checkpoint.every_steps", str(every),
+        "--checkpoint.keep_last", "1",
+        "--run_dir", os.path.dirname(root),
+        *layout, *extra,
+    ]  # fmt: skip
+
+
+PAIRS = [
+    (
+        ["--parallel.dp_shard", "2", "--parallel.tp", "2"],
+        ["--parallel.tp", "4"],
+        ["--model.n_kv_heads", "4"],
+    ),
+    (["--parallel.pp", "2", "--parallel.dp_shard", "2"], ["--parallel.dp_shard", "4"], []),
+    (["--parallel.dp_shard", "2", "--parallel.cp", "2"], ["--parallel.dp_shard", "4"], []),
+    (
+        ["--parallel.ep", "2", "--parallel.dp_shard", "2"],
+        ["--parallel.dp_shard", "4"],
+        ["--model.n_experts", "4"],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "a,b,extra",
+    PAIRS,
+    ids=["fsdp2xtp2-to-tp4", "pp2xdp2-to-dp4", "dp2xcp2-to-dp4", "moe-ep2-to-ep1"],
+)
+def test_resume_under_another_layout_stays_within_the_noise_floor(pool4, tmp_path, a, b, extra):
+    run_a = pool4.run(TASKS, "train", _args(str(tmp_path / "a" / "ckpt"), TOTAL, a, extra))[0]
+    run_b = pool4.run(TASKS, "train", _args(str(tmp_path / "b" / "ckpt"), TOTAL, b, extra))[0]
+    root = str(tmp_path / "r" / "ckpt")
+    first = pool4.run(TASKS, "train", _args(root, SAVE_AT, a, extra, every=SAVE_AT))[0]
+    assert first == run_a[:SAVE_AT]  # same layout, same start: bit-identical
+    resumed = pool4.run(TASKS, "train", _args(root, TOTAL, b, extra))[0]
+    assert len(resumed) == AFTER  # restored at SAVE_AT, no step repeated or skipped
+    floor = max(abs(x - y) for x, y in zip(run_b[SAVE_AT:], run_a[SAVE_AT:], strict=True))
+    for k, (got, want) in enumerate(zip(resumed, run_a[SAVE_AT:], strict=True)):
+        ulps = 4 * float(torch.finfo(torch.float32).eps) * 2 ** math.floor(math.log2(abs(want)))
+        assert abs(got - want) <= max(floor, ulps), (k, got, want, floor, ulps)
+        assert abs(got - want) <= 1e-4 * abs(want), (k, got, want)
+    assert run_a[-1] < run_a[0] - 0.5  # it trains
