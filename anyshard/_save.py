@@ -37,17 +37,15 @@ def _is_representative(layout: TensorLayout) -> bool:
 
 
 def _plan_local(
-    state: Any, group, *, to_host: bool = True
+    flat: dict, holders: dict[str, list[int]], group, *, to_host: bool = True
 ) -> tuple[list[tuple[str, torch.Tensor]], dict, dict]:
     """This rank's shards to write (as contiguous host tensors when ``to_host``; an async save
     stages them itself, straight from the device), the tensor entries it reports, and its JSON
-    values."""
+    values. ``flat`` is the flattened state, ``holders`` what `_plain_holders` found."""
     writes: list[tuple[str, torch.Tensor]] = []
     entries: dict[str, dict] = {}
     values: dict[str, Any] = {}
     meshes: dict = {}  # device mesh -> what layouts need of it, for this call only
-    flat = flatten_state(state)
-    holders = _plain_holders(flat, group)
     for fqn, leaf in flat.items():
         value = leaf.value
         if not isinstance(value, torch.Tensor):
@@ -236,21 +234,33 @@ def save(
     me = coll.rank(process_group)
     report: dict[str, Any] = {"error": None, "file": None, "count": 0, "entries": {}, "values": {}}
     writes: list[tuple[str, torch.Tensor]] = []
+    flat: dict | None = None
     try:
         if me == 0 and storage.exists(storage.join(path, MANIFEST_NAME)):
             raise SaveError(
                 f"{path} already holds a committed checkpoint; save to a new path (e.g. the next step)"
             )
-        if spec is not None:
+        if spec is None:
+            flat = flatten_state(state_dict)
+    except Exception as e:  # reported to rank 0 so that no rank waits forever
+        report["error"] = "".join(traceback.format_exception_only(type(e), e))
+        report["exception"] = e
+    # collective: every rank takes part, whatever happened to it above
+    holders = _plain_holders(flat or {}, process_group) if spec is None else {}
+    try:
+        if report["error"] is not None:
+            pass
+        elif spec is not None:
             writes, entries, values, info = _plan_spec(
                 state_dict, spec, layout or {}, coords, process_group
             )
             report["spec"] = info if me == 0 else None
         else:
-            writes, entries, values = _plan_local(state_dict, process_group, to_host=not async_)
-        report.update(
-            entries=entries, values=values if me == 0 or values else {}, count=len(writes)
-        )
+            writes, entries, values = _plan_local(flat, holders, process_group, to_host=not async_)
+        if report["error"] is None:
+            report.update(
+                entries=entries, values=values if me == 0 or values else {}, count=len(writes)
+            )
     except Exception as e:  # reported to rank 0 so that no rank waits forever
         report["error"] = "".join(traceback.format_exception_only(type(e), e))
         report["exception"] = e

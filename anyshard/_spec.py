@@ -176,6 +176,29 @@ def axis_group(lay: Layout, axis: str, coords: Mapping[str, int], group):
     return _GROUPS[key][mine]
 
 
+def _average_axes(spec: Spec, lay: Layout) -> list[str]:
+    """Mesh dims that some rule averages over, from the text alone (the same on every rank)."""
+    from anyshard.ucl.spec import Combine, Group, Part
+
+    axes: dict[str, None] = {}
+
+    def ops_of(node):
+        if isinstance(node, Part):
+            yield from node.ops
+        elif isinstance(node, Combine):
+            for item in node.items:
+                yield from ops_of(item)
+        elif isinstance(node, Group):
+            for item in node.items:
+                yield from ops_of(item)
+
+    for r in spec.rules:
+        for op in [*ops_of(r.source), *r.ops]:
+            if op.name == "average":
+                axes.setdefault(op.args[0].name)
+    return [a for a in axes if lay.sizes.get(a, 1) > 1]
+
+
 def spec_writes(
     state_flat: dict[str, Leaf],
     spec: Spec,
@@ -188,6 +211,9 @@ def spec_writes(
     """What this rank writes (local name, tensor as stored), the logical tensors it reports
     (name -> dtype, shape), and its JSON values."""
     locals_ = compile(spec, lay, coords)
+    if distributed:  # collective (group creation): before anything that may fail on one rank
+        for axis in _average_axes(spec, lay):
+            axis_group(lay, axis, coords, group)
     pairs, values, problems = _match(state_flat, locals_, strict=True)
     if problems:
         raise StateDictMismatchError(
@@ -195,9 +221,6 @@ def spec_writes(
         )
     writes: list[tuple[str, torch.Tensor]] = []
     entries: dict[str, dict] = {}
-    if distributed and any(t.average for t in locals_.values()):
-        for axis in dict.fromkeys(a for t in locals_.values() for a in t.average):
-            axis_group(lay, axis, coords, group)
     for name, value, t in pairs:
         if value.dtype not in DTYPE_TO_ST:
             raise AnyshardError(f"{name}: dtype {value.dtype} cannot be stored in safetensors")
