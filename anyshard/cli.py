@@ -65,6 +65,12 @@ def _load_spec_arg(name: str):
     )
 
 
+def _demo(args) -> int:
+    from anyshard.trainer_integration.gpt.demo import main as demo_main
+
+    return demo_main(args.args)
+
+
 def _ucl_check(args) -> int:
     from anyshard.errors import UCLError
     from anyshard.ucl.explain import check_layout
@@ -281,6 +287,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.set_defaults(run=_gc)
     s = sub.add_parser(
+        "demo",
+        help="train the reference GPT on local CPU ranks: a rank is killed, the job restarts and "
+        "resumes, then is relaunched under another layout",
+        add_help=False,
+    )
+    s.add_argument("args", nargs=argparse.REMAINDER)
+    s.set_defaults(run=_demo)
+    s = sub.add_parser(
         "ucl",
         help="check and explain UCL specs",
         description="Check a UCL spec (a .ucl file or the name of a shipped spec), or explain "
@@ -311,6 +325,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["demo"]:  # its own options, --help included
+        from anyshard.trainer_integration.gpt.demo import main as demo_main
+
+        return demo_main(argv[1:])
     args = _parser().parse_args(argv)
     try:
         return args.run(args)

@@ -223,12 +223,13 @@ class Checkpointer:
             except Exception as e:
                 outcome = {"ok": False, "error": str(e)}
         outcome = coll.broadcast_json(outcome, group)
-        if outcome["ok"]:
-            # one rank per node cleans its local disk (LOCAL_RANK 0 under torchrun)
-            if int(os.environ.get("LOCAL_RANK", me)) == 0:
-                self._apply_local_retention(step)
-        else:
+        if not outcome["ok"]:
             raise AnyshardError(outcome["error"])
+        # one rank per node cleans its local disk (LOCAL_RANK 0 under torchrun); the barrier
+        # makes wait() return everywhere only once that is done
+        if int(os.environ.get("LOCAL_RANK", me)) == 0:
+            self._apply_local_retention(step)
+        coll.broadcast_json(None, group)
 
     def wait(self) -> None:
         """Wait for the background work in flight (save, upload, retention); raise its error."""

@@ -3,7 +3,7 @@
 Launch with torchrun (one process per rank; gloo on CPU, nccl on CUDA)::
 
     torchrun --nproc-per-node 4 --max-restarts 1 -m anyshard.trainer_integration.gpt.train \\
-        --parallel.dp_shard 2 --parallel.tp 2 --train.steps 20
+        --parallel.dp_shard 2 --parallel.tp 2 --train.steps 20 [--stop-at 10] [--config FILE]
 
 Each run restores the newest committed checkpoint under ``checkpoint.root`` (whatever layout
 saved it), trains to ``train.steps`` and saves every ``checkpoint.every_steps``. A fault
@@ -109,12 +109,23 @@ def _attempt() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def _fault(cfg: Config) -> tuple[int | None, int | None, str]:
-    spec = os.environ.get("ANYSHARD_FAULT")
-    if spec:
-        parts = spec.split(":")
-        return int(parts[0]), int(parts[1]), parts[2] if len(parts) > 2 else "sigkill"
-    return cfg.fault.kill_rank, cfg.fault.kill_step, cfg.fault.mode
+def _fault(cfg: Config) -> tuple[int | None, int | None, str, bool]:
+    """The fault to inject in this attempt: (rank, step, mode, armed).
+
+    ``fault.*`` (or ANYSHARD_FAULT=rank:step[:mode]) strikes on the first attempt only (unless
+    ``only_first_attempt`` is false); ANYSHARD_FAULTS="rank:step[:mode],..." is a schedule whose
+    k-th entry strikes on attempt k, for runs that fail repeatedly (torchrun --max-restarts).
+    """
+    schedule = os.environ.get("ANYSHARD_FAULTS", "").strip()
+    if schedule:
+        entries = [e.split(":") for e in schedule.split(",") if e.strip()]
+        if _attempt() >= len(entries):
+            return None, None, "sigkill", False
+        e = entries[_attempt()]
+        return int(e[0]), int(e[1]), e[2] if len(e) > 2 else "sigkill", True
+    f = cfg.fault
+    armed = f.kill_step is not None and (_attempt() == 0 or not f.only_first_attempt)
+    return f.kill_rank, f.kill_step, f.mode, armed
 
 
 def _layout_name(cfg: Config) -> str:
@@ -128,10 +139,11 @@ def _append(path: str, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def run(cfg: Config, *, max_steps: int | None = None) -> list[float]:
-    """Train (restoring first) until ``cfg.train.steps``, or for at most ``max_steps`` steps of
-    this call; returns this call's losses. torch.distributed must be initialised if the layout
-    has more than one rank."""
+def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None) -> list[float]:
+    """Train (restoring first) until ``cfg.train.steps`` (or step ``stop_at``, for a job that is
+    to be relaunched: the LR schedule still spans ``cfg.train.steps``), for at most ``max_steps``
+    steps of this call; returns this call's losses. torch.distributed must be initialised if
+    the layout has more than one rank."""
     started = time.time()
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(cfg.train.seed)
@@ -168,12 +180,12 @@ def run(cfg: Config, *, max_steps: int | None = None) -> list[float]:
     os.makedirs(cfg.run_dir, exist_ok=True)
     restored = ckpt.restore_latest({"train": state}, strict=cfg.parallel.pp == 1)
     layout = _layout_name(cfg)
-    kill_rank, kill_step, mode = _fault(cfg)
-    armed = kill_step is not None and (_attempt() == 0 or not cfg.fault.only_first_attempt)
+    kill_rank, kill_step, mode, armed = _fault(cfg)
     fault_file = os.path.join(cfg.run_dir, "fault.json")
     losses: list[float] = []
     first = True
-    while state.step < t.steps and (max_steps is None or len(losses) < max_steps):
+    end = t.steps if stop_at is None else min(t.steps, stop_at)
+    while state.step < end and (max_steps is None or len(losses) < max_steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(
                 state.step, lr=t.lr, warmup=t.warmup_steps, total=t.steps, min_ratio=t.min_lr_ratio
@@ -223,15 +235,34 @@ def run(cfg: Config, *, max_steps: int | None = None) -> list[float]:
     return losses
 
 
+def _quiet() -> None:
+    """Keep torch's advice about its own internals out of the training log."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*flattened dim.*")
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m anyshard.trainer_integration.gpt.train [--config FILE] [--stop-at N]
+    [--section.key value ...]``"""
     argv = list(sys.argv[1:] if argv is None else argv)
-    path = None
-    if argv[:1] == ["--config"]:
-        path, argv = argv[1], argv[2:]
+    path = stop_at = None
+    for flag in ("--config", "--stop-at"):
+        if flag in argv:
+            i = argv.index(flag)
+            value, argv = argv[i + 1], argv[:i] + argv[i + 2 :]
+            if flag == "--config":
+                path = value
+            else:
+                stop_at = int(value)
     cfg = load_config(path, argv)
+    _quiet()
     init_distributed()
     try:
-        run(cfg)
+        run(cfg, stop_at=stop_at)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

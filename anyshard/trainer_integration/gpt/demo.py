@@ -1,0 +1,285 @@
+"""``anyshard demo``: train, lose a rank, restart, resume, then relaunch under another layout.
+
+The scenario, on local CPU processes launched with torchrun:
+
+1. layout A (4 ranks: pp=2 x dp_shard=2) trains; rank 3 is SIGKILLed at step 10; torchrun
+   restarts the group, which restores the newest committed step and goes on to step 20;
+2. the job is relaunched under layout B (2 ranks: tp=2): the reshard engine loads layout A's
+   checkpoint into the new layout and training goes on to step 40.
+
+With ``--storage s3`` the checkpoints go to an S3 bucket through the tiered Checkpointer (local
+disk first, uploaded in the background); before the relaunch the local copies are deleted, as
+on a replacement node, and layout B recovers from the object store. Without AWS_ENDPOINT_URL
+the demo starts moto's S3 server on 127.0.0.1 (``pip install 'anyshard[demo]'``).
+
+It prints a summary (steps, layouts, recovery time, lost steps, losses) and writes
+``RUN_DIR/loss.png`` (with matplotlib) marking the fault and the relayout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+__all__ = ["main"]
+
+TRAIN = "anyshard.trainer_integration.gpt.train"
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    nproc: int
+    layout: tuple[str, ...]
+    stop_at: int
+    fault: str | None  # ANYSHARD_FAULT for this launch
+
+
+def _phases(steps_a: int, steps_b: int, kill_step: int) -> list[Phase]:
+    return [
+        Phase(
+            "A", 4, ("--parallel.pp", "2", "--parallel.dp_shard", "2"), steps_a, f"3:{kill_step}"
+        ),
+        Phase("B", 2, ("--parallel.tp", "2"), steps_b, None),
+    ]
+
+
+def _layout_text(layout: tuple[str, ...]) -> str:
+    return " x ".join(
+        f"{k.split('.')[-1]}={v}" for k, v in zip(layout[::2], layout[1::2], strict=True)
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(phase: Phase, total: int, run_dir: str, storage_args: list[str], log) -> int:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", "1", "--nproc-per-node", str(phase.nproc), "--max-restarts", "1",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+        "-m", TRAIN,
+        *phase.layout,
+        "--stop-at", str(phase.stop_at),
+        "--train.steps", str(total),
+        "--checkpoint.every_steps", "4",
+        "--checkpoint.keep_last", "2",
+        "--run_dir", run_dir,
+        *storage_args,
+    ]  # fmt: skip
+    env = dict(os.environ)
+    env.pop("ANYSHARD_FAULT", None)
+    if phase.fault:
+        env["ANYSHARD_FAULT"] = phase.fault
+    env.setdefault("OMP_NUM_THREADS", "1")
+    with open(os.path.join(run_dir, f"phase-{phase.name}.log"), "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        last = 0
+        while proc.poll() is None:
+            time.sleep(0.5)
+            last = _progress(run_dir, last, log)
+        _progress(run_dir, last, log)
+    return proc.returncode
+
+
+def _records(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _progress(run_dir: str, shown: int, log) -> int:
+    """Print the loss lines written since the last call."""
+    recs = _records(os.path.join(run_dir, "losses.jsonl"))
+    for r in recs[shown:]:
+        log(f"  step {r['step']:3d}  loss {r['loss']:.4f}  [{r['layout']}, attempt {r['attempt']}]")
+    return len(recs)
+
+
+def _start_s3(run_dir: str, log):
+    """An S3 endpoint: the one in AWS_ENDPOINT_URL, else moto's server on 127.0.0.1."""
+    if os.environ.get("AWS_ENDPOINT_URL"):
+        bucket = os.environ.get("ANYSHARD_DEMO_BUCKET", "anyshard-demo")
+        _make_bucket(bucket)
+        return None, bucket
+    try:
+        import moto  # noqa: F401
+    except ImportError:
+        raise SystemExit(
+            "anyshard demo --storage s3 needs an S3 endpoint: set AWS_ENDPOINT_URL, or install "
+            "moto to run one locally (pip install 'anyshard[demo]')"
+        ) from None
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    os.environ.update(
+        AWS_ENDPOINT_URL=endpoint,
+        AWS_ACCESS_KEY_ID="demo",
+        AWS_SECRET_ACCESS_KEY="demo",
+        AWS_DEFAULT_REGION="us-east-1",
+    )
+    import urllib.request
+
+    for _ in range(100):
+        try:
+            urllib.request.urlopen(endpoint, timeout=1)
+            break
+        except Exception:
+            time.sleep(0.1)
+    _make_bucket("anyshard-demo")
+    log(f"started moto's S3 server at {endpoint} (bucket anyshard-demo)")
+    return server, "anyshard-demo"
+
+
+def _make_bucket(bucket: str) -> None:
+    import s3fs
+
+    fs = s3fs.S3FileSystem()
+    if not fs.exists(bucket):
+        fs.mkdir(bucket)
+
+
+def _plot(
+    run_dir: str, losses: list[dict], fault_step: int | None, relayout_step: int
+) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    by_attempt: dict[tuple, list] = {}
+    for r in losses:
+        by_attempt.setdefault((r["layout"], r["attempt"]), []).append(r)
+    for (layout, attempt), rs in by_attempt.items():
+        label = f"{layout}" + (f" (restart {attempt})" if attempt else "")
+        ax.plot([r["step"] for r in rs], [r["loss"] for r in rs], marker=".", label=label)
+    if fault_step is not None:
+        ax.axvline(
+            fault_step, color="red", linestyle="--", label=f"rank killed (step {fault_step})"
+        )
+    ax.axvline(
+        relayout_step,
+        color="blue",
+        linestyle=":",
+        label=f"relaunch, new layout (step {relayout_step})",
+    )
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title("anyshard demo: fault, restart, resume under another layout")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = os.path.join(run_dir, "loss.png")
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="anyshard demo",
+        description="Train the reference GPT on local CPU ranks, kill a rank, restart, resume, "
+        "then relaunch under another layout and world size.",
+    )
+    p.add_argument(
+        "--run-dir", default="runs/demo", help="where checkpoints and logs go (emptied first)"
+    )
+    p.add_argument("--storage", choices=("local", "s3"), default="local")
+    p.add_argument("--steps-a", type=int, default=20, help="steps of phase A (4 ranks)")
+    p.add_argument("--steps-b", type=int, default=40, help="total steps after phase B (2 ranks)")
+    p.add_argument("--kill-step", type=int, default=10, help="step at which rank 3 is killed")
+    args = p.parse_args(argv)
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    run_dir = os.path.abspath(args.run_dir)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    os.makedirs(run_dir)
+    server = None
+    if args.storage == "s3":
+        server, bucket = _start_s3(run_dir, log)
+        storage = [
+            "--checkpoint.root", f"s3://{bucket}/demo-{int(time.time())}",
+            "--checkpoint.local_dir", os.path.join(run_dir, "local"),
+        ]  # fmt: skip
+    else:
+        storage = ["--checkpoint.root", os.path.join(run_dir, "ckpt")]
+    started = time.time()
+    try:
+        phases = _phases(args.steps_a, args.steps_b, args.kill_step)
+        for phase in phases:
+            log(
+                f"phase {phase.name}: {phase.nproc} ranks, {_layout_text(phase.layout)}, to step "
+                f"{phase.stop_at}"
+                + (f"; rank 3 will be killed at step {args.kill_step}" if phase.fault else "")
+            )
+            if phase.name == "B" and args.storage == "s3":
+                shutil.rmtree(os.path.join(run_dir, "local"), ignore_errors=True)
+                log("  local checkpoint copies deleted (a replacement node): recovering from S3")
+            rc = _launch(phase, args.steps_b, run_dir, storage, log)
+            if rc != 0:
+                log(f"phase {phase.name} failed (exit {rc}); see {run_dir}/phase-{phase.name}.log")
+                return 1
+    finally:
+        if server is not None:
+            server.terminate()
+    losses = _records(os.path.join(run_dir, "losses.jsonl"))
+    events = _records(os.path.join(run_dir, "events.jsonl"))
+    faults = _records(os.path.join(run_dir, "fault.json"))
+    fault_step = faults[0]["step"] if faults else None
+    log("")
+    log(
+        f"{'launch':8} {'layout':24} {'ranks':>5} {'attempt':>7} {'restored':>8} {'recovery':>9} {'lost':>4} {'steps':>9} {'loss':>15}"
+    )
+    for e, nxt in zip(events, [*events[1:], None], strict=True):
+        mine = [
+            r for r in losses
+            if r["layout"] == e["layout"] and r["attempt"] == e["attempt"]
+            and (nxt is None or r["time"] < _first_time(losses, nxt))
+        ]  # fmt: skip
+        steps = f"{mine[0]['step']}-{mine[-1]['step']}" if mine else "-"
+        loss = f"{mine[0]['loss']:.3f} -> {mine[-1]['loss']:.3f}" if mine else "-"
+        rec = f"{e['recovery_s']:.1f} s" if "recovery_s" in e else "-"
+        log(
+            f"{'restart' if e['attempt'] else 'launch':8} {e['layout']:24} {e['world_size']:>5} {e['attempt']:>7} "
+            f"{str(e['restored_step'] or '-'):>8} {rec:>9} {str(e.get('lost_steps', '-')):>4} {steps:>9} {loss:>15}"
+        )
+    relayout = (
+        min((r["step"] for r in losses if r["layout"] == "tp=2"), default=args.steps_a + 1) - 1
+    )
+    png = _plot(run_dir, losses, fault_step, relayout)
+    log("")
+    log(
+        f"fault at step {fault_step}; relayout at step {relayout}; total {time.time() - started:.0f} s"
+    )
+    log(f"loss curve: {png}" if png else "loss curve: install matplotlib for loss.png")
+    return 0
+
+
+def _first_time(losses: list[dict], event: dict) -> float:
+    for r in losses:
+        if r["layout"] == event["layout"] and r["attempt"] == event["attempt"]:
+            return r["time"]
+    return float("inf")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
