@@ -33,7 +33,7 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def launch(run_dir: str, steps: int, faults: list[tuple[int, int]]) -> float:
+def launch(run_dir: str, steps: int, faults: list[tuple[int, int]], extra: list[str]) -> float:
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
         "--nnodes", "1", "--nproc-per-node", "4", "--max-restarts", str(len(faults)),
@@ -41,9 +41,10 @@ def launch(run_dir: str, steps: int, faults: list[tuple[int, int]]) -> float:
         "-m", "anyshard.trainer_integration.gpt.train",
         "--parallel.pp", "2", "--parallel.dp_shard", "2",
         "--train.steps", str(steps),
-        "--checkpoint.every_steps", "4", "--checkpoint.keep_last", "2",
+        "--checkpoint.keep_last", "2",
         "--checkpoint.root", os.path.join(run_dir, "ckpt"),
         "--run_dir", run_dir,
+        *extra,
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("ANYSHARD_FAULT", "ANYSHARD_FAULTS")}
     env["OMP_NUM_THREADS"] = "1"
@@ -74,13 +75,17 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--fault-every", type=int, default=50)
+    p.add_argument("--async", dest="async_", action="store_true", help="asynchronous checkpoints")
+    p.add_argument("--every", type=int, default=4, help="checkpoint every N steps")
     p.add_argument("--write-docs", action="store_true")
     args = p.parse_args()
+    extra = ["--checkpoint.every_steps", str(args.every)]
+    extra += ["--checkpoint.async_", "true"] if args.async_ else []
     faults = [(3, s) for s in range(args.fault_every // 2, args.steps, args.fault_every)]
     with tempfile.TemporaryDirectory() as tmp:
         clean_dir, faulty_dir = os.path.join(tmp, "clean"), os.path.join(tmp, "faulty")
-        clean_wall = launch(clean_dir, args.steps, [])
-        faulty_wall = launch(faulty_dir, args.steps, faults)
+        clean_wall = launch(clean_dir, args.steps, [], extra)
+        faulty_wall = launch(faulty_dir, args.steps, faults, extra)
         clean = records(os.path.join(clean_dir, "losses.jsonl"))
         faulty = records(os.path.join(faulty_dir, "losses.jsonl"))
         events = records(os.path.join(faulty_dir, "events.jsonl"))
@@ -108,11 +113,7 @@ def main() -> int:
     for name, a, b in rows:
         print(f"{name:{width}}  {a:>14}  {b}")
     if args.write_docs:
-        cmd = "python tools/bench_goodput.py" + (
-            f" --steps {args.steps} --fault-every {args.fault_every}"
-            if (args.steps, args.fault_every) != (100, 50)
-            else ""
-        )
+        cmd = "python tools/bench_goodput.py " + " ".join(sys.argv[1:])
         table = ["| | no fault | with faults |", "| --- | --- | --- |"]
         table += [f"| {n} | {a} | {b} |" for n, a, b in rows]
         section = "\n".join(
