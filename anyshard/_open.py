@@ -178,6 +178,22 @@ class TensorSlice:
         return out
 
 
-def open_checkpoint(path: str, *, threads: int = 8) -> CheckpointView:
-    """Open the committed checkpoint at ``path`` (a directory or URL) for lazy reading."""
-    return CheckpointView(path, threads=threads)
+def open_checkpoint(path: str, *, threads: int = 8):
+    """Open the checkpoint at ``path`` (a directory, file or URL) for lazy reading.
+
+    The format is detected: a directory with ``manifest.json`` is an anyshard checkpoint
+    (`CheckpointView`); a ``.safetensors`` file, a ``*.safetensors.index.json``, or a directory
+    holding either and no ``manifest.json`` is a Hugging Face checkpoint
+    (`anyshard.loaders.HFCheckpointView`). Anything else raises as for an anyshard checkpoint.
+    """
+    from anyshard.errors import CheckpointNotFoundError
+    from anyshard.loaders import hf
+
+    if hf.looks_like_file(path):  # no request needed to tell
+        return hf.HFCheckpointView(path)
+    try:
+        return CheckpointView(path, threads=threads)
+    except CheckpointNotFoundError:
+        if hf.looks_like_hf(path):
+            return hf.HFCheckpointView(path)
+        raise

@@ -1,7 +1,7 @@
-"""The ``anyshard`` command: inspect and verify checkpoints, list and clean checkpoint roots,
-check and explain UCL specs.
+"""The ``anyshard`` command: inspect, verify, convert and diff checkpoints, list and clean
+checkpoint roots, check and explain UCL specs.
 
-Exit codes: 0 ok, 1 a problem found (verify), 2 bad usage or input.
+Exit codes: 0 ok, 1 a problem or difference found (verify, diff), 2 bad usage or input.
 Run: ``anyshard --help``, ``anyshard ls /ckpt``.
 """
 
@@ -20,6 +20,15 @@ _EXAMPLES = {
     "verify": "examples:\n  anyshard verify /ckpt/step-001000",
     "ls": "examples:\n  anyshard ls /ckpt\n  anyshard ls s3://bucket/run1 --json",
     "gc": "examples:\n  anyshard gc /ckpt --dry-run\n  anyshard gc s3://bucket/run1",
+    "convert": "examples:\n"
+    "  anyshard convert /ckpt/step-001000 ./hf                    # anyshard -> Hugging Face\n"
+    "  anyshard convert ./hf ./hf-bf16 --to hf --dtype bf16 --max-shard-size 2GB\n"
+    "  anyshard convert ./hf /ckpt/tp2 --spec hf_llama --layout tp=2,hidden=4096,heads=32,"
+    "kv_heads=8,ffn=11008,vocab=32000,layers=32\n"
+    "  anyshard convert ./hf /ckpt/plain                          # one plain rank, no spec\n"
+    "  anyshard convert /ckpt/step-001000 ./hf --only '^model\\.' --rename '^model\\.=model.model.'",
+    "diff": "examples:\n  anyshard diff /ckpt/step-001000 ./hf\n"
+    "  anyshard diff ./hf ./hf-bf16 --atol 1e-2\n  anyshard diff a b --json",
     "ucl check": "examples:\n  anyshard ucl check my_model.ucl\n"
     "  anyshard ucl check megatron_gpt --layout pp=2,dp=2,tp=2,hidden=4096,heads=32,kv_heads=8,"
     "ffn=11008,vocab=32000,layers=32",
@@ -132,8 +141,11 @@ def _human(n: int) -> str:
 
 def _inspect(args) -> int:
     import anyshard
+    from anyshard.loaders.convert import format_of
 
     with anyshard.open(args.path) as ckpt:
+        if format_of(ckpt) != "anyshard":
+            return _inspect_hf(args, ckpt)
         rows = [ckpt.metadata(name) for name in ckpt.keys()]
         m = ckpt.manifest
         if args.json:
@@ -178,6 +190,202 @@ def _inspect(args) -> int:
             f"{len(rows)} tensors, {_human(sum(r.nbytes for r in rows))}; {len(m.values)} JSON values"
         )
     return 0
+
+
+def _inspect_hf(args, ckpt) -> int:
+    rows = [ckpt.metadata(name) for name in ckpt.keys()]
+    if args.json:
+        out = {
+            "format": ckpt.format,
+            "files": ckpt.files,
+            "metadata": ckpt.metadata(),
+            "tensors": [
+                {
+                    "name": r.name,
+                    "shape": list(r.shape),
+                    "dtype": str(r.dtype).removeprefix("torch."),
+                    "bytes": r.nbytes,
+                    "shards": r.num_shards,
+                    "file": r.file,
+                }
+                for r in rows
+            ],
+        }
+        print(json.dumps(out, indent=2))
+        return 0
+    index = f", index {ckpt.index_name}" if ckpt.index_name else ""
+    print(f"{args.path}: format {ckpt.format}, {len(ckpt.files)} file(s){index}")
+    width = max([len(r.name) for r in rows] + [6])
+    print(f"{'tensor':{width}}  {'shape':>16}  {'dtype':9}  {'bytes':>10}  file")
+    for r in rows:
+        dtype = str(r.dtype).removeprefix("torch.")
+        print(
+            f"{r.name:{width}}  {str(list(r.shape)):>16}  {dtype:9}  {_human(r.nbytes):>10}  {r.file}"
+        )
+    print(f"{len(rows)} tensors, {_human(sum(r.nbytes for r in rows))}")
+    return 0
+
+
+def _progress_printer(enabled: bool):
+    """Progress on stderr: redrawn in place on a terminal, else a line every few seconds."""
+    if not enabled:
+        return None
+    import time
+
+    tty = sys.stderr.isatty()
+    every = 0.2 if tty else 5.0
+    last = [0.0]
+
+    def show(k: int, n: int, done: int, total: int) -> None:
+        now = time.monotonic()
+        if k != n and now - last[0] < every:
+            return
+        last[0] = now
+        line = f"convert: tensor {k}/{n}, {_human(done)} of {_human(total)}"
+        if tty:
+            print(f"\r{line}", end="\n" if k == n else "", file=sys.stderr, flush=True)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    return show
+
+
+def _rename_arg(items: list[str] | None) -> list[tuple[str, str]]:
+    import re
+
+    out = []
+    for item in items or ():
+        src, eq, dst = item.rpartition("=")  # the last '=': a pattern may hold (?<=...)
+        if not eq or not src:
+            raise _Usage(
+                f"--rename: {item!r} is not FROM=TO; write e.g. --rename '^model\\.=' "
+                "(FROM a regular expression, TO its replacement)"
+            )
+        try:
+            re.compile(src)
+        except re.error as e:
+            raise _Usage(f"--rename: {src!r} is not a regular expression ({e})") from None
+        out.append((src, dst))
+    return out
+
+
+def _convert(args) -> int:
+    import re
+
+    from anyshard.format import storage
+    from anyshard.loaders.convert import convert
+    from anyshard.loaders.export import parse_dtype, parse_size
+
+    if args.spec is None and args.layout:
+        raise _Usage("--layout needs --spec (the UCL spec the layout is for)")
+    if args.spec is not None and args.to == "hf":
+        raise _Usage("--spec and --layout describe an anyshard target; drop them for --to hf")
+    layout = _layout_arg(args.layout)
+    spec = None
+    if args.spec is not None:
+        spec, _ = _load_spec_arg(args.spec)
+    try:
+        dtype = parse_dtype(args.dtype)
+        max_shard_size = parse_size(args.max_shard_size)
+    except AnyshardError as e:
+        raise _Usage(str(e)) from None
+    if args.only is not None:
+        try:
+            re.compile(args.only)
+        except re.error as e:
+            raise _Usage(f"--only: {args.only!r} is not a regular expression ({e})") from None
+    if not storage.exists(args.src):
+        raise _Usage(f"{args.src}: no such checkpoint (file or directory)")
+    report = convert(
+        args.src,
+        args.dst,
+        to=args.to,
+        spec=spec,
+        layout=layout,
+        dtype=dtype,
+        only=args.only,
+        rename=_rename_arg(args.rename),
+        max_shard_size=max_shard_size,
+        progress=_progress_printer(args.progress or sys.stderr.isatty()),
+    )
+    files = ", ".join(report.files[:3]) + (" ..." if len(report.files) > 3 else "")
+    print(
+        f"{report.path}: wrote {report.num_tensors} tensors ({_human(report.num_bytes)}) as "
+        f"{report.format} in {len(report.files)} file(s): {files}"
+    )
+    return 0
+
+
+def _diff(args) -> int:
+    from anyshard.format import storage
+    from anyshard.loaders.convert import diff
+
+    try:
+        atol = float(args.atol)
+        if not atol >= 0:
+            raise ValueError
+    except ValueError:
+        raise _Usage(
+            f"--atol: {args.atol!r} is not a number >= 0; write e.g. --atol 1e-3"
+        ) from None
+    args.atol = atol
+    for path in (args.a, args.b):
+        if not storage.exists(path):
+            raise _Usage(f"{path}: no such checkpoint (file or directory)")
+    report = diff(args.a, args.b, atol=args.atol)
+    if args.json:
+        out = {
+            "a": args.a,
+            "b": args.b,
+            "atol": args.atol,
+            "equal": report.equal,
+            "only_a": report.only_a,
+            "only_b": report.only_b,
+            "tensors": [
+                {
+                    "name": t.name,
+                    "shape_a": list(t.shape_a),
+                    "shape_b": list(t.shape_b),
+                    "dtype_a": str(t.dtype_a).removeprefix("torch."),
+                    "dtype_b": str(t.dtype_b).removeprefix("torch."),
+                    "max_abs_diff": t.max_abs,
+                    "equal": t.equal(args.atol),
+                }
+                for t in report.tensors
+            ],
+        }
+        print(json.dumps(out, indent=2))
+        return 0 if report.equal else 1
+    for name in report.only_a:
+        print(f"only in A: {name}")
+    for name in report.only_b:
+        print(f"only in B: {name}")
+    for t in report.tensors:
+        notes = []
+        if t.dtype_a != t.dtype_b:
+            notes.append(
+                f"dtype {str(t.dtype_a).removeprefix('torch.')} vs {str(t.dtype_b).removeprefix('torch.')}"
+            )
+        if t.max_abs is None:
+            notes.append(f"shape {list(t.shape_a)} vs {list(t.shape_b)}")
+        elif t.max_abs > args.atol:
+            notes.append(f"max abs diff {t.max_abs:.6g}")
+        if notes:
+            state = "same" if t.equal(args.atol) else "DIFFERS"
+            print(f"{state:7}  {t.name}: {'; '.join(notes)}")
+    worst = max(
+        (t for t in report.tensors if t.max_abs is not None), key=lambda t: t.max_abs, default=None
+    )
+    worst_text = ""
+    if worst is not None and worst.max_abs > 0:
+        worst_text = f"; largest difference {worst.max_abs:.6g} ({worst.name})"
+    verdict = "equal" if report.equal else "different"
+    print(
+        f"{verdict} within atol {args.atol:g}: {len(report.tensors)} tensors compared, "
+        f"{len(report.differing)} differ, {len(report.only_a)} only in A, "
+        f"{len(report.only_b)} only in B{worst_text}"
+    )
+    return 0 if report.equal else 1
 
 
 def _verify(args) -> int:
@@ -241,9 +449,58 @@ def _gc(args) -> int:
     return 0
 
 
+def _add_convert(sub, fmt) -> None:
+    s = sub.add_parser(
+        "convert",
+        help="convert a checkpoint to Hugging Face safetensors or to anyshard under a layout",
+        description="Convert SRC (an anyshard or Hugging Face checkpoint, detected) into DST, "
+        "streaming one tensor at a time. To anyshard, --spec and --layout give the target "
+        "layout (every rank's files as if that layout had saved them); without them, one "
+        "plain rank.",
+        epilog=_EXAMPLES["convert"],
+        formatter_class=fmt,
+    )
+    s.add_argument("src", help="checkpoint directory, .safetensors file or URL")
+    s.add_argument("dst", help="new directory or URL (or a .safetensors file with --to hf)")
+    s.add_argument(
+        "--to",
+        choices=["anyshard", "hf"],
+        help="target format (default: hf for an anyshard source, anyshard otherwise)",
+    )
+    s.add_argument("--spec", help="UCL spec of the target layout: a .ucl file or a shipped name")
+    s.add_argument("--layout", help="mesh sizes and spec params, e.g. tp=2,hidden=64")
+    s.add_argument("--dtype", help="cast floating-point tensors: bf16, fp16 or fp32")
+    s.add_argument("--only", metavar="REGEX", help="convert only the tensors whose names match")
+    s.add_argument(
+        "--rename",
+        metavar="FROM=TO",
+        action="append",
+        help="rename tensors: re.sub(FROM, TO, name); repeat to apply several in order",
+    )
+    s.add_argument("--max-shard-size", default="5GB", help="Hugging Face shard size (default 5GB)")
+    s.add_argument(
+        "--progress", action="store_true", help="progress on stderr (default: when a terminal)"
+    )
+    s.set_defaults(run=_convert)
+    s = sub.add_parser(
+        "diff",
+        help="compare two checkpoints tensor by tensor, across formats",
+        description="Per-tensor largest absolute difference between A and B (any formats), "
+        "and the names only one holds. Exit 0 when equal within --atol, 1 otherwise.",
+        epilog=_EXAMPLES["diff"],
+        formatter_class=fmt,
+    )
+    s.add_argument("a", help="checkpoint directory, .safetensors file or URL")
+    s.add_argument("b", help="checkpoint directory, .safetensors file or URL")
+    s.add_argument("--atol", default="0", help="allowed absolute difference (default 0: exact)")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.set_defaults(run=_diff)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="anyshard", description="Inspect, verify, list and clean anyshard checkpoints."
+        prog="anyshard",
+        description="Inspect, verify, convert, compare, list and clean checkpoints.",
     )
     sub = p.add_subparsers(dest="command", required=True)
     fmt = argparse.RawDescriptionHelpFormatter
@@ -253,9 +510,12 @@ def _parser() -> argparse.ArgumentParser:
         epilog=_EXAMPLES["inspect"],
         formatter_class=fmt,
     )
-    s.add_argument("path", help="checkpoint directory or URL")
+    s.add_argument(
+        "path", help="checkpoint directory or URL (anyshard, or Hugging Face safetensors)"
+    )
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(run=_inspect)
+    _add_convert(sub, fmt)
     s = sub.add_parser(
         "verify",
         help="re-read every shard: checksums and coverage",

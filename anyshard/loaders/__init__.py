@@ -1,1 +1,33 @@
-"""loaders."""
+"""Foreign checkpoint formats: readers that present them as the lazy view `anyshard.open`
+gives, writers that stream any view into another format or layout, and `convert` / `diff`.
+
+`anyshard.open` detects the format itself; import from here to name the types or write.
+"""
+
+from __future__ import annotations
+
+from anyshard.loaders.convert import DiffReport, TensorDiff, convert, diff
+from anyshard.loaders.export import (
+    ExportReport,
+    parse_dtype,
+    parse_size,
+    select_names,
+    write_anyshard,
+    write_hf,
+)
+from anyshard.loaders.hf import HFCheckpointView, HFTensorMetadata
+
+__all__ = [
+    "DiffReport",
+    "ExportReport",
+    "HFCheckpointView",
+    "HFTensorMetadata",
+    "TensorDiff",
+    "convert",
+    "diff",
+    "parse_dtype",
+    "parse_size",
+    "select_names",
+    "write_anyshard",
+    "write_hf",
+]

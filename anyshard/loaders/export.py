@@ -1,0 +1,642 @@
+"""Writers: Hugging Face safetensors and anyshard checkpoints from any lazy view, streamed.
+
+A view is what `anyshard.open` returns (`CheckpointView`, `HFCheckpointView`): names, shapes,
+dtypes and region reads. The writers hold one tensor at a time (a Hugging Face tensor larger
+than 64 MiB is copied in row blocks of about that size), never the model.
+
+- `write_hf` writes what transformers' ``save_pretrained`` writes: ``model.safetensors``, or
+  shards ``model-00001-of-0000N.safetensors`` split as huggingface_hub's
+  ``split_torch_state_dict_into_shards`` splits them, with ``model.safetensors.index.json``.
+  Each file has the bytes ``safetensors.torch.save_file`` would write for its tensors (same
+  header, same data order: by dtype alignment, then name).
+- `write_anyshard` writes an anyshard checkpoint: under a UCL spec and layout, every rank's
+  data file exactly as if that layout had saved it (built one local tensor at a time from the
+  logical regions the spec says it holds); without a spec, one plain single-rank checkpoint.
+
+Run: ``python -m pytest tests/unit/test_loaders_hf.py -q``
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from anyshard.errors import AnyshardError, SaveError, StateDictMismatchError
+from anyshard.format import storage
+from anyshard.format.checksum import crc32c
+from anyshard.format.datafile import DATAFILE_VERSION, DTYPE_TO_ST, ST_TO_DTYPE, tensor_bytes
+from anyshard.format.manifest import MANIFEST_NAME
+from anyshard.reshard.boxes import Piece, full_box
+
+__all__ = [
+    "ExportReport",
+    "Progress",
+    "parse_dtype",
+    "parse_size",
+    "select_names",
+    "write_anyshard",
+    "write_hf",
+]
+
+# (tensors done, tensors in all, bytes done, bytes in all): called after each tensor.
+Progress = Callable[[int, int, int, int], None]
+
+_BLOCK = 64 << 20  # a tensor larger than this is copied to a Hugging Face file in row blocks
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+_DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+}
+# safetensors orders a file's data by dtype alignment, largest first, then by name: the rank
+# of each dtype in its ordering (safetensors' Dtype enum order).
+_ST_ORDER = {
+    code: i
+    for i, code in enumerate(
+        "BOOL U8 I8 F8_E5M2 F8_E4M3 I16 U16 F16 BF16 I32 U32 F32 C64 F64 I64 U64".split()
+    )
+}
+_PLAIN_MESH = {"dims": ["world"], "sizes": [1], "offset": 0, "strides": [1]}
+
+
+@dataclass(frozen=True, slots=True)
+class ExportReport:
+    """What a writer wrote: ``files`` relative to ``path``; ``num_tensors`` of the source's
+    tensors in ``num_bytes`` bytes as stored (progress counts stored tensors: under a spec, a
+    rank's local tensors)."""
+
+    path: str
+    format: str  # "huggingface-safetensors" or "anyshard"
+    files: tuple[str, ...]
+    num_tensors: int
+    num_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Item:
+    target: str  # name written
+    source: str  # name in the view
+    shape: tuple[int, ...]
+    src_dtype: torch.dtype
+    dtype: torch.dtype  # as written
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from ``5GB`` (10^9), ``2GiB`` (2^30), ``500MB``, ``123`` (as transformers reads
+    ``max_shard_size``).
+
+    >>> parse_size("5GB"), parse_size("1KiB"), parse_size(100)
+    (5000000000, 1024, 100)
+    """
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", str(size).upper())
+        if m is None:
+            raise AnyshardError(
+                f"{size!r} is not a size; write e.g. 5GB, 500MB or 2GiB (or a number of bytes)"
+            )
+        value = int(float(m.group(1)) * _SIZE_UNITS[m.group(2) or ""])
+    if value <= 0:
+        raise AnyshardError(f"a shard size must be positive, got {size!r}")
+    return value
+
+
+def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """``bf16``, ``fp16``, ``fp32`` (or their torch names, or a `torch.dtype`)."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    key = str(dtype).lower().removeprefix("torch.")
+    if key not in _DTYPES:
+        raise AnyshardError(f"unknown dtype {dtype!r}; use bf16, fp16 or fp32")
+    return _DTYPES[key]
+
+
+def select_names(
+    names: Iterable[str],
+    only: str | re.Pattern | None = None,
+    rename: Mapping[str, str] | Sequence[tuple[str, str]] | None = None,
+) -> dict[str, str]:
+    """Written name -> source name: the names ``only`` finds (``re.search``), each rewritten by
+    every ``(pattern, replacement)`` of ``rename`` in turn (``re.sub``).
+
+    >>> select_names(["a.w", "b.w", "c.b"], only=r"\\.w$", rename=[(r"^a\\.", "x.")])
+    {'x.w': 'a.w', 'b.w': 'b.w'}
+    """
+    pattern = _regex(only) if only is not None else None
+    rules = list(rename.items()) if isinstance(rename, Mapping) else list(rename or ())
+    subs = [(_regex(a), b) for a, b in rules]
+    out: dict[str, str] = {}
+    clashes: list[str] = []
+    for src in names:
+        if pattern is not None and not pattern.search(src):
+            continue
+        dst = src
+        for rx, repl in subs:
+            try:
+                dst = rx.sub(repl, dst)
+            except re.error as e:
+                raise AnyshardError(f"rename {rx.pattern!r} -> {repl!r}: {e}") from None
+        if dst in out:
+            clashes.append(f"{out[dst]!r} and {src!r} both become {dst!r}")
+        out[dst] = src
+    if clashes:
+        raise AnyshardError(
+            "the renames give two tensors one name: " + "; ".join(sorted(clashes)[:10])
+        )
+    return out
+
+
+def _regex(p: str | re.Pattern) -> re.Pattern:
+    if isinstance(p, re.Pattern):
+        return p
+    try:
+        return re.compile(p)
+    except re.error as e:
+        raise AnyshardError(f"{p!r} is not a regular expression ({e})") from None
+
+
+def _items(view, only, rename, dtype) -> list[_Item]:
+    cast = parse_dtype(dtype)
+    items = []
+    for target, source in select_names(view.keys(), only, rename).items():
+        s = view.get_slice(source)
+        src_dtype = ST_TO_DTYPE[s.get_dtype()]
+        out = cast if cast is not None and src_dtype.is_floating_point else src_dtype
+        items.append(_Item(target, source, tuple(s.get_shape()), src_dtype, out))
+    return items
+
+
+def _blocks(view, item: _Item) -> Iterator[torch.Tensor]:
+    """The tensor, whole or in row blocks of about `_BLOCK` bytes, as written."""
+    shape = item.shape
+    row = math.prod(shape[1:]) * item.src_dtype.itemsize if shape else 0
+    if not shape or row * shape[0] <= _BLOCK:
+        blocks = [full_box(shape)]
+    else:
+        step = max(1, _BLOCK // max(row, 1))
+        rest = full_box(shape[1:])
+        blocks = [((lo, min(lo + step, shape[0])),) + rest for lo in range(0, shape[0], step)]
+    for box in blocks:
+        t = view.read_region(item.source, box)
+        yield t.to(item.dtype).contiguous()
+
+
+# --- Hugging Face -------------------------------------------------------------------------------
+
+
+def _split_shards(items: list[_Item], max_size: int) -> list[tuple[str, list[_Item]]]:
+    """Files and their tensors, as huggingface_hub splits a state dict: in order, a new shard
+    when the next tensor would pass ``max_size``; a tensor larger than that alone in a shard
+    (placed before the shard being filled)."""
+    shards: list[list[_Item]] = []
+    current: list[_Item] = []
+    size = 0
+    for it in items:
+        if it.nbytes > max_size:
+            shards.append([it])
+            continue
+        if size + it.nbytes > max_size:
+            shards.append(current)
+            current, size = [], 0
+        current.append(it)
+        size += it.nbytes
+    if current or not shards:
+        shards.append(current)
+    if len(shards) == 1:
+        return [("model.safetensors", shards[0])]
+    n = len(shards)
+    return [(f"model-{i + 1:05d}-of-{n:05d}.safetensors", s) for i, s in enumerate(shards)]
+
+
+def _hf_header(items: list[_Item]) -> bytes:
+    """The header safetensors writes for ``items`` (already in file order)."""
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for it in items:
+        header[it.target] = {
+            "dtype": DTYPE_TO_ST[it.dtype],
+            "shape": list(it.shape),
+            "data_offsets": [offset, offset + it.nbytes],
+        }
+        offset += it.nbytes
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    return raw + b" " * (-len(raw) % 8)
+
+
+def _refuse_existing_hf(root: str, single: str | None) -> None:
+    if single is not None:
+        path = storage.join(root, single) if root else single
+        if storage.exists(path):
+            raise SaveError(f"{path} exists; write to a new file")
+        return
+    if not storage.exists(root):
+        return
+    try:
+        names = storage.listdir(root)
+    except NotADirectoryError:
+        raise SaveError(
+            f"{root} is a file; pass a directory (or a path ending in .safetensors)"
+        ) from None
+    present = [n for n in names if n.endswith((".safetensors", ".safetensors.index.json"))]
+    if present:
+        raise SaveError(
+            f"{root} already holds {', '.join(sorted(present)[:4])}; write to a new or empty "
+            "directory (a stale shard would be read with the new ones)"
+        )
+
+
+def write_hf(
+    view,
+    dst: str,
+    *,
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | str | None = None,
+    only: str | re.Pattern | None = None,
+    rename: Mapping[str, str] | Sequence[tuple[str, str]] | None = None,
+    progress: Progress | None = None,
+) -> ExportReport:
+    """Write the view's tensors as a Hugging Face safetensors checkpoint in directory ``dst``
+    (or into the one file ``dst`` when it ends in ``.safetensors``).
+
+    Tensors are assigned to shards in name order (the order of the index's ``weight_map``), so
+    the result does not depend on the source's format. ``dtype`` casts floating-point tensors
+    only (integer buffers keep theirs), as transformers' ``torch_dtype`` does. ``only`` and
+    ``rename`` choose and rename tensors (`select_names`).
+
+    >>> import torch, tempfile, anyshard
+    >>> from anyshard.loaders import write_hf
+    >>> d = tempfile.mkdtemp()
+    >>> anyshard.save(d + "/ckpt", {"w": torch.ones(4, 4), "b": torch.zeros(4)})
+    >>> with anyshard.open(d + "/ckpt") as view:
+    ...     report = write_hf(view, d + "/hf", max_shard_size=64)
+    >>> report.files
+    ('model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors', 'model.safetensors.index.json')
+    >>> anyshard.open(d + "/hf").get_tensor("w").sum().item()
+    16.0
+    """
+    items = sorted(_items(view, only, rename, dtype), key=lambda it: it.target)
+    single = dst.endswith(".safetensors")
+    if single:
+        root, name = os.path.split(dst) if not storage.is_url(dst) else dst.rsplit("/", 1)
+        shards = [(name, items)]
+    else:
+        root = dst
+        shards = _split_shards(items, parse_size(max_shard_size))
+    _refuse_existing_hf(root, shards[0][0] if single else None)
+    if root:
+        storage.makedirs(root)
+    total = sum(it.nbytes for it in items)
+    done = [0, 0]
+    for name, group in shards:
+        ordered = sorted(group, key=lambda it: (-_ST_ORDER[DTYPE_TO_ST[it.dtype]], it.target))
+        header = _hf_header(ordered)
+        path = storage.join(root, name) if root else name
+        with storage.open_writer(path) as f:
+            f.write(struct.pack("<Q", len(header)))
+            f.write(header)
+            for it in ordered:
+                for block in _blocks(view, it):
+                    if block.numel():
+                        f.write(tensor_bytes(block))
+                done[0] += 1
+                done[1] += it.nbytes
+                if progress is not None:
+                    progress(done[0], len(items), done[1], total)
+    files = tuple(name for name, _ in shards)
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": total},
+            "weight_map": {it.target: name for name, group in shards for it in group},
+        }
+        text = json.dumps(index, indent=2, sort_keys=True) + "\n"
+        storage.write_bytes_atomic(
+            storage.join(root, "model.safetensors.index.json"), text.encode()
+        )
+        files += ("model.safetensors.index.json",)
+    return ExportReport(dst, "huggingface-safetensors", files, len(items), total)
+
+
+# --- anyshard -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _LocalWrite:
+    """One stored tensor of a rank's data file, and where its data comes from."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    parts: tuple[tuple[str, tuple[Piece, ...]], ...]  # (source name in the view, pieces)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _plain_plan(items: list[_Item], values: dict) -> tuple[list[list[_LocalWrite]], list[dict]]:
+    writes, entries = [], {}
+    for it in sorted(items, key=lambda it: it.target):
+        box = full_box(it.shape)
+        piece = Piece(0, it.shape, box, box)
+        writes.append(_LocalWrite(it.target, it.shape, it.dtype, ((it.source, (piece,)),)))
+        entries[it.target] = {
+            "dtype": DTYPE_TO_ST[it.dtype],
+            "shape": list(it.shape),
+            "mesh": _PLAIN_MESH,
+            "mapping": "on(world, 0)",
+        }
+    return [writes], [_report(0, writes, entries, values, None)]
+
+
+def _report(rank: int, writes: list, entries: dict, values: dict, spec: dict | None) -> dict:
+    from anyshard._save import _file_name
+
+    return {
+        "error": None,
+        "file": _file_name(rank) if writes else None,
+        "count": len(writes),
+        "entries": entries,
+        "values": values,
+        "spec": spec,
+    }
+
+
+def _spec_plan(
+    items: list[_Item], spec, layout: Mapping[str, int], values: dict
+) -> tuple[list[list[_LocalWrite]], list[dict]]:
+    """Every rank's writes and report under ``spec``; all mismatches with the view at once."""
+    from anyshard._spec import layout_json, spec_mesh
+    from anyshard.ucl import compile, layout_for, load_spec
+    from anyshard.ucl.evaluate import coords_of_rank
+
+    parsed = load_spec(spec)
+    lay = layout_for(parsed, layout)
+    mesh = spec_mesh(lay).to_json()
+    by_name = {it.target: it for it in items}
+    problems: set[str] = set()
+    saved: set[str] = set()
+    plan, reports = [], []
+    for rank in range(lay.world_size):
+        local = compile(parsed, lay, coords_of_rank(lay.sizes, rank))
+        writes, entries = [], {}
+        for name in sorted(local):
+            t = local[name]
+            if not t.written:
+                continue
+            w = _local_write(t, by_name, problems)
+            if w is None:
+                continue
+            writes.append(w)
+            for part in t.parts:
+                if part.primary:
+                    saved.add(part.logical)
+                    entries[part.logical] = {
+                        "dtype": DTYPE_TO_ST[w.dtype],
+                        "shape": list(part.logical_shape),
+                        "mesh": mesh,
+                        "mapping": None,
+                    }
+        spec_json = None
+        if rank == 0:
+            spec_json = {
+                "text": parsed.text or str(parsed),
+                "layout": layout_json(parsed, lay),
+                "mesh": mesh,
+            }
+        plan.append(writes)
+        reports.append(_report(rank, writes, entries, values if rank == 0 else {}, spec_json))
+    unsaved = sorted(set(by_name) - saved)
+    if unsaved:
+        problems.add(
+            f"the spec saves no part of {len(unsaved)} tensor(s) of the source: "
+            f"{', '.join(unsaved[:8])}{' ...' if len(unsaved) > 8 else ''}; add rules for them, "
+            "or leave them out with only="
+        )
+    if problems:
+        lines = sorted(problems)
+        raise StateDictMismatchError(
+            "the source does not fit the spec and layout:\n  "
+            + "\n  ".join(lines[:20])
+            + (f"\n  ... and {len(lines) - 20} more" if len(lines) > 20 else "")
+        )
+    return plan, reports
+
+
+def _local_write(t, by_name: dict[str, _Item], problems: set[str]) -> _LocalWrite | None:
+    parts, dtypes = [], set()
+    ok = True
+    for part in t.parts:
+        it = by_name.get(part.logical)
+        if it is None:
+            problems.add(
+                f"{t.name}: holds {part.logical!r} {list(part.logical_shape)}, which the source "
+                "lacks (is the spec for this model? a rename needed?)"
+            )
+            ok = False
+            continue
+        if it.shape != part.logical_shape:
+            problems.add(
+                f"{t.name}: holds {part.logical!r} of shape {list(part.logical_shape)} under this "
+                f"layout, but the source's is {list(it.shape)} (check the layout's sizes)"
+            )
+            ok = False
+            continue
+        dtypes.add(it.dtype)
+        parts.append((it.source, part.shard.pieces))
+    if not ok:
+        return None
+    if t.dtype is not None:
+        dtype = ST_TO_DTYPE[t.dtype]
+    elif len(dtypes) == 1:
+        dtype = dtypes.pop()
+    else:
+        problems.add(
+            f"{t.name}: fuses tensors of dtypes {sorted(map(str, dtypes))}; give the rule a cast()"
+        )
+        return None
+    return _LocalWrite(t.name, t.stored_shape, dtype, tuple(parts))
+
+
+def _build_local(view, w: _LocalWrite) -> torch.Tensor:
+    """One rank's stored tensor, filled from the logical regions its pieces hold (padding 0)."""
+    from anyshard._open import CheckpointView
+    from anyshard._read import Fill, fill_regions
+    from anyshard.loaders.hf import HFCheckpointView
+    from anyshard.reshard.executor import piece_view
+
+    out = torch.zeros(w.shape, dtype=w.dtype)
+    for source, pieces in w.parts:
+        if (
+            isinstance(view, CheckpointView)
+            and w.dtype == ST_TO_DTYPE[view.get_slice(source).get_dtype()]
+        ):
+            # the reshard planner reads straight into the pieces, coalescing their byte ranges
+            fill_regions(
+                view.path, view.manifest, [Fill(source, out, tuple(pieces))], headers=view._headers
+            )
+            continue
+        for p in pieces:
+            dest = piece_view(out, p)
+            if isinstance(view, HFCheckpointView) and dest.is_contiguous():
+                if dest.dtype == ST_TO_DTYPE[view.get_slice(source).get_dtype()]:
+                    view.read_region(source, p.logical_box, out=dest)
+                    continue
+            dest.copy_(view.read_region(source, p.logical_box))
+    return out
+
+
+def _datafile_header(writes: list[_LocalWrite], crcs: dict[str, int]) -> bytes:
+    header: dict[str, object] = {}
+    offset = 0
+    for w in writes:
+        header[w.name] = {
+            "dtype": DTYPE_TO_ST[w.dtype],
+            "shape": list(w.shape),
+            "data_offsets": [offset, offset + w.nbytes],
+        }
+        offset += w.nbytes
+    meta = {"format_version": DATAFILE_VERSION, "crc32c": crcs}
+    header["__metadata__"] = {"format": "pt", "anyshard": json.dumps(meta, separators=(",", ":"))}
+    return json.dumps(header, separators=(",", ":")).encode()
+
+
+def _write_datafile_local(path: str, view, writes: list[_LocalWrite], on_tensor) -> None:
+    """An anyshard data file, one tensor in memory at a time: the header's space is reserved
+    for the widest checksums, the data streamed, then the header written in place (padded with
+    spaces, which JSON and safetensors allow)."""
+    reserved = len(_datafile_header(writes, dict.fromkeys((w.name for w in writes), 2**32 - 1)))
+    reserved += -reserved % 8
+    crcs: dict[str, int] = {}
+    with storage.open_writer(path) as f:
+        f.write(b"\0" * (8 + reserved))
+        for w in writes:
+            t = _build_local(view, w)
+            mv = tensor_bytes(t)
+            crcs[w.name] = crc32c(mv)
+            if mv.nbytes:
+                f.write(mv)
+            del t, mv
+            on_tensor(w)
+        raw = _datafile_header(writes, crcs)
+        f.seek(0)
+        f.write(struct.pack("<Q", reserved))
+        f.write(raw + b" " * (reserved - len(raw)))
+
+
+def _write_datafile(path: str, view, writes: list[_LocalWrite], on_tensor) -> None:
+    if not storage.is_url(path):
+        _write_datafile_local(path, view, writes, on_tensor)
+        return
+    # An object can't be rewritten in place: build the file locally, then stream it up.
+    fd, tmp = tempfile.mkstemp(suffix=".safetensors", prefix="anyshard-")
+    os.close(fd)
+    try:
+        _write_datafile_local(tmp, view, writes, on_tensor)
+        storage.upload(tmp, path)
+    finally:
+        os.unlink(tmp)
+
+
+def write_anyshard(
+    view,
+    dst: str,
+    *,
+    spec=None,
+    layout: Mapping[str, int] | None = None,
+    dtype: torch.dtype | str | None = None,
+    only: str | re.Pattern | None = None,
+    rename: Mapping[str, str] | Sequence[tuple[str, str]] | None = None,
+    progress: Progress | None = None,
+) -> ExportReport:
+    """Write the view as an anyshard checkpoint at ``dst``, from this one process.
+
+    With ``spec`` (a UCL spec: text, ``.ucl`` path, shipped name or `anyshard.ucl.Spec`) and
+    ``layout``, every rank's data file is what that rank would write with
+    ``anyshard.save(..., spec=, layout=)``: its local tensors (fused, padded, flattened, locally
+    named) are built one at a time from the logical regions the spec says they hold. The
+    source's tensors (after ``only`` and ``rename``) must be exactly the spec's logical tensors
+    with the spec's shapes; every mismatch is reported at once, before anything is written.
+    Without ``spec``, a plain single-rank checkpoint (as ``anyshard.save`` in one process).
+    JSON values of the source are kept. ``dtype`` casts floating-point tensors.
+
+    >>> import torch, tempfile, anyshard
+    >>> from safetensors.torch import save_file
+    >>> from anyshard.loaders import write_anyshard
+    >>> d = tempfile.mkdtemp()
+    >>> save_file({"w": torch.arange(8.0).reshape(4, 2)}, d + "/model.safetensors")
+    >>> spec = 'mesh tp; "w" -> "w" [4, 2] : chunk(0, tp);'
+    >>> with anyshard.open(d) as view:
+    ...     r = write_anyshard(view, d + "/ckpt", spec=spec, layout={"tp": 2})
+    >>> r.files, anyshard.open(d + "/ckpt").get_tensor("w")[3].tolist()
+    (('data/rank-00000.safetensors', 'data/rank-00001.safetensors'), [6.0, 7.0])
+    """
+    from anyshard._save import _merge
+
+    if storage.exists(storage.join(dst, MANIFEST_NAME)):
+        raise SaveError(f"{dst} already holds a committed checkpoint; write to a new path")
+    items = _items(view, only, rename, dtype)
+    values = {k: view.get_value(k) for k in view.value_keys()}
+    if spec is None:
+        if layout:
+            raise AnyshardError("a layout needs a spec: pass spec= (a UCL spec) with layout=")
+        plan, reports = _plain_plan(items, values)
+    else:
+        plan, reports = _spec_plan(items, spec, layout or {}, values)
+    manifest = _merge(reports, dst)  # checks, before any write, that every element is kept once
+    total_n = sum(len(ws) for ws in plan)
+    total_b = sum(w.nbytes for ws in plan for w in ws)
+    done = [0, 0]
+
+    def on_tensor(w: _LocalWrite) -> None:
+        done[0] += 1
+        done[1] += w.nbytes
+        if progress is not None:
+            progress(done[0], total_n, done[1], total_b)
+
+    files = []
+    for rank, writes in enumerate(plan):
+        if not writes:
+            continue
+        rel = reports[rank]["file"]
+        storage.makedirs(storage.join(dst, *rel.split("/")[:-1]))
+        _write_datafile(storage.join(dst, *rel.split("/")), view, writes, on_tensor)
+        files.append(rel)
+    storage.makedirs(dst)
+    try:
+        storage.write_bytes_atomic(
+            storage.join(dst, MANIFEST_NAME), manifest.dumps(), exclusive=True
+        )
+    except FileExistsError:
+        raise SaveError(
+            f"{dst} already holds a committed checkpoint; write to a new path"
+        ) from None
+    return ExportReport(dst, "anyshard", tuple(files), len(items), total_b)
