@@ -184,7 +184,9 @@ def open_checkpoint(path: str, *, threads: int = 8):
     The format is detected: a directory with ``manifest.json`` is an anyshard checkpoint
     (`CheckpointView`); a ``.safetensors`` file, a ``*.safetensors.index.json``, or a directory
     holding either and no ``manifest.json`` is a Hugging Face checkpoint
-    (`anyshard.loaders.HFCheckpointView`). Anything else raises as for an anyshard checkpoint.
+    (`anyshard.loaders.HFCheckpointView`); a directory with DCP's ``.metadata`` is a PyTorch DCP
+    checkpoint (`anyshard.loaders.DCPCheckpointView`, read without running code). Anything else
+    raises as for an anyshard checkpoint.
     """
     from anyshard.errors import CheckpointNotFoundError
     from anyshard.loaders import hf
@@ -196,4 +198,8 @@ def open_checkpoint(path: str, *, threads: int = 8):
     except CheckpointNotFoundError:
         if hf.looks_like_hf(path):
             return hf.HFCheckpointView(path)
+        from anyshard.loaders import dcp
+
+        if dcp.looks_like_dcp(path):
+            return dcp.DCPCheckpointView(path)
         raise

@@ -7,6 +7,7 @@ gives, writers that stream any view into another format or layout, and `convert`
 from __future__ import annotations
 
 from anyshard.loaders.convert import DiffReport, TensorDiff, convert, diff
+from anyshard.loaders.dcp import DCPCheckpointView
 from anyshard.loaders.export import (
     ExportReport,
     parse_dtype,
@@ -18,6 +19,7 @@ from anyshard.loaders.export import (
 from anyshard.loaders.hf import HFCheckpointView, HFTensorMetadata
 
 __all__ = [
+    "DCPCheckpointView",
     "DiffReport",
     "ExportReport",
     "HFCheckpointView",

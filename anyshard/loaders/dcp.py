@@ -1,0 +1,309 @@
+"""PyTorch DCP (torch.distributed.checkpoint) directories as a lazy view, without running code.
+
+DCP's ``.metadata`` is a pickle, and DCP's own reader unpickles it with ``pickle.load``: any
+object, any code. This view reads it with an unpickler whose ``find_class`` admits only DCP's
+metadata dataclasses and torch's ``Size``, dtypes, layouts and memory formats ("Restricting
+Globals" in Python's pickle documentation; torch's weights-only unpickler cannot read the
+protocol-4 stream DCP writes). A crafted metadata file that names anything else is refused.
+The data chunks are ``torch.save`` archives, read with ``torch.load(weights_only=True)``, one
+whole chunk at a time (the archive format allows no partial read): a region costs the chunks it
+overlaps.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import pickle
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from anyshard._open import StoredShard, TensorSlice
+from anyshard.errors import CheckpointNotFoundError, CorruptCheckpointError
+from anyshard.format import storage
+from anyshard.format.datafile import DTYPE_TO_ST
+from anyshard.reshard.boxes import Box, box_shape, full_box, intersect
+
+__all__ = ["DCPCheckpointView", "DCPTensorMetadata", "looks_like_dcp"]
+
+METADATA = ".metadata"
+_DCP = "torch.distributed.checkpoint"
+_ALLOWED_CLASSES = {
+    (f"{_DCP}.metadata", name)
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",  # an Enum of memory formats
+    )
+} | {
+    (f"{_DCP}.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # a layout by name
+    ("collections", "OrderedDict"),
+    # StorageMeta.checkpoint_id may be a path object
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, where: str):
+        super().__init__(io.BytesIO(data))
+        self.where = where
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _ALLOWED_CLASSES:
+            return super().find_class(module, name)
+        if module == "torch":  # dtypes, layouts and memory formats pickle as torch.<name>
+            value = getattr(torch, name, None)
+            if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+                return value
+        raise CorruptCheckpointError(
+            f"{self.where}: the DCP metadata names {module}.{name}, which is not part of DCP's "
+            "metadata; refusing to load it (it could run code)"
+        )
+
+
+def looks_like_dcp(path: str) -> bool:
+    """Whether ``path`` is a directory with DCP's ``.metadata`` file."""
+    try:
+        return storage.exists(storage.join(path, METADATA))
+    except Exception:
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class DCPTensorMetadata:
+    """What `DCPCheckpointView.metadata` says of one tensor; shaped like `TensorMetadata`."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    shards: tuple[StoredShard, ...]
+    mapping: None = None  # DCP describes chunks by offsets, not by a mapping
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.shards)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class _Chunk:
+    box: Box
+    file: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Tensor:
+    shape: tuple[int, ...]
+    torch_dtype: torch.dtype
+    chunks: tuple[_Chunk, ...]
+
+    @property
+    def dtype(self) -> str:
+        """The safetensors dtype code, as anyshard's tensor entries give it."""
+        return DTYPE_TO_ST[self.torch_dtype]
+
+
+class DCPCheckpointView:
+    """Read-only view of a PyTorch DCP checkpoint directory (same methods as `CheckpointView`).
+
+    Non-tensor entries (DCP stores them as ``torch.save`` bytes) are the JSON-like values,
+    read with ``torch.load(weights_only=True)``.
+    """
+
+    format = "pytorch-dcp"
+
+    def __init__(self, path: str):
+        self.path = path
+        where = storage.join(path, METADATA)
+        try:
+            data = storage.read_bytes(where)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(
+                f"{path}: no DCP checkpoint ({METADATA} missing)"
+            ) from None
+        try:
+            md = _MetadataUnpickler(data, where).load()
+        except CorruptCheckpointError:
+            raise
+        except Exception as e:
+            raise CorruptCheckpointError(
+                f"{where}: unreadable DCP metadata ({type(e).__name__}: {e})"
+            ) from None
+        self._tensors: dict[str, _Tensor] = {}
+        self._values: dict[str, tuple[str, int, int]] = {}
+        try:
+            self._index(md, where)
+        except CorruptCheckpointError:
+            raise
+        except Exception as e:
+            raise CorruptCheckpointError(
+                f"{where}: malformed DCP metadata ({type(e).__name__}: {e})"
+            ) from None
+        self._lock = threading.Lock()
+        self._cache: tuple[tuple[str, int], torch.Tensor] | None = None
+
+    def _index(self, md, where: str) -> None:
+        storage_data = md.storage_data
+        by_fqn: dict[tuple[str, tuple | None], Any] = {}
+        for key, info in storage_data.items():
+            if getattr(info, "transform_descriptors", None):
+                raise CorruptCheckpointError(
+                    f"{where}: {key.fqn} is stored with transforms {info.transform_descriptors} "
+                    "(compression?), which this reader does not undo"
+                )
+            offset = tuple(key.offset) if key.offset is not None else None
+            by_fqn[(key.fqn, offset)] = info
+        for fqn, meta in md.state_dict_metadata.items():
+            info_of = lambda off, fqn=fqn: by_fqn.get((fqn, off))  # noqa: E731
+            if type(meta).__name__ == "BytesStorageMetadata":
+                info = info_of(None)
+                if info is None:
+                    raise CorruptCheckpointError(f"{where}: no storage for value {fqn!r}")
+                self._values[fqn] = (info.relative_path, int(info.offset), int(info.length))
+                continue
+            shape = tuple(int(n) for n in meta.size)
+            chunks = []
+            for c in meta.chunks:
+                off = tuple(int(x) for x in c.offsets)
+                info = info_of(off)
+                if info is None:
+                    raise CorruptCheckpointError(
+                        f"{where}: no storage for chunk {list(off)} of {fqn!r}"
+                    )
+                box = tuple((o, o + int(n)) for o, n in zip(off, c.sizes, strict=True))
+                if any(not 0 <= lo <= hi <= n for (lo, hi), n in zip(box, shape, strict=True)):
+                    raise CorruptCheckpointError(
+                        f"{where}: chunk {list(box)} of {fqn!r} is outside {list(shape)}"
+                    )
+                chunks.append(
+                    _Chunk(box, str(info.relative_path), int(info.offset), int(info.length))
+                )
+            self._tensors[fqn] = _Tensor(shape, meta.properties.dtype, tuple(chunks))
+
+    def __enter__(self) -> DCPCheckpointView:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._cache = None
+
+    def keys(self) -> list[str]:
+        return list(self._tensors)
+
+    def value_keys(self) -> list[str]:
+        return list(self._values)
+
+    def get_value(self, name: str) -> Any:
+        if name not in self._values:
+            raise KeyError(f"{self.path}: no value named {name!r}")
+        file, offset, length = self._values[name]
+        return torch.load(io.BytesIO(self._read(file, offset, length)), weights_only=True)
+
+    @property
+    def values(self) -> dict[str, Any]:
+        return {k: self.get_value(k) for k in self._values}
+
+    def _entry(self, name: str) -> _Tensor:
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise KeyError(f"{self.path}: no tensor named {name!r}") from None
+
+    def metadata(self, name: str) -> DCPTensorMetadata:
+        t = self._entry(name)
+        shards = tuple(StoredShard(-1, c.file, {}, (c.box,)) for c in t.chunks)
+        return DCPTensorMetadata(name, t.shape, t.torch_dtype, shards)
+
+    def _read(self, file: str, offset: int, length: int) -> bytes:
+        path = storage.join(self.path, *file.split("/"))
+        buf = bytearray(length)
+        try:
+            with storage.FileReader(path) as reader:
+                reader.read_into(offset, memoryview(buf))
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{path}: DCP data file is missing") from None
+        except EOFError as e:
+            raise CorruptCheckpointError(f"{path}: DCP data file is truncated ({e})") from None
+        return bytes(buf)
+
+    def _chunk(self, name: str, c: _Chunk, t: _Tensor) -> torch.Tensor:
+        key = (c.file, c.offset)
+        with self._lock:
+            if self._cache is not None and self._cache[0] == key:
+                return self._cache[1]
+        try:
+            data = torch.load(io.BytesIO(self._read(c.file, c.offset, c.length)), weights_only=True)
+        except CorruptCheckpointError:
+            raise
+        except Exception as e:
+            raise CorruptCheckpointError(
+                f"{self.path}/{c.file}: chunk {list(c.box)} of {name!r} is unreadable ({type(e).__name__}: {e})"
+            ) from None
+        if (
+            not isinstance(data, torch.Tensor)
+            or tuple(data.shape) != box_shape(c.box)
+            or data.dtype != t.torch_dtype
+        ):
+            raise CorruptCheckpointError(
+                f"{self.path}/{c.file}: chunk {list(c.box)} of {name!r} is not a {t.torch_dtype} tensor of "
+                f"shape {list(box_shape(c.box))}"
+            )
+        with self._lock:
+            self._cache = (key, data)  # the last chunk: row blocks of one chunk read it once
+        return data
+
+    def read_region(self, name: str, box: Box, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The region ``box`` of tensor ``name``, reading the chunks it overlaps."""
+        t = self._entry(name)
+        box = tuple((int(lo), int(hi)) for lo, hi in box)
+        if len(box) != len(t.shape) or any(
+            not 0 <= lo <= hi <= n for (lo, hi), n in zip(box, t.shape, strict=True)
+        ):
+            raise IndexError(f"{name}: region {list(box)} is outside its shape {list(t.shape)}")
+        dest = torch.empty(box_shape(box), dtype=t.torch_dtype) if out is None else out
+        if dest.numel() == 0:
+            return dest
+        covered = 0
+        for c in t.chunks:
+            x = intersect(c.box, box) if t.shape else ()
+            if x is None:
+                continue
+            data = self._chunk(name, c, t)
+            src = data[
+                tuple(
+                    slice(lo - clo, hi - clo) for (lo, hi), (clo, _) in zip(x, c.box, strict=True)
+                )
+            ]
+            dest[
+                tuple(slice(lo - blo, hi - blo) for (lo, hi), (blo, _) in zip(x, box, strict=True))
+            ] = src
+            covered += math.prod(box_shape(x)) if x else 1
+        if covered < math.prod(box_shape(box)):
+            raise CorruptCheckpointError(
+                f"{self.path}: the chunks of {name!r} cover {covered} of the {math.prod(box_shape(box))} "
+                f"elements of region {list(box)}"
+            )
+        return dest
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self.read_region(name, full_box(self._entry(name).shape))
+
+    def get_slice(self, name: str) -> TensorSlice:
+        return TensorSlice(self, name)
