@@ -17,6 +17,7 @@ from anyshard.loaders.export import (
     write_hf,
 )
 from anyshard.loaders.hf import HFCheckpointView, HFTensorMetadata
+from anyshard.loaders.megatron import MegatronCheckpointView, megatron_file_name
 
 __all__ = [
     "DCPCheckpointView",
@@ -24,9 +25,11 @@ __all__ = [
     "ExportReport",
     "HFCheckpointView",
     "HFTensorMetadata",
+    "MegatronCheckpointView",
     "TensorDiff",
     "convert",
     "diff",
+    "megatron_file_name",
     "parse_dtype",
     "parse_size",
     "select_names",
