@@ -17,10 +17,11 @@ from anyshard.loaders.export import (
     write_hf,
 )
 from anyshard.loaders.hf import HFCheckpointView, HFTensorMetadata
-from anyshard.loaders.megatron import MegatronCheckpointView, megatron_file_name
+from anyshard.loaders.megatron import DeepSpeedZeroView, MegatronCheckpointView, megatron_file_name
 
 __all__ = [
     "DCPCheckpointView",
+    "DeepSpeedZeroView",
     "DiffReport",
     "ExportReport",
     "HFCheckpointView",

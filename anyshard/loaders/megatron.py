@@ -31,7 +31,7 @@ from anyshard.format.datafile import DTYPE_TO_ST
 from anyshard.reshard.boxes import Box, box_numel, box_shape, full_box
 from anyshard.reshard.executor import piece_view
 
-__all__ = ["MegatronCheckpointView", "megatron_file_name"]
+__all__ = ["DeepSpeedZeroView", "MegatronCheckpointView", "megatron_file_name"]
 
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 
@@ -223,3 +223,91 @@ class MegatronCheckpointView:
 
     def __exit__(self, *exc) -> None:
         self._loaded = None
+
+
+_ZERO_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d{2})_optim_states\.pt$")
+
+
+class DeepSpeedZeroView(MegatronCheckpointView):
+    """A logical view of a DeepSpeed ZeRO-1/2 checkpoint: each data-parallel rank's partition
+    of the flat fp32 parameters and of Adam's moments, in
+    ``global_stepN/[bf16_]zero_pp_rank_{dp}_mp_rank_{tp:02d}_optim_states.pt``, mapped to
+    logical parameters and their ``.exp_avg`` / ``.exp_avg_sq`` by a UCL spec (by default the
+    shipped ``deepspeed_zero``, one parameter group). ``path`` is the checkpoint root (its
+    ``latest`` file names the step) or a ``global_step*`` directory; dp and tp come from the file
+    names, the model sizes from ``layout``. Read with ``torch.load(weights_only=True)``.
+    """
+
+    format = "deepspeed-zero"
+
+    def __init__(self, path: str, *, layout: dict[str, int], spec: Any = "deepspeed_zero"):
+        from anyshard._spec import resolve_spec, spec_mesh
+        from anyshard.format.stored import _index
+        from anyshard.ucl.evaluate import coords_of_rank, layout_for
+
+        latest = storage.join(path, "latest")
+        if storage.exists(latest):
+            path = storage.join(path, storage.read_bytes(latest).decode().strip())
+        self.path = path
+        names = {}
+        for name in storage.listdir(path):
+            m = _ZERO_FILE.match(name.rstrip("/").rsplit("/", 1)[-1])
+            if m:
+                names[(int(m.group(1)), int(m.group(2)))] = m.group(0)
+        if not names:
+            raise CorruptCheckpointError(f"{path}: no zero_pp_rank_*_optim_states.pt files")
+        dp = 1 + max(d for d, _ in names)
+        tp = 1 + max(t for _, t in names)
+        if len(names) != dp * tp:
+            raise CorruptCheckpointError(
+                f"{path}: found {len(names)} of the {dp * tp} ZeRO files of dp={dp}, tp={tp}"
+            )
+        self.spec = resolve_spec(spec)
+        full = {
+            **{k: v for k, v in layout.items() if k not in ("tp", "dp", "pp")},
+            "dp": dp,
+            "tp": tp,
+        }
+        lay = layout_for(self.spec, full)
+        self.layout = full
+        self._index = _index(
+            self.spec.text or str(self.spec), tuple(sorted(full.items())), spec_mesh(lay)
+        )
+        self._files = {}
+        for rank in range(lay.world_size):
+            c = coords_of_rank(lay.sizes, rank)
+            self._files[rank] = names[(c.get("dp", 0), c.get("tp", 0))]
+        self._lock = threading.Lock()
+        self._loaded = None
+        self._dtypes = {}
+        self.iteration = None
+
+    def _state(self, rank: int) -> dict:
+        with self._lock:
+            if self._loaded is not None and self._loaded[0] == rank:
+                return self._loaded[1]
+        file = storage.join(self.path, self._files[rank])
+        try:
+            data = torch.load(
+                io.BytesIO(storage.read_bytes(file)), weights_only=True, map_location="cpu"
+            )
+            osd = data["optimizer_state_dict"]
+            locals_ = {}
+            for g, flat in enumerate(osd["single_partition_of_fp32_groups"]):
+                locals_[f"fp32_flat_groups.{g}"] = flat
+                state = osd["base_optimizer_state"]["state"][g]
+                locals_[f"exp_avg.{g}"] = state["exp_avg"]
+                locals_[f"exp_avg_sq.{g}"] = state["exp_avg_sq"]
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{file}: missing") from None
+        except (KeyError, TypeError, IndexError) as e:
+            raise CorruptCheckpointError(
+                f"{file}: not a ZeRO-1/2 optimizer state file (missing {e})"
+            ) from None
+        except Exception as e:
+            raise CorruptCheckpointError(
+                f"{file}: not loadable with torch.load(weights_only=True) ({type(e).__name__}: {e})"
+            ) from None
+        with self._lock:
+            self._loaded = (rank, locals_)
+        return locals_

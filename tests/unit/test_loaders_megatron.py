@@ -84,3 +84,38 @@ def test_a_megatron_file_with_a_wrong_shape_is_named(tmp_path):
     view = MegatronCheckpointView(str(tmp_path), layout=CFG)
     with pytest.raises(CorruptCheckpointError, match=r"mp_rank_01.*linear_fc2.*\[3, 3\]"):
         view.get_tensor("model.layers.0.mlp.down_proj.weight")
+
+
+DS_CFG = dict(hidden=4, ffn=6, vocab=5, layers=2)
+
+
+def test_deepspeed_zero_files_read_as_parameters_and_adam_moments(tmp_path):
+    from anyshard.loaders import DeepSpeedZeroView
+
+    shapes, local = FAMILIES["deepspeed_zero"]
+    g = torch.Generator().manual_seed(5)
+    truth = {k: torch.randn(s, generator=g) for k, s in sorted(shapes(DS_CFG).items())}
+    sizes = {"pp": 1, "dp": 3, "tp": 2}
+    step_dir = tmp_path / "global_step40"
+    step_dir.mkdir()
+    for c in all_coords(sizes, ORDER):
+        loc = local(truth, DS_CFG, sizes, c)
+        osd = {
+            "single_partition_of_fp32_groups": [loc["fp32_flat_groups.0"]],
+            "base_optimizer_state": {
+                "state": {
+                    0: {"exp_avg": loc["exp_avg.0"], "exp_avg_sq": loc["exp_avg_sq.0"], "step": 40}
+                },
+                "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95)}],
+            },
+            "zero_stage": 2,
+            "partition_count": 3,
+        }
+        name = f"zero_pp_rank_{c['dp']}_mp_rank_{c['tp']:02d}_optim_states.pt"
+        torch.save({"optimizer_state_dict": osd, "ds_version": "0.16.0"}, step_dir / name)
+    (tmp_path / "latest").write_text("global_step40")
+    view = DeepSpeedZeroView(str(tmp_path), layout=DS_CFG)
+    assert view.layout["dp"] == 3 and view.layout["tp"] == 2
+    assert sorted(view.keys()) == sorted(truth)
+    for name, t in truth.items():
+        assert torch.equal(view.get_tensor(name), t), name
