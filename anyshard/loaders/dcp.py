@@ -74,6 +74,16 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
+def checked_region(name: str, box, shape: tuple[int, ...]) -> Box:
+    """``box`` as ints; an IndexError naming the tensor when it is not inside ``shape``."""
+    box = tuple((int(lo), int(hi)) for lo, hi in box)
+    if len(box) != len(shape) or any(
+        not 0 <= lo <= hi <= n for (lo, hi), n in zip(box, shape, strict=True)
+    ):
+        raise IndexError(f"{name}: region {list(box)} is outside its shape {list(shape)}")
+    return box
+
+
 def looks_like_dcp(path: str) -> bool:
     """Whether ``path`` is a directory with DCP's ``.metadata`` file."""
     try:
@@ -272,11 +282,7 @@ class DCPCheckpointView:
     def read_region(self, name: str, box: Box, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """The region ``box`` of tensor ``name``, reading the chunks it overlaps."""
         t = self._entry(name)
-        box = tuple((int(lo), int(hi)) for lo, hi in box)
-        if len(box) != len(t.shape) or any(
-            not 0 <= lo <= hi <= n for (lo, hi), n in zip(box, t.shape, strict=True)
-        ):
-            raise IndexError(f"{name}: region {list(box)} is outside its shape {list(t.shape)}")
+        box = checked_region(name, box, t.shape)
         dest = torch.empty(box_shape(box), dtype=t.torch_dtype) if out is None else out
         if dest.numel() == 0:
             return dest

@@ -28,6 +28,7 @@ from anyshard._open import StoredShard, TensorSlice
 from anyshard.errors import AnyshardError, CorruptCheckpointError
 from anyshard.format import storage
 from anyshard.format.datafile import DTYPE_TO_ST
+from anyshard.loaders.dcp import checked_region
 from anyshard.reshard.boxes import Box, box_numel, box_shape, full_box
 from anyshard.reshard.executor import piece_view
 
@@ -61,10 +62,6 @@ class MegatronCheckpointView:
     format = "megatron-legacy"
 
     def __init__(self, path: str, *, layout: dict[str, int], spec: Any = "megatron_gpt"):
-        from anyshard._spec import resolve_spec, spec_mesh
-        from anyshard.format.stored import _index
-        from anyshard.ucl.evaluate import coords_of_rank, layout_for
-
         self.path = self._iteration_dir(path)
         ranks = {}
         for name in storage.listdir(self.path):
@@ -79,22 +76,27 @@ class MegatronCheckpointView:
             raise CorruptCheckpointError(
                 f"{self.path}: found {len(ranks)} of the {tp * pp} mp_rank directories of tp={tp}, pp={pp}"
             )
-        self.spec = resolve_spec(spec)
         full_layout = {
             **{k: v for k, v in layout.items() if k not in ("tp", "pp", "dp")},
             "tp": tp,
             "pp": pp,
         }
-        lay = layout_for(self.spec, full_layout)
-        self.layout = full_layout
-        index = _index(
-            self.spec.text or str(self.spec), tuple(sorted(full_layout.items())), spec_mesh(lay)
+        self._setup(spec, full_layout, lambda c: megatron_file_name(c["tp"], c["pp"], pp))
+
+    def _setup(self, spec: Any, layout: dict[str, int], file_of) -> None:
+        """Compile ``spec`` under ``layout`` for every rank; ``file_of(coords)`` names the file
+        of the rank at those coordinates (relative to ``self.path``)."""
+        from anyshard._spec import resolve_spec, spec_mesh
+        from anyshard.format.stored import _index
+        from anyshard.ucl.evaluate import coords_of_rank, layout_for
+
+        self.spec = resolve_spec(spec)
+        lay = layout_for(self.spec, layout)
+        self.layout = layout
+        self._index = _index(
+            self.spec.text or str(self.spec), tuple(sorted(layout.items())), spec_mesh(lay)
         )
-        self._files: dict[int, str] = {}
-        for rank in range(lay.world_size):
-            c = coords_of_rank(lay.sizes, rank)
-            self._files[rank] = megatron_file_name(c.get("tp", 0), c.get("pp", 0), pp)
-        self._index = index
+        self._files = {r: file_of(coords_of_rank(lay.sizes, r)) for r in range(lay.world_size)}
         self._lock = threading.Lock()
         self._loaded: tuple[int, dict] | None = None
         self._dtypes: dict[str, torch.dtype] = {}
@@ -186,11 +188,7 @@ class MegatronCheckpointView:
 
     def read_region(self, name: str, box: Box, *, out: torch.Tensor | None = None) -> torch.Tensor:
         t = self._entry(name)
-        box = tuple((int(lo), int(hi)) for lo, hi in box)
-        if len(box) != len(t.shape) or any(
-            not 0 <= lo <= hi <= n for (lo, hi), n in zip(box, t.shape, strict=True)
-        ):
-            raise IndexError(f"{name}: region {list(box)} is outside its shape {list(t.shape)}")
+        box = checked_region(name, box, t.shape)
         dest = torch.empty(box_shape(box), dtype=t.torch_dtype) if out is None else out
         got = 0
         for s in sorted(t.sources, key=lambda s: s.rank):  # one file in memory at a time
@@ -241,10 +239,6 @@ class DeepSpeedZeroView(MegatronCheckpointView):
     format = "deepspeed-zero"
 
     def __init__(self, path: str, *, layout: dict[str, int], spec: Any = "deepspeed_zero"):
-        from anyshard._spec import resolve_spec, spec_mesh
-        from anyshard.format.stored import _index
-        from anyshard.ucl.evaluate import coords_of_rank, layout_for
-
         latest = storage.join(path, "latest")
         if storage.exists(latest):
             path = storage.join(path, storage.read_bytes(latest).decode().strip())
@@ -262,25 +256,12 @@ class DeepSpeedZeroView(MegatronCheckpointView):
             raise CorruptCheckpointError(
                 f"{path}: found {len(names)} of the {dp * tp} ZeRO files of dp={dp}, tp={tp}"
             )
-        self.spec = resolve_spec(spec)
         full = {
             **{k: v for k, v in layout.items() if k not in ("tp", "dp", "pp")},
             "dp": dp,
             "tp": tp,
         }
-        lay = layout_for(self.spec, full)
-        self.layout = full
-        self._index = _index(
-            self.spec.text or str(self.spec), tuple(sorted(full.items())), spec_mesh(lay)
-        )
-        self._files = {}
-        for rank in range(lay.world_size):
-            c = coords_of_rank(lay.sizes, rank)
-            self._files[rank] = names[(c.get("dp", 0), c.get("tp", 0))]
-        self._lock = threading.Lock()
-        self._loaded = None
-        self._dtypes = {}
-        self.iteration = None
+        self._setup(spec, full, lambda c: names[(c["dp"], c["tp"])])
 
     def _state(self, rank: int) -> dict:
         with self._lock:
