@@ -85,6 +85,10 @@ def worker(rank: int, world: int, init: str, path: str, layout: str, mode: str) 
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # Leave without interpreter finalization: gloo's worker threads can abort the process
+    # there after a clean run ("terminate called without an active exception", pytorch#179291).
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def run(world: int, path: str, layout: str, mode: str, tmp: str) -> None:
