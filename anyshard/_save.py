@@ -373,9 +373,11 @@ def save_local_states(
 
 def _average_locally(parsed, lay, flats: dict) -> dict:
     """``average(axis)`` tensors replaced, in copies of the states, by their mean over ``axis``."""
+    from anyshard import _spec
     from anyshard._state import Leaf
     from anyshard.ucl.evaluate import compile, coords_of_rank
 
+    mesh = _spec.spec_mesh(lay)
     out: dict[int, dict] = {}
     for rank in flats:
         coords = coords_of_rank(lay.sizes, rank)
@@ -385,7 +387,7 @@ def _average_locally(parsed, lay, flats: dict) -> dict:
             members = {rank}
             for axis in t.average:
                 members = {
-                    _rank_at(lay, {**coords_of_rank(lay.sizes, m), axis: i})
+                    mesh.rank({**coords_of_rank(lay.sizes, m), axis: i})
                     for m in members
                     for i in range(lay.sizes[axis])
                 }
@@ -393,10 +395,3 @@ def _average_locally(parsed, lay, flats: dict) -> dict:
             mean = torch.stack([v.double() for v in values]).mean(0).to(values[0].dtype)
             out.setdefault(rank, dict(flats[rank]))[name] = Leaf({}, name, mean)
     return out
-
-
-def _rank_at(lay, coords: dict[str, int]) -> int:
-    r = 0
-    for d, n in lay.sizes.items():
-        r = r * n + coords[d]
-    return r

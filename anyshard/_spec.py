@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import functools
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -242,6 +243,20 @@ def spec_writes(
     return writes, entries, {k: json_roundtrip(leaf.value) for k, leaf in values.items()}
 
 
+@functools.lru_cache(maxsize=16)
+def _held_logical(text: str, layout: tuple[tuple[str, int], ...]) -> frozenset[str]:
+    """Every logical tensor some rank of the layout holds (compiled once per spec and layout,
+    not at every load of every rank)."""
+    spec = parse(text)
+    lay = layout_for(spec, dict(layout))
+    return frozenset(
+        p.logical
+        for c in all_coords(lay.sizes)
+        for t in compile(spec, lay, c).values()
+        for p in t.parts
+    )
+
+
 def spec_fills(
     manifest: Manifest,
     flat: dict[str, Leaf],
@@ -288,10 +303,9 @@ def spec_fills(
                 continue
             fills.append(Fill(part.logical, dest, part.shard.pieces))
     if strict:
-        wanted = set()
-        for c in all_coords(lay.sizes):
-            for t in compile(spec, lay, c).values():
-                wanted.update(p.logical for p in t.parts)
+        wanted = _held_logical(
+            spec.text or str(spec), tuple(sorted(layout_json(spec, lay).items()))
+        )
         extra = sorted(set(manifest.tensors) - wanted)
         if extra:
             problems.append(

@@ -43,6 +43,25 @@ def megatron_file_name(tp_rank: int, pp_rank: int, pp: int) -> str:
     return f"{rank_dir}/model_optim_rng.pt"
 
 
+def _rank_grid(path: str, pattern: re.Pattern, what: str, dims: tuple[str, str]):
+    """The entries of ``path`` whose names match ``pattern`` (two integer groups, the second
+    optional), by (a, b); and the grid's two sizes, checked complete."""
+    found = {}
+    for entry in storage.listdir(path):
+        m = pattern.match(entry.rstrip("/").rsplit("/", 1)[-1])
+        if m:
+            found[(int(m.group(1)), int(m.group(2) or 0))] = m.group(0)
+    if not found:
+        raise CorruptCheckpointError(f"{path}: no {what}")
+    a = 1 + max(i for i, _ in found)
+    b = 1 + max(j for _, j in found)
+    if len(found) != a * b:
+        raise CorruptCheckpointError(
+            f"{path}: found {len(found)} of the {a * b} {what} of {dims[0]}={a}, {dims[1]}={b}"
+        )
+    return found, a, b
+
+
 class _Tensor:
     __slots__ = ("dtype", "shape", "sources", "torch_dtype")
 
@@ -63,19 +82,7 @@ class MegatronCheckpointView:
 
     def __init__(self, path: str, *, layout: dict[str, int], spec: Any = "megatron_gpt"):
         self.path = self._iteration_dir(path)
-        ranks = {}
-        for name in storage.listdir(self.path):
-            m = _RANK_DIR.match(name.rstrip("/").rsplit("/", 1)[-1])
-            if m:
-                ranks[(int(m.group(1)), int(m.group(2) or 0))] = m.group(0)
-        if not ranks:
-            raise CorruptCheckpointError(f"{self.path}: no mp_rank_* directories")
-        tp = 1 + max(t for t, _ in ranks)
-        pp = 1 + max(p for _, p in ranks)
-        if len(ranks) != tp * pp:
-            raise CorruptCheckpointError(
-                f"{self.path}: found {len(ranks)} of the {tp * pp} mp_rank directories of tp={tp}, pp={pp}"
-            )
+        _, tp, pp = _rank_grid(self.path, _RANK_DIR, "mp_rank directories", ("tp", "pp"))
         full_layout = {
             **{k: v for k, v in layout.items() if k not in ("tp", "pp", "dp")},
             "tp": tp,
@@ -113,6 +120,7 @@ class MegatronCheckpointView:
         return path
 
     def _state(self, rank: int) -> dict:
+        """The local tensors of ``rank`` (the last rank's stay in memory, one at a time)."""
         with self._lock:
             if self._loaded is not None and self._loaded[0] == rank:
                 return self._loaded[1]
@@ -127,14 +135,18 @@ class MegatronCheckpointView:
             raise CorruptCheckpointError(
                 f"{file}: not loadable with torch.load(weights_only=True) ({type(e).__name__}: {e})"
             ) from None
+        local = self._locals(data, file)
+        with self._lock:
+            self._loaded = (rank, local)
+        return local
+
+    def _locals(self, data: Any, file: str) -> dict:
+        """The local tensors, by the spec's local names, in one loaded file."""
         if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
             raise CorruptCheckpointError(f"{file}: no 'model' state dict in it")
         if self.iteration is None and isinstance(data.get("iteration"), int):
             self.iteration = data["iteration"]
-        model = data["model"]
-        with self._lock:
-            self._loaded = (rank, model)
-        return model
+        return data["model"]
 
     def _local(self, rank: int, key: str) -> torch.Tensor:
         model = self._state(rank)
@@ -243,19 +255,7 @@ class DeepSpeedZeroView(MegatronCheckpointView):
         if storage.exists(latest):
             path = storage.join(path, storage.read_bytes(latest).decode().strip())
         self.path = path
-        names = {}
-        for name in storage.listdir(path):
-            m = _ZERO_FILE.match(name.rstrip("/").rsplit("/", 1)[-1])
-            if m:
-                names[(int(m.group(1)), int(m.group(2)))] = m.group(0)
-        if not names:
-            raise CorruptCheckpointError(f"{path}: no zero_pp_rank_*_optim_states.pt files")
-        dp = 1 + max(d for d, _ in names)
-        tp = 1 + max(t for _, t in names)
-        if len(names) != dp * tp:
-            raise CorruptCheckpointError(
-                f"{path}: found {len(names)} of the {dp * tp} ZeRO files of dp={dp}, tp={tp}"
-            )
+        names, dp, tp = _rank_grid(path, _ZERO_FILE, "ZeRO files", ("dp", "tp"))
         full = {
             **{k: v for k, v in layout.items() if k not in ("tp", "dp", "pp")},
             "dp": dp,
@@ -263,32 +263,17 @@ class DeepSpeedZeroView(MegatronCheckpointView):
         }
         self._setup(spec, full, lambda c: names[(c["dp"], c["tp"])])
 
-    def _state(self, rank: int) -> dict:
-        with self._lock:
-            if self._loaded is not None and self._loaded[0] == rank:
-                return self._loaded[1]
-        file = storage.join(self.path, self._files[rank])
+    def _locals(self, data: Any, file: str) -> dict:
         try:
-            data = torch.load(
-                io.BytesIO(storage.read_bytes(file)), weights_only=True, map_location="cpu"
-            )
             osd = data["optimizer_state_dict"]
-            locals_ = {}
+            local = {}
             for g, flat in enumerate(osd["single_partition_of_fp32_groups"]):
-                locals_[f"fp32_flat_groups.{g}"] = flat
+                local[f"fp32_flat_groups.{g}"] = flat
                 state = osd["base_optimizer_state"]["state"][g]
-                locals_[f"exp_avg.{g}"] = state["exp_avg"]
-                locals_[f"exp_avg_sq.{g}"] = state["exp_avg_sq"]
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"{file}: missing") from None
+                local[f"exp_avg.{g}"] = state["exp_avg"]
+                local[f"exp_avg_sq.{g}"] = state["exp_avg_sq"]
         except (KeyError, TypeError, IndexError) as e:
             raise CorruptCheckpointError(
                 f"{file}: not a ZeRO-1/2 optimizer state file (missing {e})"
             ) from None
-        except Exception as e:
-            raise CorruptCheckpointError(
-                f"{file}: not loadable with torch.load(weights_only=True) ({type(e).__name__}: {e})"
-            ) from None
-        with self._lock:
-            self._loaded = (rank, locals_)
-        return locals_
+        return local

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from anyshard.trainer_integration.gpt.config import load_config
-from anyshard.trainer_integration.gpt.parallel import TrainStep, build, make_optimizer, setup_mesh
+from anyshard.trainer_integration.gpt.train import build_training
 
 
 def global_batch(step: int, batch: int, seq: int, vocab: int) -> torch.Tensor:
@@ -16,19 +16,8 @@ def global_batch(step: int, batch: int, seq: int, vocab: int) -> torch.Tensor:
 
 def losses(overrides: list[str], steps: int = 3) -> list[float]:
     cfg = load_config(None, overrides)
-    par = setup_mesh(cfg.parallel)
-    model, experts = build(cfg.model, par, cfg.train.seed)
+    par, _, _, step_fn = build_training(cfg)
     t = cfg.train
-    opt = make_optimizer(model, t.lr, (t.beta1, t.beta2), t.weight_decay)
-    step_fn = TrainStep(
-        model,
-        par,
-        opt,
-        experts,
-        grad_clip=t.grad_clip,
-        microbatches=cfg.parallel.microbatches,
-        schedule=cfg.parallel.pp_schedule,
-    )
     out = []
     per = t.global_batch // par.data_size
     for step in range(steps):

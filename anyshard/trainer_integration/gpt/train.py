@@ -37,7 +37,7 @@ from anyshard.trainer_integration.gpt.parallel import (
     setup_mesh,
 )
 
-__all__ = ["TrainState", "init_distributed", "main", "run"]
+__all__ = ["TrainState", "build_training", "init_distributed", "main", "run"]
 
 
 class TrainState:
@@ -139,14 +139,8 @@ def _append(path: str, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None) -> list[float]:
-    """Train (restoring first) until ``cfg.train.steps`` (or step ``stop_at``, for a job that is
-    to be relaunched: the LR schedule still spans ``cfg.train.steps``), for at most ``max_steps``
-    steps of this call; returns this call's losses. torch.distributed must be initialised if
-    the layout has more than one rank."""
-    started = time.time()
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    torch.manual_seed(cfg.train.seed)
+def build_training(cfg: Config):
+    """This rank's mesh, model part, AdamW and `TrainStep` for ``cfg`` (no checkpoint, no data)."""
     par = setup_mesh(cfg.parallel)
     model, experts = build(cfg.model, par, cfg.train.seed)
     t = cfg.train
@@ -160,6 +154,19 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
         microbatches=cfg.parallel.microbatches,
         schedule=cfg.parallel.pp_schedule,
     )
+    return par, model, optimizer, step_fn
+
+
+def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None) -> list[float]:
+    """Train (restoring first) until ``cfg.train.steps`` (or step ``stop_at``, for a job that is
+    to be relaunched: the LR schedule still spans ``cfg.train.steps``), for at most ``max_steps``
+    steps of this call; returns this call's losses. torch.distributed must be initialised if
+    the layout has more than one rank."""
+    started = time.time()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    torch.manual_seed(cfg.train.seed)
+    par, model, optimizer, step_fn = build_training(cfg)
+    t = cfg.train
     loader = DataLoader(
         load_corpus(),
         seq_len=t.seq_len,
