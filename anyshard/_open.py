@@ -185,7 +185,9 @@ def open_checkpoint(path: str, *, threads: int = 8):
     (`CheckpointView`); a ``.safetensors`` file, a ``*.safetensors.index.json``, or a directory
     holding either and no ``manifest.json`` is a Hugging Face checkpoint
     (`anyshard.loaders.HFCheckpointView`); a directory with DCP's ``.metadata`` is a PyTorch DCP
-    checkpoint (`anyshard.loaders.DCPCheckpointView`, read without running code). Anything else
+    checkpoint (`anyshard.loaders.DCPCheckpointView`, read without running code); a directory
+    whose ``zarr.json`` is a zarr v3 group is a zarr store (`anyshard.loaders.ZarrView`, as
+    `anyshard.loaders.write_zarr` exports). Anything else
     raises as for an anyshard checkpoint.
     """
     from anyshard.errors import CheckpointNotFoundError
@@ -202,4 +204,8 @@ def open_checkpoint(path: str, *, threads: int = 8):
 
         if dcp.looks_like_dcp(path):
             return dcp.DCPCheckpointView(path)
+        from anyshard.loaders import zarr_store
+
+        if zarr_store.looks_like_zarr(path):
+            return zarr_store.ZarrView(path)
         raise

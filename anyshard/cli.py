@@ -26,7 +26,9 @@ _EXAMPLES = {
     "  anyshard convert ./hf /ckpt/tp2 --spec hf_llama --layout tp=2,hidden=4096,heads=32,"
     "kv_heads=8,ffn=11008,vocab=32000,layers=32\n"
     "  anyshard convert ./hf /ckpt/plain                          # one plain rank, no spec\n"
-    "  anyshard convert /ckpt/step-001000 ./hf --only '^model\\.' --rename '^model\\.=model.model.'",
+    "  anyshard convert /ckpt/step-001000 ./hf --only '^model\\.' --rename '^model\\.=model.model.'\n"
+    "  anyshard convert /ckpt/step-001000 ./dcp --to dcp           # for torch.distributed.checkpoint\n"
+    "  anyshard convert /ckpt/step-001000 ./export.zarr --to zarr  # consolidated zarr v3 store",
     "diff": "examples:\n  anyshard diff /ckpt/step-001000 ./hf\n"
     "  anyshard diff ./hf ./hf-bf16 --atol 1e-2\n  anyshard diff a b --json",
     "ucl check": "examples:\n  anyshard ucl check my_model.ucl\n"
@@ -278,8 +280,10 @@ def _convert(args) -> int:
 
     if args.spec is None and args.layout:
         raise _Usage("--layout needs --spec (the UCL spec the layout is for)")
-    if args.spec is not None and args.to == "hf":
-        raise _Usage("--spec and --layout describe an anyshard target; drop them for --to hf")
+    if args.spec is not None and args.to not in (None, "anyshard"):
+        raise _Usage(
+            f"--spec and --layout describe an anyshard target; drop them for --to {args.to}"
+        )
     layout = _layout_arg(args.layout)
     spec = None
     if args.spec is not None:
@@ -452,8 +456,8 @@ def _gc(args) -> int:
 def _add_convert(sub, fmt) -> None:
     s = sub.add_parser(
         "convert",
-        help="convert a checkpoint to Hugging Face safetensors or to anyshard under a layout",
-        description="Convert SRC (an anyshard or Hugging Face checkpoint, detected) into DST, "
+        help="convert a checkpoint to anyshard under a layout, Hugging Face, DCP or zarr",
+        description="Convert SRC (any format anyshard reads, detected) into DST, "
         "streaming one tensor at a time. To anyshard, --spec and --layout give the target "
         "layout (every rank's files as if that layout had saved them); without them, one "
         "plain rank.",
@@ -464,8 +468,10 @@ def _add_convert(sub, fmt) -> None:
     s.add_argument("dst", help="new directory or URL (or a .safetensors file with --to hf)")
     s.add_argument(
         "--to",
-        choices=["anyshard", "hf"],
-        help="target format (default: hf for an anyshard source, anyshard otherwise)",
+        choices=["anyshard", "hf", "dcp", "zarr"],
+        help="target format: anyshard, hf (Hugging Face safetensors), dcp (PyTorch DCP, "
+        "loadable by torch.distributed.checkpoint.load) or zarr (a consolidated zarr v3 store "
+        "via tensorstore); default: hf for an anyshard source, anyshard otherwise",
     )
     s.add_argument("--spec", help="UCL spec of the target layout: a .ucl file or a shipped name")
     s.add_argument("--layout", help="mesh sizes and spec params, e.g. tp=2,hidden=64")

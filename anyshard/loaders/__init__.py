@@ -16,8 +16,10 @@ from anyshard.loaders.export import (
     write_anyshard,
     write_hf,
 )
+from anyshard.loaders.export_dcp import write_dcp
 from anyshard.loaders.hf import HFCheckpointView, HFTensorMetadata
 from anyshard.loaders.megatron import DeepSpeedZeroView, MegatronCheckpointView, megatron_file_name
+from anyshard.loaders.zarr_store import ZarrView, write_zarr
 
 __all__ = [
     "DCPCheckpointView",
@@ -28,6 +30,7 @@ __all__ = [
     "HFTensorMetadata",
     "MegatronCheckpointView",
     "TensorDiff",
+    "ZarrView",
     "convert",
     "diff",
     "megatron_file_name",
@@ -35,5 +38,7 @@ __all__ = [
     "parse_size",
     "select_names",
     "write_anyshard",
+    "write_dcp",
     "write_hf",
+    "write_zarr",
 ]

@@ -23,7 +23,8 @@ from anyshard.reshard.boxes import full_box
 
 __all__ = ["DiffReport", "TensorDiff", "convert", "diff", "format_of"]
 
-TARGETS = ("anyshard", "hf")
+TARGETS = ("anyshard", "hf", "dcp", "zarr")
+_TARGET_NAMES = {"hf": "Hugging Face", "dcp": "PyTorch DCP", "zarr": "zarr"}
 _DIFF_BLOCK = 32 << 20  # bytes of float64 per compared block
 
 
@@ -47,8 +48,10 @@ def convert(
 ) -> ExportReport:
     """Convert the checkpoint at ``src`` (any format `anyshard.open` reads) into ``dst``.
 
-    ``to`` is ``"hf"`` or ``"anyshard"``; by default the other one (an anyshard checkpoint
-    becomes Hugging Face safetensors and anything else becomes anyshard). To anyshard, ``spec``
+    ``to`` is ``"hf"``, ``"anyshard"``, ``"dcp"`` (`write_dcp`: loadable by
+    ``torch.distributed.checkpoint.load``) or ``"zarr"`` (`write_zarr`: a consolidated zarr v3
+    store); by default an anyshard checkpoint becomes Hugging Face safetensors and anything
+    else becomes anyshard. To anyshard, ``spec``
     and ``layout`` give the target layout (as `write_anyshard`); without them the result is a
     plain single-rank checkpoint. ``max_shard_size`` applies to ``"hf"`` only.
 
@@ -67,12 +70,20 @@ def convert(
         raise AnyshardError(f"cannot convert to {to!r}; the targets are {', '.join(TARGETS)}")
     with anyshard.open(src) as view:
         target = to or ("hf" if format_of(view) == "anyshard" else "anyshard")
+        if target != "anyshard" and (spec is not None or layout):
+            raise AnyshardError(
+                f"a spec and layout describe an anyshard target; a {_TARGET_NAMES[target]} "
+                "checkpoint has no layout (drop them, or convert to anyshard)"
+            )
+        if target == "dcp":
+            from anyshard.loaders.export_dcp import write_dcp
+
+            return write_dcp(view, dst, dtype=dtype, only=only, rename=rename, progress=progress)
+        if target == "zarr":
+            from anyshard.loaders.zarr_store import write_zarr
+
+            return write_zarr(view, dst, dtype=dtype, only=only, rename=rename, progress=progress)
         if target == "hf":
-            if spec is not None or layout:
-                raise AnyshardError(
-                    "a spec and layout describe an anyshard target; a Hugging Face checkpoint "
-                    "has no layout (drop them, or convert to anyshard)"
-                )
             return write_hf(
                 view,
                 dst,

@@ -29,3 +29,22 @@ def dcp_save_task(path: str, seed: int) -> None:
     state = {k: distribute_tensor(t, mesh, PLACEMENTS[k]) for k, t in full(seed).items()}
     state["step"] = 17
     dcp.save(state, checkpoint_id=path)
+
+
+def dcp_load_task(path: str, seed: int) -> None:
+    """Load ``path`` with torch.distributed.checkpoint into FSDP2-over-TP DTensors; every rank
+    checks its shards against the full tensors."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    truth = full(seed)
+    state = {
+        k: distribute_tensor(torch.zeros_like(t), mesh, PLACEMENTS[k]) for k, t in truth.items()
+    }
+    state["step"] = 0
+    dcp.load(state, checkpoint_id=path)
+    for k, t in truth.items():
+        want = distribute_tensor(t, mesh, PLACEMENTS[k]).to_local()
+        got = state[k].to_local()
+        if got.dtype != want.dtype or not torch.equal(got, want):
+            raise AssertionError(f"{k}: DCP loaded other values than were converted")
+    if state["step"] != 17:
+        raise AssertionError(f"step: {state['step']}")

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 import anyshard
 from anyshard.errors import CorruptCheckpointError
-from anyshard.loaders import DCPCheckpointView, write_hf
+from anyshard.loaders import DCPCheckpointView, convert, write_dcp, write_hf
 
 TASKS = os.path.join(os.path.dirname(__file__), "_dcp_tasks.py")
 
@@ -57,6 +57,24 @@ def test_dcp_to_hugging_face_equals_dcp_own_load(dcp_ckpt, tmp_path):
     assert sorted(tensors) == sorted(full(3))
     for name, t in tensors.items():
         assert torch.equal(t, own[name]), name
+
+
+def test_dcp_to_anyshard_to_dcp_loads_in_dcp_under_fsdp2_x_tp(dcp_ckpt, pool4, tmp_path):
+    """DCP -> anyshard (tp=2 layout) -> DCP written by `write_dcp`: torch.distributed
+    .checkpoint loads it into FSDP2 x TP DTensors on 4 ranks, equal to the original."""
+    spec = (
+        "mesh tp;"
+        '"model.w" -> "model.w" [10, 12] : chunk(1, tp);'
+        '"model.emb" -> "model.emb" [13, 8] : chunk(0, tp);'
+        '"model.norm" -> "model.norm" [7] : replicate(tp);'
+    )
+    mid = str(tmp_path / "anyshard-tp2")
+    convert(dcp_ckpt, mid, to="anyshard", spec=spec, layout={"tp": 2})
+    out = str(tmp_path / "dcp")
+    with anyshard.open(mid) as view:
+        report = write_dcp(view, out)
+    assert report.num_tensors == 3 and ".metadata" in report.files
+    pool4.run(TASKS, "dcp_load_task", out, 3)
 
 
 class _Evil:
