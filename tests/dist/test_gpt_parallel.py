@@ -45,8 +45,9 @@ def close(a: list[float], b: list[float]) -> bool:
         (["--parallel.pp", "2"], "dense"),
         (["--parallel.cp", "2"], "dense"),
         (["--parallel.ep", "2"] + MOE, "moe"),
+        (["--parallel.tp", "2"] + MOE, "moe"),
     ],
-    ids=["fsdp", "ddp", "tp", "pp-1f1b", "cp", "ep"],
+    ids=["fsdp", "ddp", "tp", "pp-1f1b", "cp", "ep", "moe-tp"],
 )
 def test_each_parallelism_alone_matches_one_process(pool2, reference, layout, model):
     got = pool2.run(TASKS, "losses", COMMON + layout, STEPS)
@@ -63,8 +64,10 @@ def test_each_parallelism_alone_matches_one_process(pool2, reference, layout, mo
         (["--parallel.pp", "2", "--parallel.tp", "2", "--parallel.pp_schedule", "GPipe"], "dense"),
         (["--parallel.dp_shard", "2", "--parallel.cp", "2"], "dense"),
         (["--parallel.ep", "2", "--parallel.dp_shard", "2"] + MOE, "moe"),
+        (["--parallel.ep", "2", "--parallel.tp", "2"] + MOE, "moe"),
+        (["--parallel.dp_shard", "2", "--parallel.tp", "2"] + MOE, "moe"),
     ],
-    ids=["fsdp-tp", "hsdp", "pp-fsdp", "pp-tp-gpipe", "fsdp-cp", "ep-fsdp"],
+    ids=["fsdp-tp", "hsdp", "pp-fsdp", "pp-tp-gpipe", "fsdp-cp", "ep-fsdp", "ep-tp", "moe-fsdp-tp"],
 )
 def test_composed_parallelisms_match_one_process(pool4, reference, layout, model):
     got = pool4.run(TASKS, "losses", COMMON + layout, STEPS)

@@ -43,13 +43,24 @@ PAIRS = [
         ["--parallel.dp_shard", "4"],
         ["--model.n_experts", "4"],
     ),
+    (
+        ["--parallel.ep", "2", "--parallel.tp", "2"],
+        ["--parallel.dp_shard", "2", "--parallel.tp", "2"],
+        ["--model.n_experts", "4"],
+    ),
 ]
 
 
 @pytest.mark.parametrize(
     "a,b,extra",
     PAIRS,
-    ids=["fsdp2xtp2-to-tp4", "pp2xdp2-to-dp4", "dp2xcp2-to-dp4", "moe-ep2-to-ep1"],
+    ids=[
+        "fsdp2xtp2-to-tp4",
+        "pp2xdp2-to-dp4",
+        "dp2xcp2-to-dp4",
+        "moe-ep2-to-ep1",
+        "moe-ep2xtp2-to-fsdp2xtp2",
+    ],
 )
 def test_resume_under_another_layout_stays_within_the_noise_floor(pool4, tmp_path, a, b, extra):
     run_a = pool4.run(TASKS, "train", _args(str(tmp_path / "a" / "ckpt"), TOTAL, a, extra))[0]

@@ -31,6 +31,8 @@ class ParallelContext:
     ep_group: object = None  # ranks that split the experts
     ep_rank: int = 0
     ep_size: int = 1
+    tp_group: object = None  # ranks that split each expert's hidden dim (tensor parallel)
+    tp_size: int = 1
 
 
 class RMSNorm(nn.Module):
@@ -144,9 +146,46 @@ class Experts(nn.Module):
         return out
 
 
+class _CopyToTP(torch.autograd.Function):
+    """Identity forward; backward sums the gradients of the tensor-parallel ranks (each saw
+    only its slice of the experts' hidden dim): Megatron's "f"."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Sums the tensor-parallel ranks' partial outputs; backward is the identity (every rank
+    gets the whole gradient): Megatron's "g"."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        import torch.distributed as dist
+
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
 class MoE(nn.Module):
     """Top-k routing over ``n_experts`` SwiGLU experts; with expert parallelism, tokens travel
-    to the rank holding their expert and back by all-to-all."""
+    to the rank holding their expert and back by all-to-all. Under tensor parallelism every
+    rank routes the same (whole) tokens and holds a slice of each expert's hidden dim: the
+    experts' partial outputs are summed over the tp ranks before they are weighted."""
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext):
         super().__init__()
@@ -157,15 +196,22 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        probs = F.softmax(self.router(tokens).float(), dim=-1)
+        w = self.router.weight
+        w = w.to_local() if hasattr(w, "to_local") else w  # replicated over tp
+        probs = F.softmax(F.linear(tokens, w).float(), dim=-1)
         weights, chosen = probs.topk(self.top_k, dim=-1)
         weights = (weights / weights.sum(-1, keepdim=True)).type_as(x)
         flat_expert = chosen.reshape(-1)  # [tokens * k]
-        rows = tokens.repeat_interleave(self.top_k, dim=0)
+        tp = self.ctx.tp_size > 1
+        rows = (_CopyToTP.apply(tokens, self.ctx.tp_group) if tp else tokens).repeat_interleave(
+            self.top_k, dim=0
+        )
         if self.ctx.ep_size == 1:
             out = self.experts.run(rows, flat_expert, 0, self.n_experts)
         else:
             out = self._dispatch(rows, flat_expert)
+        if tp:
+            out = _ReduceFromTP.apply(out, self.ctx.tp_group)
         out = (out.view(-1, self.top_k, shape[-1]) * weights[..., None]).sum(1)
         return out.view(shape)
 

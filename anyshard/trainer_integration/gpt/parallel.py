@@ -11,6 +11,8 @@ Mesh dims, slowest first: ``pp, dp_replicate, dp_shard, ep, cp, tp`` (size-1 dim
 - **cp**: the sequence split over ranks; keys and values gathered with autograd-aware
   collectives (torch's ``context_parallel`` has no CPU kernels).
 - **ep**: experts sharded over ep ranks (DTensor ``Shard(0)``), tokens dispatched by all-to-all.
+  With tp, each expert is also split along its hidden dim over tp (the router replicated):
+  every tp rank routes the same tokens and the partial expert outputs are summed over tp.
 
 Every rank builds the whole model from one seed, then keeps and shards its part, so all layouts
 start from the same logical weights.
@@ -29,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from anyshard.trainer_integration.gpt.config import ModelConfig, ParallelConfig
-from anyshard.trainer_integration.gpt.model import GPT, ParallelContext, build_model
+from anyshard.trainer_integration.gpt.model import GPT, MoE, ParallelContext, build_model
 
 __all__ = ["Parallel", "TrainStep", "build", "setup_mesh"]
 
@@ -87,6 +89,8 @@ def setup_mesh(pcfg: ParallelConfig) -> Parallel:
             coords["cp"],
             pcfg.cp,
         )
+    if pcfg.tp > 1:
+        par.ctx.tp_group, par.ctx.tp_size = mesh["tp"].get_group(), pcfg.tp
     if pcfg.ep > 1:
         par.ctx.ep_group, par.ctx.ep_rank, par.ctx.ep_size = (
             mesh["ep"].get_group(),
@@ -119,6 +123,7 @@ def _tensor_parallel(model: GPT, tp_mesh) -> None:
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         PrepareModuleInput,
+        PrepareModuleOutput,
         RowwiseParallel,
         SequenceParallel,
         parallelize_module,
@@ -143,24 +148,66 @@ def _tensor_parallel(model: GPT, tp_mesh) -> None:
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-            ),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward.w3": ColwiseParallel(),
         }
+        if isinstance(block.feed_forward, MoE):
+            # whole tokens in (plain tensors: the MoE sums its tp ranks' partial outputs
+            # itself), the sequence split again on the way out
+            plan["feed_forward"] = PrepareModuleInput(
+                input_layouts=(Shard(1),),
+                desired_input_layouts=(Replicate(),),
+                use_local_output=True,
+            )
+            parallelize_module(block, tp_mesh, plan)
+            parallelize_module(
+                block.feed_forward,
+                tp_mesh,
+                PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),
+            )
+            continue
+        plan["feed_forward"] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+        )
+        plan["feed_forward.w1"] = ColwiseParallel()
+        plan["feed_forward.w2"] = RowwiseParallel(output_layouts=Shard(1))
+        plan["feed_forward.w3"] = ColwiseParallel()
         parallelize_module(block, tp_mesh, plan)
 
 
-def _expert_parallel(model: GPT, ep_mesh) -> list[nn.Parameter]:
+# each expert's hidden dim: w1, w3 [n, hidden, dim] and w2 [n, dim, hidden]
+_EXPERT_HIDDEN_DIM = {"w1": 1, "w2": 2, "w3": 1}
+
+
+def _moe_tensor_parallel(model: GPT, tp_mesh, *, experts: bool) -> None:
+    """The router replicated over tp; with ``experts`` (no ep: with ep, `_expert_parallel`
+    splits them over both), each expert split along its hidden dim."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    for block in model.layers.values():
+        moe = block.feed_forward
+        moe.router.weight = nn.Parameter(
+            distribute_tensor(moe.router.weight.data, tp_mesh, [Replicate()])
+        )
+        if not experts:
+            continue
+        for name, dim in _EXPERT_HIDDEN_DIM.items():
+            w = getattr(moe.experts, name)
+            setattr(
+                moe.experts, name, nn.Parameter(distribute_tensor(w.data, tp_mesh, [Shard(dim)]))
+            )
+
+
+def _expert_parallel(model: GPT, par: Parallel) -> list[nn.Parameter]:
+    """Experts sharded over ep on dim 0 (and, with tp, over tp along their hidden dim)."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    tp = par.cfg.tp > 1
+    mesh = par.mesh[("ep", "tp")] if tp else par.mesh["ep"]
     params = []
     for block in model.layers.values():
         experts = block.feed_forward.experts
-        for name in ("w1", "w2", "w3"):
-            p = nn.Parameter(distribute_tensor(getattr(experts, name).data, ep_mesh, [Shard(0)]))
+        for name, dim in _EXPERT_HIDDEN_DIM.items():
+            placements = [Shard(0), Shard(dim)] if tp else [Shard(0)]
+            p = nn.Parameter(distribute_tensor(getattr(experts, name).data, mesh, placements))
             setattr(experts, name, p)
             params.append(p)
     return params
@@ -169,8 +216,6 @@ def _expert_parallel(model: GPT, ep_mesh) -> list[nn.Parameter]:
 def build(mcfg: ModelConfig, par: Parallel, seed: int) -> tuple[GPT, list[nn.Parameter]]:
     """The model part this rank holds, parallelised; and its expert-parallel parameters."""
     p = par.cfg
-    if mcfg.n_experts and p.tp > 1:
-        raise ValueError("mixture of experts with tensor parallelism is not supported; use ep")
     if mcfg.tie_embeddings and p.pp > 1:
         raise ValueError("tied embeddings need the embedding and output on one stage; use pp=1")
     model = build_model(mcfg, seed, par.ctx)
@@ -179,8 +224,10 @@ def build(mcfg: ModelConfig, par: Parallel, seed: int) -> tuple[GPT, list[nn.Par
     if p.tp > 1:
         _tensor_parallel(model, par.mesh["tp"])
     expert_params: list[nn.Parameter] = []
+    if mcfg.n_experts and p.tp > 1:
+        _moe_tensor_parallel(model, par.mesh["tp"], experts=p.ep == 1)
     if mcfg.n_experts and p.ep > 1:
-        expert_params = _expert_parallel(model, par.mesh["ep"])
+        expert_params = _expert_parallel(model, par)
     fsdp_mesh = _fsdp_mesh(par)
     if fsdp_mesh is not None:
         from torch.distributed.fsdp import fully_shard
