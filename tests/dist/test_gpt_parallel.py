@@ -15,6 +15,7 @@ TASKS = os.path.join(os.path.dirname(__file__), "_gpt_tasks.py")
 STEPS = 3
 COMMON = ["--train.lr", "0.02", "--train.warmup_steps", "1"]
 MOE = ["--model.n_experts", "4"]
+TIED = ["--model.tie_embeddings", "true"]
 
 
 def single_process(overrides: list[str]) -> list[float]:
@@ -29,7 +30,11 @@ def single_process(overrides: list[str]) -> list[float]:
 
 @pytest.fixture(scope="module")
 def reference():
-    return {"dense": single_process(COMMON), "moe": single_process(COMMON + MOE)}
+    return {
+        "dense": single_process(COMMON),
+        "moe": single_process(COMMON + MOE),
+        "tied": single_process(COMMON + TIED),
+    }
 
 
 def close(a: list[float], b: list[float]) -> bool:
@@ -46,8 +51,9 @@ def close(a: list[float], b: list[float]) -> bool:
         (["--parallel.cp", "2"], "dense"),
         (["--parallel.ep", "2"] + MOE, "moe"),
         (["--parallel.tp", "2"] + MOE, "moe"),
+        (["--parallel.pp", "2"] + TIED, "tied"),
     ],
-    ids=["fsdp", "ddp", "tp", "pp-1f1b", "cp", "ep", "moe-tp"],
+    ids=["fsdp", "ddp", "tp", "pp-1f1b", "cp", "ep", "moe-tp", "tied-pp"],
 )
 def test_each_parallelism_alone_matches_one_process(pool2, reference, layout, model):
     got = pool2.run(TASKS, "losses", COMMON + layout, STEPS)
@@ -66,8 +72,19 @@ def test_each_parallelism_alone_matches_one_process(pool2, reference, layout, mo
         (["--parallel.ep", "2", "--parallel.dp_shard", "2"] + MOE, "moe"),
         (["--parallel.ep", "2", "--parallel.tp", "2"] + MOE, "moe"),
         (["--parallel.dp_shard", "2", "--parallel.tp", "2"] + MOE, "moe"),
+        (["--parallel.pp", "2", "--parallel.dp_shard", "2"] + TIED, "tied"),
     ],
-    ids=["fsdp-tp", "hsdp", "pp-fsdp", "pp-tp-gpipe", "fsdp-cp", "ep-fsdp", "ep-tp", "moe-fsdp-tp"],
+    ids=[
+        "fsdp-tp",
+        "hsdp",
+        "pp-fsdp",
+        "pp-tp-gpipe",
+        "fsdp-cp",
+        "ep-fsdp",
+        "ep-tp",
+        "moe-fsdp-tp",
+        "tied-pp-fsdp",
+    ],
 )
 def test_composed_parallelisms_match_one_process(pool4, reference, layout, model):
     got = pool4.run(TASKS, "losses", COMMON + layout, STEPS)

@@ -48,6 +48,11 @@ PAIRS = [
         ["--parallel.dp_shard", "2", "--parallel.tp", "2"],
         ["--model.n_experts", "4"],
     ),
+    (
+        ["--parallel.pp", "2", "--parallel.dp_shard", "2"],
+        ["--parallel.dp_shard", "4"],
+        ["--model.tie_embeddings", "true"],
+    ),
 ]
 
 
@@ -60,6 +65,7 @@ PAIRS = [
         "dp2xcp2-to-dp4",
         "moe-ep2-to-ep1",
         "moe-ep2xtp2-to-fsdp2xtp2",
+        "tied-pp2xdp2-to-dp4",
     ],
 )
 def test_resume_under_another_layout_stays_within_the_noise_floor(pool4, tmp_path, a, b, extra):

@@ -216,8 +216,6 @@ def _expert_parallel(model: GPT, par: Parallel) -> list[nn.Parameter]:
 def build(mcfg: ModelConfig, par: Parallel, seed: int) -> tuple[GPT, list[nn.Parameter]]:
     """The model part this rank holds, parallelised; and its expert-parallel parameters."""
     p = par.cfg
-    if mcfg.tie_embeddings and p.pp > 1:
-        raise ValueError("tied embeddings need the embedding and output on one stage; use pp=1")
     model = build_model(mcfg, seed, par.ctx)
     if p.pp > 1:
         model.keep_stage(par.pp_rank, p.pp)
@@ -273,6 +271,17 @@ class TrainStep:
             )
             kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule.lower()]
             self.schedule = kind(stage, n_microbatches=microbatches, loss_fn=_cross_entropy)
+        self._tied_group = None
+        if model.cfg.tie_embeddings and par.cfg.pp > 1:
+            # the first stage's embedding and the last stage's output are copies of one
+            # weight: their gradients are summed between the two stages (every rank creates
+            # every pair's group, in the same order)
+            ranks = par.mesh.mesh
+            me = dist.get_rank()
+            for a, b in zip(ranks[0].flatten().tolist(), ranks[-1].flatten().tolist(), strict=True):
+                group = dist.new_group([a, b])
+                if me in (a, b):
+                    self._tied_group = group
         self._expert_group = None
         if expert_params:
             others = tuple(d for d in ("dp_replicate", "dp_shard", "cp") if getattr(par.cfg, d) > 1)
@@ -303,6 +312,7 @@ class TrainStep:
                 local += torch.stack([x.detach() for x in losses]).double().mean()
             else:
                 self.schedule.step()
+        self._sync_tied_grads()
         self._sync_expert_grads()
         if self.grad_clip > 0:
             self._clip()
@@ -314,6 +324,21 @@ class TrainStep:
             holders = par.data_size * par.cfg.cp * par.cfg.tp
             return float(local) / holders
         return float(local)
+
+    def _tied_param(self) -> nn.Parameter | None:
+        if self._tied_group is None:
+            return None
+        m = self.model
+        return m.tok_embeddings.weight if m.tok_embeddings is not None else m.output.weight
+
+    def _sync_tied_grads(self) -> None:
+        p = self._tied_param()
+        if p is None:
+            return
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        dist.all_reduce(g, group=self._tied_group)
 
     def _sync_expert_grads(self) -> None:
         """Expert gradients: summed over the data ranks that hold the same experts, divided by
@@ -333,7 +358,12 @@ class TrainStep:
     def _clip(self) -> None:
         total = torch.zeros((), dtype=torch.float64)
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        tied = self._tied_param()
+        # a tied weight's gradient is counted once: by the first stage
+        twice = tied.grad if tied is not None and self.model.tok_embeddings is None else None
         for g in grads:
+            if g is twice:
+                continue
             n = g.norm()
             if hasattr(n, "full_tensor"):
                 n = n.full_tensor()

@@ -40,6 +40,25 @@ from anyshard.trainer_integration.gpt.parallel import (
 __all__ = ["TrainState", "build_training", "init_distributed", "main", "run"]
 
 
+_EMBEDDING, _OUTPUT = "tok_embeddings.weight", "output.weight"
+
+
+def _renamed(sd: dict[str, Any], old: str, new: str, *, only: bool = False) -> dict[str, Any]:
+    """``sd`` with parameter ``old`` named ``new`` in the ``state.{fqn}.*`` and
+    ``param_groups.{fqn}.*`` keys of a flattened optimizer state dict (``only``: just those
+    entries)."""
+    out = {}
+    for k, v in sd.items():
+        for head in ("state.", "param_groups."):
+            if k.startswith(head + old + "."):
+                out[head + new + k[len(head + old) :]] = v
+                break
+        else:
+            if not only:
+                out[k] = v
+    return out
+
+
 class TrainState:
     """Everything a resume needs, as one Stateful: model, AdamW, data position, RNG, step."""
 
@@ -52,10 +71,21 @@ class TrainState:
 
         return StateDictOptions(flatten_optimizer_state_dict=True)
 
+    def _tied(self) -> bool:
+        """Whether this rank's embedding and output are one parameter (tied, one stage)."""
+        m = self.model
+        cfg = getattr(m, "cfg", None)
+        return bool(cfg and cfg.tie_embeddings) and None not in (m.output, m.tok_embeddings)
+
     def state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options())
+        if self._tied():
+            # tied weights are saved under both names, model and optimizer state alike, as a
+            # pipeline's first and last stages hold them: checkpoints of either kind of
+            # layout load into the other
+            optim_sd = {**optim_sd, **_renamed(optim_sd, _EMBEDDING, _OUTPUT, only=True)}
         return {
             "model": model_sd,
             "optim": optim_sd,
@@ -67,11 +97,15 @@ class TrainState:
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
+        model_sd, optim_sd = sd["model"], sd["optim"]
+        if self._tied():
+            alias = _renamed(optim_sd, _EMBEDDING, _OUTPUT, only=True)
+            optim_sd = {k: v for k, v in optim_sd.items() if k not in alias}
         set_state_dict(
             self.model,
             self.optimizer,
-            model_state_dict=sd["model"],
-            optim_state_dict=sd["optim"],
+            model_state_dict=model_sd,
+            optim_state_dict=optim_sd,
             options=self._options(),
         )
         self.loader.load_state_dict(sd["data"])
