@@ -187,7 +187,9 @@ def open_checkpoint(path: str, *, threads: int = 8):
     (`anyshard.loaders.HFCheckpointView`); a directory with DCP's ``.metadata`` is a PyTorch DCP
     checkpoint (`anyshard.loaders.DCPCheckpointView`, read without running code); a directory
     whose ``zarr.json`` is a zarr v3 group is a zarr store (`anyshard.loaders.ZarrView`, as
-    `anyshard.loaders.write_zarr` exports). Anything else
+    `anyshard.loaders.write_zarr` exports); a DeepSpeed ZeRO-1/2/3 checkpoint (``latest`` and
+    ``global_step*/*zero_pp_rank_*_optim_states.pt``) or universal checkpoint (``zero/<name>/``)
+    is a `anyshard.loaders.DeepSpeedZeroView` / `DeepSpeedUniversalView`. Anything else
     raises as for an anyshard checkpoint.
     """
     from anyshard.errors import CheckpointNotFoundError
@@ -198,14 +200,19 @@ def open_checkpoint(path: str, *, threads: int = 8):
     try:
         return CheckpointView(path, threads=threads)
     except CheckpointNotFoundError:
+        from anyshard.loaders import dcp, deepspeed, zarr_store
+
+        # DeepSpeed's markers (``latest`` naming a step folder of its files) first: such a
+        # root may hold other files too. A root holding both kinds (converted in place): the
+        # ZeRO files are the training state.
+        if deepspeed.looks_like_deepspeed_zero(path):
+            return deepspeed.DeepSpeedZeroView(path)
+        if deepspeed.looks_like_deepspeed_universal(path):
+            return deepspeed.DeepSpeedUniversalView(path)
         if hf.looks_like_hf(path):
             return hf.HFCheckpointView(path)
-        from anyshard.loaders import dcp
-
         if dcp.looks_like_dcp(path):
             return dcp.DCPCheckpointView(path)
-        from anyshard.loaders import zarr_store
-
         if zarr_store.looks_like_zarr(path):
             return zarr_store.ZarrView(path)
         raise

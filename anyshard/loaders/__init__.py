@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from anyshard.loaders.convert import DiffReport, TensorDiff, convert, diff
 from anyshard.loaders.dcp import DCPCheckpointView
+from anyshard.loaders.deepspeed import DeepSpeedUniversalView, DeepSpeedZeroView
 from anyshard.loaders.export import (
     ExportReport,
     parse_dtype,
@@ -18,11 +19,12 @@ from anyshard.loaders.export import (
 )
 from anyshard.loaders.export_dcp import write_dcp
 from anyshard.loaders.hf import HFCheckpointView, HFTensorMetadata
-from anyshard.loaders.megatron import DeepSpeedZeroView, MegatronCheckpointView, megatron_file_name
+from anyshard.loaders.megatron import MegatronCheckpointView, megatron_file_name
 from anyshard.loaders.zarr_store import ZarrView, write_zarr
 
 __all__ = [
     "DCPCheckpointView",
+    "DeepSpeedUniversalView",
     "DeepSpeedZeroView",
     "DiffReport",
     "ExportReport",

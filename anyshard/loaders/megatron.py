@@ -32,7 +32,7 @@ from anyshard.loaders.dcp import checked_region
 from anyshard.reshard.boxes import Box, box_numel, box_shape, full_box
 from anyshard.reshard.executor import piece_view
 
-__all__ = ["DeepSpeedZeroView", "MegatronCheckpointView", "megatron_file_name"]
+__all__ = ["MegatronCheckpointView", "megatron_file_name"]
 
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 
@@ -234,46 +234,3 @@ class MegatronCheckpointView:
     def __exit__(self, *exc) -> None:
         self._loaded = None
 
-
-_ZERO_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d{2})_optim_states\.pt$")
-
-
-class DeepSpeedZeroView(MegatronCheckpointView):
-    """A logical view of a DeepSpeed ZeRO-1/2 checkpoint: each data-parallel rank's partition
-    of the flat fp32 parameters and of Adam's moments, in
-    ``global_stepN/[bf16_]zero_pp_rank_{dp}_mp_rank_{tp:02d}_optim_states.pt``, mapped to
-    logical parameters and their ``.exp_avg`` / ``.exp_avg_sq`` by a UCL spec (by default the
-    shipped ``deepspeed_zero``, one parameter group). ``path`` is the checkpoint root (its
-    ``latest`` file names the step) or a ``global_step*`` directory; dp and tp come from the file
-    names, the model sizes from ``layout``. Read with ``torch.load(weights_only=True)``.
-    """
-
-    format = "deepspeed-zero"
-
-    def __init__(self, path: str, *, layout: dict[str, int], spec: Any = "deepspeed_zero"):
-        latest = storage.join(path, "latest")
-        if storage.exists(latest):
-            path = storage.join(path, storage.read_bytes(latest).decode().strip())
-        self.path = path
-        names, dp, tp = _rank_grid(path, _ZERO_FILE, "ZeRO files", ("dp", "tp"))
-        full = {
-            **{k: v for k, v in layout.items() if k not in ("tp", "dp", "pp")},
-            "dp": dp,
-            "tp": tp,
-        }
-        self._setup(spec, full, lambda c: names[(c["dp"], c["tp"])])
-
-    def _locals(self, data: Any, file: str) -> dict:
-        try:
-            osd = data["optimizer_state_dict"]
-            local = {}
-            for g, flat in enumerate(osd["single_partition_of_fp32_groups"]):
-                local[f"fp32_flat_groups.{g}"] = flat
-                state = osd["base_optimizer_state"]["state"][g]
-                local[f"exp_avg.{g}"] = state["exp_avg"]
-                local[f"exp_avg_sq.{g}"] = state["exp_avg_sq"]
-        except (KeyError, TypeError, IndexError) as e:
-            raise CorruptCheckpointError(
-                f"{file}: not a ZeRO-1/2 optimizer state file (missing {e})"
-            ) from None
-        return local
