@@ -189,30 +189,40 @@ def open_checkpoint(path: str, *, threads: int = 8):
     whose ``zarr.json`` is a zarr v3 group is a zarr store (`anyshard.loaders.ZarrView`, as
     `anyshard.loaders.write_zarr` exports); a DeepSpeed ZeRO-1/2/3 checkpoint (``latest`` and
     ``global_step*/*zero_pp_rank_*_optim_states.pt``) or universal checkpoint (``zero/<name>/``)
-    is a `anyshard.loaders.DeepSpeedZeroView` / `DeepSpeedUniversalView`. Anything else
+    is a `anyshard.loaders.DeepSpeedZeroView` / `DeepSpeedUniversalView`; a Megatron-core
+    ``torch_dist`` directory (``metadata.json``) a `anyshard.loaders.MegatronDistView`; a
+    ``torch.save`` file (``.pt``, ``.pth``, ``.bin``) or a directory with ``pytorch_model.bin``
+    (or its index) a `anyshard.loaders.TorchSaveView`, read only with
+    ``torch.load(weights_only=True)``. Anything else
     raises as for an anyshard checkpoint.
     """
     from anyshard.errors import CheckpointNotFoundError
-    from anyshard.loaders import hf
+    from anyshard.loaders import hf, torchsave
 
     if hf.looks_like_file(path):  # no request needed to tell
         return hf.HFCheckpointView(path)
+    if torchsave.looks_like_file(path):
+        return torchsave.TorchSaveView(path)
     try:
         return CheckpointView(path, threads=threads)
     except CheckpointNotFoundError:
-        from anyshard.loaders import dcp, deepspeed, zarr_store
+        from anyshard.loaders import dcp, deepspeed, megatron_dist, zarr_store
 
-        # DeepSpeed's markers (``latest`` naming a step folder of its files) first: such a
-        # root may hold other files too. A root holding both kinds (converted in place): the
+        # DeepSpeed's and Megatron's markers (``latest`` naming a step folder of DeepSpeed's
+        # files, ``metadata.json``) first: such a directory may hold other files too. A root holding both kinds (converted in place): the
         # ZeRO files are the training state.
         if deepspeed.looks_like_deepspeed_zero(path):
             return deepspeed.DeepSpeedZeroView(path)
         if deepspeed.looks_like_deepspeed_universal(path):
             return deepspeed.DeepSpeedUniversalView(path)
+        if megatron_dist.looks_like_megatron_dist(path):  # a DCP directory too: before it
+            return megatron_dist.MegatronDistView(path)
         if hf.looks_like_hf(path):
             return hf.HFCheckpointView(path)
         if dcp.looks_like_dcp(path):
             return dcp.DCPCheckpointView(path)
         if zarr_store.looks_like_zarr(path):
             return zarr_store.ZarrView(path)
+        if torchsave.looks_like_torch_save(path):
+            return torchsave.TorchSaveView(path)
         raise

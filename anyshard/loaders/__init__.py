@@ -20,6 +20,8 @@ from anyshard.loaders.export import (
 from anyshard.loaders.export_dcp import write_dcp
 from anyshard.loaders.hf import HFCheckpointView, HFTensorMetadata
 from anyshard.loaders.megatron import MegatronCheckpointView, megatron_file_name
+from anyshard.loaders.megatron_dist import MegatronDistView
+from anyshard.loaders.torchsave import TorchSaveView
 from anyshard.loaders.zarr_store import ZarrView, write_zarr
 
 __all__ = [
@@ -31,7 +33,9 @@ __all__ = [
     "HFCheckpointView",
     "HFTensorMetadata",
     "MegatronCheckpointView",
+    "MegatronDistView",
     "TensorDiff",
+    "TorchSaveView",
     "ZarrView",
     "convert",
     "diff",

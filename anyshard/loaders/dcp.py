@@ -4,7 +4,8 @@ DCP's ``.metadata`` is a pickle, and DCP's own reader unpickles it with ``pickle
 object, any code. This view reads it with an unpickler whose ``find_class`` admits only DCP's
 metadata dataclasses and torch's ``Size``, dtypes, layouts and memory formats ("Restricting
 Globals" in Python's pickle documentation; torch's weights-only unpickler cannot read the
-protocol-4 stream DCP writes). A crafted metadata file that names anything else is refused.
+protocol-4 stream DCP writes); the save plans Megatron-core adds to it are read as inert
+placeholders. A crafted metadata file that names anything else is refused.
 The data chunks are ``torch.save`` archives, read with ``torch.load(weights_only=True)``, one
 whole chunk at a time (the archive format allows no partial read): a region costs the chunks it
 overlaps.
@@ -56,6 +57,31 @@ _ALLOWED_CLASSES = {
 }
 
 
+# Records of the save plans that some writers add to the metadata object next to DCP's own fields
+# (Megatron-core's torch_dist keeps every rank's plan in ``all_local_plans``, to reuse it). They
+# are built as inert placeholders, never as the named classes, and never read.
+_PLAN_CLASSES = {
+    ("torch.distributed.checkpoint.planner", name)
+    for name in ("SavePlan", "WriteItem", "TensorWriteData", "WriteItemType")
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
+    ("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan"),
+}
+
+
+class _PlanRecord:
+    """Stands in for an allowlisted save-plan class: takes any arguments and state, keeps none."""
+
+    def __new__(cls, *args, **kwargs):
+        return object.__new__(cls)
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __setstate__(self, state):
+        pass
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def __init__(self, data: bytes, where: str):
         super().__init__(io.BytesIO(data))
@@ -64,6 +90,8 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) in _ALLOWED_CLASSES:
             return super().find_class(module, name)
+        if (module, name) in _PLAN_CLASSES:
+            return _PlanRecord
         if module == "torch":  # dtypes, layouts and memory formats pickle as torch.<name>
             value = getattr(torch, name, None)
             if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
