@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from anyshard.trainer_integration.gpt.config import load_config
+from anyshard.trainer_integration.gpt.config import TINY_CONFIG, load_config
 from anyshard.trainer_integration.gpt.train import build_training
 
 
@@ -15,7 +15,7 @@ def global_batch(step: int, batch: int, seq: int, vocab: int) -> torch.Tensor:
 
 
 def losses(overrides: list[str], steps: int = 3) -> list[float]:
-    cfg = load_config(None, overrides)
+    cfg = load_config(TINY_CONFIG, overrides)
     par, _, _, step_fn = build_training(cfg)
     t = cfg.train
     out = []

@@ -3,9 +3,9 @@ pool's ranks with a configuration, return this call's global losses."""
 
 from __future__ import annotations
 
-from anyshard.trainer_integration.gpt.config import load_config
+from anyshard.trainer_integration.gpt.config import TINY_CONFIG, load_config
 from anyshard.trainer_integration.gpt.train import run
 
 
 def train(overrides: list[str]) -> list[float]:
-    return run(load_config(None, overrides))
+    return run(load_config(TINY_CONFIG, overrides))

@@ -10,12 +10,15 @@ import os
 import subprocess
 import sys
 
+from anyshard.trainer_integration.gpt.config import TINY_CONFIG
+
 
 def torchrun(run_dir: str, *extra: str) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         "--nproc-per-node", "4", "--max-restarts", "1",
         "-m", "anyshard.trainer_integration.gpt.train",
+        "--config", TINY_CONFIG,
         "--parallel.pp", "2", "--parallel.dp_shard", "2",
         "--train.steps", "12",
         "--checkpoint.every_steps", "4",

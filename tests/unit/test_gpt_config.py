@@ -11,6 +11,7 @@ import pytest
 from anyshard.trainer_integration.gpt import config as config_module
 from anyshard.trainer_integration.gpt.config import (
     FAULT_ENV,
+    TINY_CONFIG,
     CheckpointConfig,
     Config,
     ConfigError,
@@ -75,7 +76,7 @@ def test_overrides_beat_the_toml_file_which_beats_the_defaults(tmp_path):
     cfg = load_config(path, ["--train.steps", "12", "--run_dir=runs/y"])
     assert cfg.train.steps == 12  # override
     assert cfg.train.lr == 1e-3 and cfg.parallel.dp_shard == 2  # file
-    assert cfg.train.seq_len == 32 and cfg.model == ModelConfig()  # defaults
+    assert cfg.train.seq_len == TrainConfig().seq_len and cfg.model == ModelConfig()  # defaults
     assert cfg.run_dir == "runs/y"
 
 
@@ -88,7 +89,7 @@ def test_overrides_beat_the_toml_file_which_beats_the_defaults(tmp_path):
     ],
 )
 def test_both_override_syntaxes_give_the_same_config(overrides):
-    cfg = load_config(None, overrides)
+    cfg = load_config(TINY_CONFIG, overrides)
     assert (cfg.parallel.tp, cfg.train.lr, cfg.checkpoint.root) == (2, 3e-4, "s3://b/ckpt")
 
 
@@ -98,12 +99,14 @@ def test_both_override_syntaxes_give_the_same_config(overrides):
     + [("false", False), ("0", False), ("no", False)],
 )
 def test_bool_overrides_accept_true_false_1_0_yes_no(text, value):
-    assert load_config(None, ["--checkpoint.async_", text]).checkpoint.async_ is value
-    assert load_config(None, [f"--model.tie_embeddings={text}"]).model.tie_embeddings is value
+    assert load_config(TINY_CONFIG, ["--checkpoint.async_", text]).checkpoint.async_ is value
+    assert (
+        load_config(TINY_CONFIG, [f"--model.tie_embeddings={text}"]).model.tie_embeddings is value
+    )
 
 
 def test_a_bare_bool_flag_means_true_and_the_last_override_wins():
-    cfg = load_config(None, ["--checkpoint.async_", "--train.steps", "3", "--train.steps=4"])
+    cfg = load_config(TINY_CONFIG, ["--checkpoint.async_", "--train.steps", "3", "--train.steps=4"])
     assert cfg.checkpoint.async_ is True and cfg.train.steps == 4
 
 
@@ -112,7 +115,7 @@ def test_none_and_null_clear_an_optional_field(tmp_path):
     assert load_config(path).checkpoint.local_dir == "/tmp/l"
     assert load_config(path, ["--checkpoint.local_dir", "none"]).checkpoint.local_dir is None
     assert load_config(path, ["--checkpoint.local_dir=null"]).checkpoint.local_dir is None
-    cfg = load_config(None, ["--fault.kill_rank", "0", "--fault.kill_step=3"])
+    cfg = load_config(TINY_CONFIG, ["--fault.kill_rank", "0", "--fault.kill_step=3"])
     assert (cfg.fault.kill_rank, cfg.fault.kill_step) == (0, 3)
 
 
@@ -137,7 +140,7 @@ def test_an_int_in_toml_is_accepted_for_a_float_field(tmp_path):
 )
 def test_a_wrong_type_on_the_command_line_names_the_key_the_value_and_the_type(overrides, expected):
     with pytest.raises(ValueError, match="^" + re.escape(expected)):
-        load_config(None, overrides)
+        load_config(TINY_CONFIG, overrides)
 
 
 @pytest.mark.parametrize(
@@ -164,7 +167,7 @@ def test_a_wrong_type_in_the_toml_file_names_the_file_the_key_and_the_type(
 
 def test_a_type_error_shows_the_default_as_an_example():
     with pytest.raises(ConfigError, match="for example the default, 30$"):
-        load_config(None, ["--train.steps", "ten"])
+        load_config(TINY_CONFIG, ["--train.steps", "ten"])
 
 
 @pytest.mark.parametrize(
@@ -190,7 +193,7 @@ def test_a_type_error_shows_the_default_as_an_example():
 )
 def test_an_unknown_override_lists_the_valid_names_and_the_closest_one(overrides, expected):
     with pytest.raises(ValueError, match="^" + re.escape(expected)):
-        load_config(None, overrides)
+        load_config(TINY_CONFIG, overrides)
 
 
 @pytest.mark.parametrize(
@@ -209,7 +212,7 @@ def test_an_unknown_name_in_the_toml_file_lists_the_valid_ones(tmp_path, text, e
 @pytest.mark.parametrize("arg", ["train.steps=3", "--", "-x"])
 def test_an_override_without_two_dashes_is_refused(arg):
     with pytest.raises(ConfigError, match="expected an override like --train.steps 10"):
-        load_config(None, [arg])
+        load_config(TINY_CONFIG, [arg])
 
 
 # Each rule with a config that breaks it alone, and a piece of the message: the values in conflict
@@ -289,7 +292,7 @@ RULES = [
 @pytest.mark.parametrize(("overrides", "expected"), RULES, ids=[e[:40] for _, e in RULES])
 def test_every_validation_rule_rejects_a_config_that_breaks_it(overrides, expected):
     with pytest.raises(ValueError) as info:
-        load_config(None, overrides)
+        load_config(TINY_CONFIG, overrides)
     message = str(info.value)
     assert message.startswith("invalid configuration:\n  - ") and expected in message
     assert message.count("\n  - ") == 1, message  # this rule alone
@@ -299,7 +302,7 @@ def test_query_heads_not_divisible_by_tp_are_reported_with_the_key_value_heads()
     # n_kv_heads divides n_heads, so whenever tp does not divide n_heads it does not divide
     # n_kv_heads either: the n_heads rule never fires alone
     with pytest.raises(ConfigError) as info:
-        load_config(None, ["--model.n_heads=6", "--model.dim=72", "--parallel.tp=4"])
+        load_config(TINY_CONFIG, ["--model.n_heads=6", "--model.dim=72", "--parallel.tp=4"])
     assert str(info.value).splitlines()[1:] == [
         "  - model.n_heads (6) is not divisible by parallel.tp (4): tensor parallelism splits "
         "the attention heads; set tp to one of 1, 2, 3, 6 or n_heads to a multiple of 4",
@@ -320,7 +323,7 @@ def test_query_heads_not_divisible_by_tp_are_reported_with_the_key_value_heads()
     ],
 )
 def test_layouts_that_fit_validate(overrides):
-    load_config(None, overrides)
+    load_config(TINY_CONFIG, overrides)
 
 
 def test_all_problems_are_reported_at_once_and_sorted():
@@ -410,9 +413,20 @@ def test_anyshard_fault_is_validated_with_the_rest():
     with pytest.raises(
         ConfigError, match="fault.kill_rank \\(5\\) is not a rank of the world of 1"
     ):
-        load_config(None, environ={FAULT_ENV: "5:3"})
+        load_config(TINY_CONFIG, environ={FAULT_ENV: "5:3"})
 
 
 def test_the_docstring_examples_run():
     result = doctest.testmod(config_module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_the_tiny_configuration_is_the_default_one_scaled_down():
+    tiny = load_config(TINY_CONFIG, environ={})
+    assert (tiny.model.dim, tiny.model.ffn_dim, tiny.train.seq_len, tiny.train.global_batch) == (
+        64,
+        128,
+        32,
+        8,
+    )
+    assert tiny.parallel == ParallelConfig() and tiny.checkpoint == Config().checkpoint
