@@ -26,7 +26,7 @@ from anyshard._open import StoredShard, TensorSlice
 from anyshard.errors import CheckpointNotFoundError, CorruptCheckpointError
 from anyshard.format import storage
 from anyshard.format.datafile import DTYPE_TO_ST
-from anyshard.reshard.boxes import Box, box_shape, full_box, intersect
+from anyshard.reshard.boxes import Box, box_runs, box_shape, full_box, intersect
 
 __all__ = ["DCPCheckpointView", "DCPTensorMetadata", "looks_like_dcp"]
 
@@ -139,6 +139,44 @@ class DCPTensorMetadata:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
+class _Window(io.RawIOBase):
+    """A read-only, seekable file object over bytes ``[offset, offset + length)`` of a file:
+    what ``torch.load`` reads one chunk's archive through, without a copy of the chunk."""
+
+    def __init__(self, reader: storage.FileReader, offset: int, length: int):
+        super().__init__()
+        self._reader, self._offset, self._length, self._pos = reader, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def readinto(self, b) -> int:
+        n = max(0, min(len(b), self._length - self._pos))
+        if n:
+            self._reader.read_into(self._offset + self._pos, memoryview(b).cast("B")[:n])
+            self._pos += n
+        return n
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """Where a chunk's elements lie in its file: C-order from byte ``start`` (a chunk whose
+    archive stores it otherwise has ``start`` None and is read whole)."""
+
+    start: int | None
+
+
 @dataclass(frozen=True, slots=True)
 class _Chunk:
     box: Box
@@ -197,6 +235,7 @@ class DCPCheckpointView:
             ) from None
         self._lock = threading.Lock()
         self._cache: tuple[tuple[str, int], torch.Tensor] | None = None
+        self._layouts: dict[tuple[str, int], _Layout] = {}
 
     def _index(self, md, where: str) -> None:
         storage_data = md.storage_data
@@ -281,19 +320,27 @@ class DCPCheckpointView:
             raise CorruptCheckpointError(f"{path}: DCP data file is truncated ({e})") from None
         return bytes(buf)
 
-    def _chunk(self, name: str, c: _Chunk, t: _Tensor) -> torch.Tensor:
-        key = (c.file, c.offset)
-        with self._lock:
-            if self._cache is not None and self._cache[0] == key:
-                return self._cache[1]
+    def _data_path(self, file: str) -> str:
+        return storage.join(self.path, *file.split("/"))
+
+    def _load_chunk(self, name: str, c: _Chunk, *, meta: bool) -> Any:
+        """``torch.load(weights_only=True)`` of chunk ``c``'s archive, read through a window on
+        its file (``meta``: the tensor's shape and strides only, no data read)."""
+        path = self._data_path(c.file)
         try:
-            data = torch.load(io.BytesIO(self._read(c.file, c.offset, c.length)), weights_only=True)
+            with storage.FileReader(path) as reader:
+                window = io.BufferedReader(_Window(reader, c.offset, c.length), 1 << 16)
+                return torch.load(window, weights_only=True, map_location="meta" if meta else "cpu")
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{path}: DCP data file is missing") from None
         except CorruptCheckpointError:
             raise
         except Exception as e:
             raise CorruptCheckpointError(
-                f"{self.path}/{c.file}: chunk {list(c.box)} of {name!r} is unreadable ({type(e).__name__}: {e})"
+                f"{path}: chunk {list(c.box)} of {name!r} is unreadable ({type(e).__name__}: {e})"
             ) from None
+
+    def _checked(self, name: str, c: _Chunk, t: _Tensor, data: Any) -> torch.Tensor:
         if (
             not isinstance(data, torch.Tensor)
             or tuple(data.shape) != box_shape(c.box)
@@ -303,9 +350,58 @@ class DCPCheckpointView:
                 f"{self.path}/{c.file}: chunk {list(c.box)} of {name!r} is not a {t.torch_dtype} tensor of "
                 f"shape {list(box_shape(c.box))}"
             )
-        with self._lock:
-            self._cache = (key, data)  # the last chunk: row blocks of one chunk read it once
         return data
+
+    def _layout(self, name: str, c: _Chunk, t: _Tensor) -> _Layout:
+        """Where chunk ``c``'s elements lie: read once from its archive's pickle and zip
+        directory (``map_location="meta"``: torch reads the record's offset, not its bytes)."""
+        key = (c.file, c.offset)
+        with self._lock:
+            if key in self._layouts:
+                return self._layouts[key]
+        m = self._checked(name, c, t, self._load_chunk(name, c, meta=True))
+        record = getattr(m.untyped_storage(), "_checkpoint_offset", None)
+        dense = m.is_contiguous() and isinstance(record, int)
+        start = c.offset + record + m.storage_offset() * m.element_size() if dense else None
+        if start is not None and start + m.numel() * m.element_size() > c.offset + c.length:
+            raise CorruptCheckpointError(
+                f"{self.path}/{c.file}: chunk {list(c.box)} of {name!r} says its data runs past "
+                "the chunk's bytes"
+            )
+        layout = _Layout(start)
+        with self._lock:
+            self._layouts[key] = layout
+        return layout
+
+    def _chunk(self, name: str, c: _Chunk, t: _Tensor) -> torch.Tensor:
+        """The whole chunk as a tensor (the last one is kept for the next region of it)."""
+        key = (c.file, c.offset)
+        with self._lock:
+            if self._cache is not None and self._cache[0] == key:
+                return self._cache[1]
+            self._cache = None  # not two chunks alive at once
+        data = self._checked(name, c, t, self._load_chunk(name, c, meta=False))
+        with self._lock:
+            self._cache = (key, data)
+        return data
+
+    def _read_direct(self, c: _Chunk, start: int, local: Box, dest: torch.Tensor) -> None:
+        """Fill the contiguous ``dest`` with region ``local`` of a C-order chunk stored from
+        byte ``start``: only the bytes of its rows' runs are read."""
+        item = dest.element_size()
+        flat = memoryview(dest.view(-1).view(torch.uint8).numpy()) if dest.numel() else None
+        spans, pos = [], 0
+        for first, n in box_runs(box_shape(c.box), local):
+            spans.append((start + first * item, flat[pos : pos + n * item]))
+            pos += n * item
+        path = self._data_path(c.file)
+        try:
+            with storage.FileReader(path) as reader:
+                reader.read_scattered(spans)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{path}: DCP data file is missing") from None
+        except EOFError as e:
+            raise CorruptCheckpointError(f"{path}: DCP data file is truncated ({e})") from None
 
     def read_region(self, name: str, box: Box, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """The region ``box`` of tensor ``name``, reading the chunks it overlaps."""
@@ -319,15 +415,19 @@ class DCPCheckpointView:
             x = intersect(c.box, box) if t.shape else ()
             if x is None:
                 continue
-            data = self._chunk(name, c, t)
-            src = data[
-                tuple(
-                    slice(lo - clo, hi - clo) for (lo, hi), (clo, _) in zip(x, c.box, strict=True)
-                )
-            ]
-            dest[
+            local = tuple((lo - clo, hi - clo) for (lo, hi), (clo, _) in zip(x, c.box, strict=True))
+            target = dest[
                 tuple(slice(lo - blo, hi - blo) for (lo, hi), (blo, _) in zip(x, box, strict=True))
-            ] = src
+            ]
+            layout = self._layout(name, c, t)
+            if layout.start is None:  # stored with other strides: the whole chunk, then a copy
+                target.copy_(self._chunk(name, c, t)[tuple(slice(lo, hi) for lo, hi in local)])
+            elif target.is_contiguous():
+                self._read_direct(c, layout.start, local, target)
+            else:
+                part = torch.empty(box_shape(x), dtype=t.torch_dtype)
+                self._read_direct(c, layout.start, local, part)
+                target.copy_(part)
             covered += math.prod(box_shape(x)) if x else 1
         if covered < math.prod(box_shape(box)):
             raise CorruptCheckpointError(

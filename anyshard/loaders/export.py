@@ -34,7 +34,7 @@ from anyshard.format import storage
 from anyshard.format.checksum import crc32c
 from anyshard.format.datafile import DATAFILE_VERSION, DTYPE_TO_ST, ST_TO_DTYPE, tensor_bytes
 from anyshard.format.manifest import MANIFEST_NAME
-from anyshard.reshard.boxes import Piece, full_box
+from anyshard.reshard.boxes import Piece, box_shape, full_box
 
 __all__ = [
     "ExportReport",
@@ -206,8 +206,9 @@ def _blocks(view, item: _Item) -> Iterator[torch.Tensor]:
         rest = full_box(shape[1:])
         blocks = [((lo, min(lo + step, shape[0])),) + rest for lo in range(0, shape[0], step)]
     for box in blocks:
-        t = view.read_region(item.source, box)
-        yield t.to(item.dtype).contiguous()
+        t = view.read_region(item.source, box).to(item.dtype).contiguous()
+        yield t
+        del t
 
 
 # --- Hugging Face -------------------------------------------------------------------------------
@@ -327,6 +328,7 @@ def write_hf(
                 for block in _blocks(view, it):
                     if block.numel():
                         f.write(tensor_bytes(block))
+                    del block  # not alive while the next block is read
                 done[0] += 1
                 done[1] += it.nbytes
                 if progress is not None:
@@ -490,10 +492,12 @@ def _build_local(view, w: _LocalWrite) -> torch.Tensor:
     """One rank's stored tensor, filled from the logical regions its pieces hold (padding 0)."""
     from anyshard._open import CheckpointView
     from anyshard._read import Fill, fill_regions
-    from anyshard.loaders.hf import HFCheckpointView
     from anyshard.reshard.executor import piece_view
 
-    out = torch.zeros(w.shape, dtype=w.dtype)
+    covered = sum(math.prod(box_shape(p.logical_box)) for _, pieces in w.parts for p in pieces)
+    # padding is zero; a tensor its pieces fill whole is not written twice
+    out = (torch.empty if covered == math.prod(w.shape) else torch.zeros)(w.shape, dtype=w.dtype)
+    direct = _reads_into(view)
     for source, pieces in w.parts:
         if (
             isinstance(view, CheckpointView)
@@ -506,12 +510,22 @@ def _build_local(view, w: _LocalWrite) -> torch.Tensor:
             continue
         for p in pieces:
             dest = piece_view(out, p)
-            if isinstance(view, HFCheckpointView) and dest.is_contiguous():
+            if direct and dest.is_contiguous():
                 if dest.dtype == ST_TO_DTYPE[view.get_slice(source).get_dtype()]:
-                    view.read_region(source, p.logical_box, out=dest)
+                    view.read_region(source, p.logical_box, out=dest)  # no copy in between
                     continue
             dest.copy_(view.read_region(source, p.logical_box))
     return out
+
+
+def _reads_into(view) -> bool:
+    """Whether the view's ``read_region`` fills a given tensor (``out=``)."""
+    import inspect
+
+    try:
+        return "out" in inspect.signature(view.read_region).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _datafile_header(writes: list[_LocalWrite], crcs: dict[str, int]) -> bytes:
