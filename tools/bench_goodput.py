@@ -1,6 +1,7 @@
 """Goodput of the reference trainer with injected faults: recovery time, lost steps, goodput.
 
-Runs the demo configuration (4 CPU ranks, pp=2 x dp_shard=2, a checkpoint every 4 steps) under
+Runs the demo configuration (4 CPU ranks, pp=2 x dp_shard=2, the default model, an asynchronous
+checkpoint every 2 steps, as ``anyshard demo`` runs it) under
 torchrun twice, in one invocation: once without faults, once with rank 3 SIGKILLed once per
 ``--fault-every`` steps (torchrun restarts the group each time). Goodput is useful step time
 (steps x the median step time of the fault-free run) over the wall time of the whole job,
@@ -8,6 +9,9 @@ launch included.
 
     python tools/bench_goodput.py                    # 100 steps, a fault every 50
     python tools/bench_goodput.py --write-docs       # also replace the section in docs/benchmarks.md
+    python tools/bench_goodput.py --config anyshard/trainer_integration/gpt/tiny.toml  # other sizes
+
+Other words (``--config FILE``, ``--model.dim 128``, ...) go to the trainer as they are.
 """
 
 from __future__ import annotations
@@ -75,11 +79,16 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--fault-every", type=int, default=50)
-    p.add_argument("--async", dest="async_", action="store_true", help="asynchronous checkpoints")
-    p.add_argument("--every", type=int, default=4, help="checkpoint every N steps")
+    p.add_argument(
+        "--sync",
+        dest="async_",
+        action="store_false",
+        help="synchronous checkpoints (default: async)",
+    )
+    p.add_argument("--every", type=int, default=2, help="checkpoint every N steps (default 2)")
     p.add_argument("--write-docs", action="store_true")
-    args = p.parse_args()
-    extra = ["--checkpoint.every_steps", str(args.every)]
+    args, trainer_args = p.parse_known_args()
+    extra = ["--checkpoint.every_steps", str(args.every), *trainer_args]
     extra += ["--checkpoint.async_", "true"] if args.async_ else []
     faults = [(3, s) for s in range(args.fault_every // 2, args.steps, args.fault_every)]
     with tempfile.TemporaryDirectory() as tmp:

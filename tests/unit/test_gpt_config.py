@@ -329,7 +329,7 @@ def test_layouts_that_fit_validate(overrides):
 def test_all_problems_are_reported_at_once_and_sorted():
     with pytest.raises(ConfigError) as info:
         Config(
-            model=ModelConfig(n_kv_heads=3), parallel=ParallelConfig(dp_shard=3), run_dir="r"
+            model=ModelConfig(n_kv_heads=3), parallel=ParallelConfig(dp_shard=5), run_dir="r"
         ).validate()
     lines = str(info.value).splitlines()[1:]
     assert len(lines) == 2 and lines == sorted(lines)

@@ -116,7 +116,7 @@ class TrainConfig:
 
     steps: int = 30  # optimizer steps of the run
     seq_len: int = 128  # tokens per training sequence
-    global_batch: int = 32  # sequences per optimizer step, over all data-parallel ranks
+    global_batch: int = 48  # sequences per optimizer step, over all data-parallel ranks
     lr: float = 3e-3  # peak learning rate, reached after warmup_steps
     warmup_steps: int = 5  # linear warmup from 0 to lr
     min_lr_ratio: float = 0.1  # cosine decay to lr * min_lr_ratio at `steps`
