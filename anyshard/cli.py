@@ -195,12 +195,22 @@ def _inspect(args) -> int:
 
 
 def _inspect_hf(args, ckpt) -> int:
+    """``inspect`` of a checkpoint in another format (Hugging Face, DCP, DeepSpeed, Megatron,
+    zarr, torch.save): its format, files where the view names them, and the tensors."""
     rows = [ckpt.metadata(name) for name in ckpt.keys()]
+    values = {k: ckpt.get_value(k) for k in ckpt.value_keys()}
+    files = list(getattr(ckpt, "files", None) or [])
+    extras = {
+        k: getattr(ckpt, k)
+        for k in ("index_name", "zero_stage", "memory_mapped")
+        if getattr(ckpt, k, None) is not None
+    }
     if args.json:
         out = {
             "format": ckpt.format,
-            "files": ckpt.files,
-            "metadata": ckpt.metadata(),
+            "files": files,
+            **extras,
+            "values": values,
             "tensors": [
                 {
                     "name": r.name,
@@ -208,23 +218,30 @@ def _inspect_hf(args, ckpt) -> int:
                     "dtype": str(r.dtype).removeprefix("torch."),
                     "bytes": r.nbytes,
                     "shards": r.num_shards,
-                    "file": r.file,
+                    **({"file": r.file} if getattr(r, "file", None) else {}),
                 }
                 for r in rows
             ],
         }
-        print(json.dumps(out, indent=2))
+        if ckpt.format == "huggingface-safetensors":
+            out["metadata"] = ckpt.metadata()
+        print(json.dumps(out, indent=2, default=str))
         return 0
-    index = f", index {ckpt.index_name}" if ckpt.index_name else ""
-    print(f"{args.path}: format {ckpt.format}, {len(ckpt.files)} file(s){index}")
+    where = f", {len(files)} file(s)" if files else ""
+    index = f", index {extras['index_name']}" if extras.get("index_name") else ""
+    stage = f", ZeRO stage {extras['zero_stage']}" if "zero_stage" in extras else ""
+    print(f"{args.path}: format {ckpt.format}{where}{index}{stage}")
     width = max([len(r.name) for r in rows] + [6])
-    print(f"{'tensor':{width}}  {'shape':>16}  {'dtype':9}  {'bytes':>10}  file")
+    by_file = all(getattr(r, "file", None) for r in rows)
+    last = "file" if by_file else "shards"
+    print(f"{'tensor':{width}}  {'shape':>16}  {'dtype':9}  {'bytes':>10}  {last}")
     for r in rows:
         dtype = str(r.dtype).removeprefix("torch.")
+        tail = r.file if by_file else f"{r.num_shards:6}"
         print(
-            f"{r.name:{width}}  {str(list(r.shape)):>16}  {dtype:9}  {_human(r.nbytes):>10}  {r.file}"
+            f"{r.name:{width}}  {str(list(r.shape)):>16}  {dtype:9}  {_human(r.nbytes):>10}  {tail}"
         )
-    print(f"{len(rows)} tensors, {_human(sum(r.nbytes for r in rows))}")
+    print(f"{len(rows)} tensors, {_human(sum(r.nbytes for r in rows))}; {len(values)} values")
     return 0
 
 

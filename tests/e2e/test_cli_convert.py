@@ -136,3 +136,37 @@ def test_bad_input_is_one_line_on_stderr_and_exit_2(hf, tmp_path, args, expect):
     args = [a.format(tmp=tmp_path, hf=hf) for a in args]
     assert expect in one_line_error(run(*args))
     assert not (tmp_path / "out").exists()
+
+
+FIXTURES = __import__("pathlib").Path(__file__).resolve().parents[1] / "fixtures"
+
+
+@pytest.mark.parametrize(
+    "path,fmt,name",
+    [
+        ("deepspeed/zero3", "deepspeed-zero", "fc1.weight"),
+        ("deepspeed/universal", "deepspeed-universal", "fc1.weight"),
+        ("megatron_torch_dist/tp2", "megatron-torch-dist", "embedding.word_embeddings.weight"),
+    ],
+)
+def test_inspect_reads_other_libraries_checkpoints(path, fmt, name):
+    out = run("inspect", str(FIXTURES / path))
+    assert out.returncode == 0, out.stderr
+    assert f"format {fmt}" in out.stdout and name in out.stdout
+    data = json.loads(run("inspect", str(FIXTURES / path), "--json").stdout)
+    assert data["format"] == fmt and name in {t["name"] for t in data["tensors"]}
+
+
+def test_inspect_dcp_torch_save_and_zarr(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.ones(3, 4)}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    torch.save({"w": torch.ones(3, 4)}, tmp_path / "m.pt")
+    assert (
+        run("convert", str(tmp_path / "dcp"), str(tmp_path / "z.zarr"), "--to", "zarr").returncode
+        == 0
+    )
+    for path, fmt in (("dcp", "pytorch-dcp"), ("m.pt", "torch-save"), ("z.zarr", "zarr")):
+        out = run("inspect", str(tmp_path / path))
+        assert out.returncode == 0, out.stderr
+        assert f"format {fmt}" in out.stdout and "[3, 4]" in out.stdout
