@@ -233,4 +233,3 @@ class MegatronCheckpointView:
 
     def __exit__(self, *exc) -> None:
         self._loaded = None
-

@@ -71,9 +71,7 @@ def _ts():
     try:
         import tensorstore
     except ImportError:
-        raise AnyshardError(
-            "zarr export needs tensorstore: pip install 'anyshard[zarr]'"
-        ) from None
+        raise AnyshardError("zarr export needs tensorstore: pip install 'anyshard[zarr]'") from None
     return tensorstore
 
 
@@ -109,7 +107,9 @@ def _kvstore(root: str, name: str | None = None) -> dict | str:
         return spec
     if scheme == "gs":
         return {"driver": "gcs", "bucket": bucket, "path": key}
-    raise AnyshardError(f"{root}: tensorstore cannot write to {scheme}:// (use a local path, s3:// or gs://)")
+    raise AnyshardError(
+        f"{root}: tensorstore cannot write to {scheme}:// (use a local path, s3:// or gs://)"
+    )
 
 
 def chunk_shape(shape: tuple[int, ...], itemsize: int, target: int) -> list[int]:
@@ -361,9 +361,11 @@ class ZarrView:
     def _array(self, name: str):
         if name not in self._open:
             try:
-                self._open[name] = _ts().open(
-                    {"driver": "zarr3", "kvstore": _kvstore(self.path, name)}, open=True
-                ).result()
+                self._open[name] = (
+                    _ts()
+                    .open({"driver": "zarr3", "kvstore": _kvstore(self.path, name)}, open=True)
+                    .result()
+                )
             except ValueError as e:
                 raise CorruptCheckpointError(f"{self.path}/{name}: unreadable ({e})") from None
         return self._open[name]
