@@ -56,3 +56,24 @@ def test_strided_source_rows_are_read_as_repeated_requests(ckpt):
     with anyshard.open(ckpt) as view:
         got = view.get_slice("w")[:, 1:3]
     assert torch.equal(got, torch.arange(64 * 4, dtype=torch.float32).reshape(64, 4)[:, 1:3])
+
+
+@pytest.mark.parametrize("rows", [3, 63, 200])
+def test_repeated_rows_of_any_count_read_the_same(tmp_path, rows):
+    path = str(tmp_path / "c")
+    full = torch.arange(rows * 6, dtype=torch.float32).reshape(rows, 6)
+    anyshard.save(path, {"w": full})
+    with anyshard.open(path) as view:
+        assert torch.equal(view.get_slice("w")[:, 2:5], full[:, 2:5])
+        assert torch.equal(view.get_slice("w")[1:, 5], full[1:, 5])
+
+
+def test_a_truncated_file_under_repeated_rows_is_a_clear_error(tmp_path):
+    from anyshard.errors import CorruptCheckpointError
+
+    path = str(tmp_path / "c")
+    anyshard.save(path, {"w": torch.ones(200, 6)})
+    data = os.path.join(path, "data", "rank-00000.safetensors")
+    os.truncate(data, os.path.getsize(data) - 100)
+    with anyshard.open(path) as view, pytest.raises(CorruptCheckpointError, match="truncated"):
+        view.get_slice("w")[:, 2:5]
