@@ -161,3 +161,18 @@ def test_the_module_examples_run():
 
     result = doctest.testmod(zarr_store, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_export_to_s3_through_tensorstore_and_read_back(ckpt, s3):
+    """tensorstore's own S3 driver writes the store into the bucket (endpoint from the
+    standard AWS_ENDPOINT_URL); zarr-python reads it back through fsspec, and ZarrView too."""
+    out = s3 + "/export.zarr"
+    with anyshard.open(ckpt) as view:
+        write_zarr(view, out, only="w$|emb")
+    truth = state()
+    with anyshard.open(out) as z:
+        assert isinstance(z, ZarrView)
+        assert torch.equal(z.get_tensor("model.w"), truth["model"]["w"])
+        assert torch.equal(z.get_tensor("model.emb"), truth["model"]["emb"])
+    group = zarr.open_group(out, mode="r")
+    assert np.array_equal(group["model.w"][...], truth["model"]["w"].numpy())
