@@ -170,3 +170,20 @@ def test_inspect_dcp_torch_save_and_zarr(tmp_path):
         out = run("inspect", str(tmp_path / path))
         assert out.returncode == 0, out.stderr
         assert f"format {fmt}" in out.stdout and "[3, 4]" in out.stdout
+
+
+def test_a_real_deepspeed_checkpoint_converts_to_dcp_that_dcp_loads(tmp_path):
+    """DeepSpeed ZeRO-2 (written by DeepSpeed itself) -> `anyshard convert --to dcp` ->
+    torch.distributed.checkpoint.load: the engine's own fp32 parameters and Adam moments."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    truth = load_file(str(FIXTURES / "deepspeed" / "zero2" / "truth.safetensors"))
+    out = run(
+        "convert", str(FIXTURES / "deepspeed" / "zero2"), str(tmp_path / "dcp"), "--to", "dcp"
+    )
+    assert out.returncode == 0, out.stderr
+    state = {k: torch.zeros_like(v) for k, v in truth.items()}
+    dcp.load(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    for k, v in truth.items():
+        assert torch.equal(state[k], v), k
