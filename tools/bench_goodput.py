@@ -1,9 +1,10 @@
 """Goodput of the reference trainer with injected faults: recovery time, lost steps, goodput.
 
 Runs the demo configuration (4 CPU ranks, pp=2 x dp_shard=2, the default model, an asynchronous
-checkpoint every 2 steps, as ``anyshard demo`` runs it) under
-torchrun twice, in one invocation: once without faults, once with rank 3 SIGKILLed once per
-``--fault-every`` steps (torchrun restarts the group each time). Goodput is useful step time
+checkpoint every 2 steps, launched as ``anyshard demo`` launches it: ``--launcher warm``, or
+``--launcher torchrun`` for new interpreters at every restart) twice, in one invocation: once
+without faults, once with rank 3 SIGKILLed once per ``--fault-every`` steps (the elastic agent
+restarts the group each time). Goodput is useful step time
 (steps x the median step time of the fault-free run) over the wall time of the whole job,
 launch included.
 
@@ -37,12 +38,24 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def launch(run_dir: str, steps: int, faults: list[tuple[int, int]], extra: list[str]) -> float:
+def launch(
+    run_dir: str, steps: int, faults: list[tuple[int, int]], extra: list[str], launcher: str
+) -> float:
+    if launcher == "torchrun":
+        head = [
+            sys.executable, "-m", "torch.distributed.run",
+            "--nnodes", "1", "--nproc-per-node", "4", "--max-restarts", str(len(faults)),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_port()}",
+            "-m", "anyshard.trainer_integration.gpt.train",
+        ]  # fmt: skip
+    else:
+        head = [
+            sys.executable, "-m", "anyshard.trainer_integration.gpt.launch",
+            "--nproc-per-node", "4", "--max-restarts", str(len(faults)),
+            "--rdzv-endpoint", f"127.0.0.1:{_port()}",
+        ]  # fmt: skip
     cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nnodes", "1", "--nproc-per-node", "4", "--max-restarts", str(len(faults)),
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_port()}",
-        "-m", "anyshard.trainer_integration.gpt.train",
+        *head,
         "--parallel.pp", "2", "--parallel.dp_shard", "2",
         "--train.steps", str(steps),
         "--checkpoint.keep_last", "2",
@@ -86,6 +99,13 @@ def main() -> int:
         help="synchronous checkpoints (default: async)",
     )
     p.add_argument("--every", type=int, default=2, help="checkpoint every N steps (default 2)")
+    p.add_argument(
+        "--launcher",
+        choices=["warm", "torchrun"],
+        default="warm",
+        help="warm: anyshard.trainer_integration.gpt.launch (torch's elastic agent, ranks forked "
+        "from a process with torch imported), as the demo runs; torchrun: new interpreters",
+    )
     p.add_argument("--write-docs", action="store_true")
     args, trainer_args = p.parse_known_args()
     extra = ["--checkpoint.every_steps", str(args.every), *trainer_args]
@@ -93,8 +113,8 @@ def main() -> int:
     faults = [(3, s) for s in range(args.fault_every // 2, args.steps, args.fault_every)]
     with tempfile.TemporaryDirectory() as tmp:
         clean_dir, faulty_dir = os.path.join(tmp, "clean"), os.path.join(tmp, "faulty")
-        clean_wall = launch(clean_dir, args.steps, [], extra)
-        faulty_wall = launch(faulty_dir, args.steps, faults, extra)
+        clean_wall = launch(clean_dir, args.steps, [], extra, args.launcher)
+        faulty_wall = launch(faulty_dir, args.steps, faults, extra, args.launcher)
         clean = records(os.path.join(clean_dir, "losses.jsonl"))
         faulty = records(os.path.join(faulty_dir, "losses.jsonl"))
         events = records(os.path.join(faulty_dir, "events.jsonl"))

@@ -10,14 +10,28 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from anyshard.trainer_integration.gpt.config import TINY_CONFIG
 
-
-def torchrun(run_dir: str, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [
+LAUNCHERS = {
+    # new interpreters at every (re)start
+    "torchrun": [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         "--nproc-per-node", "4", "--max-restarts", "1",
         "-m", "anyshard.trainer_integration.gpt.train",
+    ],
+    # the same elastic agent, ranks forked from a process with torch imported
+    "warm": [
+        sys.executable, "-m", "anyshard.trainer_integration.gpt.launch",
+        "--nproc-per-node", "4", "--max-restarts", "1",
+    ],
+}  # fmt: skip
+
+
+def torchrun(run_dir: str, *extra: str, launcher: str = "torchrun") -> subprocess.CompletedProcess:
+    cmd = [
+        *LAUNCHERS[launcher],
         "--config", TINY_CONFIG,
         "--parallel.pp", "2", "--parallel.dp_shard", "2",
         "--train.steps", "12",
@@ -35,13 +49,14 @@ def records(path: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def test_a_killed_rank_restarts_resumes_and_matches_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("launcher", ["torchrun", "warm"])
+def test_a_killed_rank_restarts_resumes_and_matches_an_uninterrupted_run(tmp_path, launcher):
     clean, faulty = str(tmp_path / "clean"), str(tmp_path / "faulty")
-    out = torchrun(clean)
+    out = torchrun(clean, launcher=launcher)
     assert out.returncode == 0, out.stderr[-3000:]
-    out = torchrun(faulty, "--fault.kill_rank", "3", "--fault.kill_step", "7")
+    out = torchrun(faulty, "--fault.kill_rank", "3", "--fault.kill_step", "7", launcher=launcher)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "exitcode: -9" in out.stderr  # the rank really died of SIGKILL
+    assert "exitcode: -9" in out.stderr or "signal SIGKILL" in out.stderr  # died of SIGKILL
 
     want = {r["step"]: r["loss"] for r in records(os.path.join(clean, "losses.jsonl"))}
     got = records(os.path.join(faulty, "losses.jsonl"))
@@ -55,3 +70,22 @@ def test_a_killed_rank_restarts_resumes_and_matches_an_uninterrupted_run(tmp_pat
     assert [e["attempt"] for e in events] == [0, 1]
     assert events[1]["restored_step"] == 4 and events[1]["lost_steps"] == 3
     assert 0 < events[1]["recovery_s"] < 120
+
+
+def test_the_warm_launcher_reports_a_failed_group_with_exit_code_1(tmp_path):
+    cmd = [
+        sys.executable, "-m", "anyshard.trainer_integration.gpt.launch",
+        "--nproc-per-node", "2",
+        "--config", TINY_CONFIG, "--parallel.tp", "4",  # a layout that cannot run here
+        "--run_dir", str(tmp_path),
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1
+    assert "launch: the trainer failed" in out.stderr and "parallel.tp (4)" in out.stderr
+    bad = subprocess.run(
+        [sys.executable, "-m", "anyshard.trainer_integration.gpt.launch", "--nproc-per-node", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "at least 1" in bad.stderr

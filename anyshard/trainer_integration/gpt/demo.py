@@ -1,8 +1,10 @@
 """``anyshard demo``: train, lose a rank, restart, resume, then relaunch under another layout.
 
-The scenario, on local CPU processes launched with torchrun:
+The scenario, on local CPU processes launched by torch's elastic agent (torchrun's, through
+`anyshard.trainer_integration.gpt.launch`, whose ranks are forked from a process that has
+imported torch, so that a restart does not import it again):
 
-1. layout A (4 ranks: pp=2 x dp_shard=2) trains; rank 3 is SIGKILLed at step 10; torchrun
+1. layout A (4 ranks: pp=2 x dp_shard=2) trains; rank 3 is SIGKILLed at step 10; the agent
    restarts the group, which restores the newest committed step and goes on to step 20;
 2. the job is relaunched under layout B (2 ranks: tp=2): the reshard engine loads layout A's
    checkpoint into the new layout and training goes on to step 40.
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 
 __all__ = ["main"]
 
-TRAIN = "anyshard.trainer_integration.gpt.train"
+LAUNCH = "anyshard.trainer_integration.gpt.launch"
 
 
 @dataclass(frozen=True)
@@ -65,10 +67,9 @@ def _free_port() -> int:
 
 def _launch(phase: Phase, total: int, run_dir: str, storage_args: list[str], log) -> int:
     cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nnodes", "1", "--nproc-per-node", str(phase.nproc), "--max-restarts", "1",
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
-        "-m", TRAIN,
+        sys.executable, "-m", LAUNCH,
+        "--nproc-per-node", str(phase.nproc), "--max-restarts", "1",
+        "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
         *phase.layout,
         "--stop-at", str(phase.stop_at),
         "--train.steps", str(total),

@@ -286,7 +286,7 @@ def _quiet() -> None:
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, hard_exit: bool = True) -> int:
     """``python -m anyshard.trainer_integration.gpt.train [--config FILE] [--stop-at N]
     [--section.key value ...]``"""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -307,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+    if hard_exit and "TORCHELASTIC_RESTART_COUNT" in os.environ:
         # Under torchrun, leave without interpreter finalization: gloo's worker threads can
         # abort a process there after a clean run (pytorch#179291), which torchrun would take
         # for a failure and restart the group.
