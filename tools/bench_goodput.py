@@ -88,6 +88,12 @@ def step_times(losses: list[dict]) -> list[float]:
     return out
 
 
+def _phases(event: dict) -> str:
+    p = event.get("process_to_run_s")
+    head = f"{p:.1f}" if p is not None else "?"
+    return f"{head} / {event['build_s']:.1f} / {event['restore_s']:.1f} s"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=100)
@@ -132,6 +138,11 @@ def main() -> int:
             "recovery time (fault -> first step after restart)",
             "-",
             ", ".join(f"{e['recovery_s']:.1f} s" for e in recoveries) or "-",
+        ),
+        (
+            "restart: process start -> run, build, restore",
+            "-",
+            ", ".join(_phases(e) for e in recoveries) or "-",
         ),
         ("lost steps per fault", "-", ", ".join(str(e["lost_steps"]) for e in recoveries) or "-"),
         ("steps run in all", f"{len(clean)}", f"{len(faulty)}"),

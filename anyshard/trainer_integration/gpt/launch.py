@@ -8,8 +8,9 @@ rendezvous, a restart of the whole group when a rank dies, ``TORCHELASTIC_RESTAR
 same environment for the ranks), with one difference: the ranks are forked from a
 ``multiprocessing`` forkserver that has imported torch, its distributed packages (FSDP, DTensor,
 pipelining, torch._dynamo) and the trainer once, instead of being new interpreters that import
-them all again. On 2 CPU cores that import is about 4.5 s of the 7-8 s a restart costs under
-``torchrun``; here a restart takes about 3.5 s from the kill to the first step after it. The
+them all again. On 2 CPU cores that import is about 6 s of the 9-10 s a restart costs under
+``torchrun``; here a restart takes 3-4 s from the kill to the first step after it
+(``python tools/bench_goodput.py`` with ``--launcher torchrun`` or without). The
 trainer is the same: ``torchrun ... -m anyshard.trainer_integration.gpt.train`` runs it too.
 
 Options before the trainer's: ``--nproc-per-node N``, ``--max-restarts R``, ``--rdzv-endpoint

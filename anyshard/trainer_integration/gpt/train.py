@@ -168,6 +168,18 @@ def _layout_name(cfg: Config) -> str:
     return " ".join(x for x in parts if not x.endswith("=1")) or "single"
 
 
+def _since_process_start(now: float) -> float | None:
+    """Seconds from this process's start (Linux's /proc) to ``now``; None elsewhere."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return now - (boot + ticks / os.sysconf("SC_CLK_TCK"))
+
+
 def _append(path: str, record: dict) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
@@ -200,6 +212,7 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(cfg.train.seed)
     par, model, optimizer, step_fn = build_training(cfg)
+    built = time.time()
     t = cfg.train
     loader = DataLoader(
         load_corpus(),
@@ -219,7 +232,9 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
         local_dir=c.local_dir,
     )
     os.makedirs(cfg.run_dir, exist_ok=True)
+    before_restore = time.time()
     restored = ckpt.restore_latest({"train": state}, strict=cfg.parallel.pp == 1)
+    restore_s = time.time() - before_restore
     layout = _layout_name(cfg)
     kill_rank, kill_step, mode, armed = _fault(cfg)
     fault_file = os.path.join(cfg.run_dir, "fault.json")
@@ -262,6 +277,11 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
                     "attempt": _attempt(),
                     "restored_step": restored,
                     "startup_to_first_step_s": time.time() - started,
+                    # where a start goes: process start to `run` (imports, process group),
+                    # building the model, restoring the checkpoint
+                    "process_to_run_s": _since_process_start(started),
+                    "build_s": built - started,
+                    "restore_s": restore_s,
                 }
                 if os.path.exists(fault_file):
                     last = [json.loads(x) for x in open(fault_file)][-1]
