@@ -147,7 +147,7 @@ def _inspect(args) -> int:
 
     with anyshard.open(args.path) as ckpt:
         if format_of(ckpt) != "anyshard":
-            return _inspect_hf(args, ckpt)
+            return _inspect_other(args, ckpt)
         rows = [ckpt.metadata(name) for name in ckpt.keys()]
         m = ckpt.manifest
         if args.json:
@@ -194,7 +194,7 @@ def _inspect(args) -> int:
     return 0
 
 
-def _inspect_hf(args, ckpt) -> int:
+def _inspect_other(args, ckpt) -> int:
     """``inspect`` of a checkpoint in another format (Hugging Face, DCP, DeepSpeed, Megatron,
     zarr, torch.save): its format, files where the view names them, and the tensors."""
     rows = [ckpt.metadata(name) for name in ckpt.keys()]

@@ -376,9 +376,8 @@ class ZarrView:
         box = checked_region(name, box, md.shape)
         index = tuple(slice(lo, hi) for lo, hi in box)
         try:
-            data = self._array(name)[index].read().result() if md.shape else None
-            if data is None:
-                data = self._array(name).read().result()
+            arr = self._array(name)
+            data = (arr[index] if index else arr).read().result()
         except ValueError as e:
             raise CorruptCheckpointError(f"{self.path}/{name}: unreadable ({e})") from None
         t = _torch(np.asarray(data), md.dtype).reshape(box_shape(box))
