@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from anyshard.errors import CorruptCheckpointError
+from anyshard.format import storage
 from anyshard.format.checkpoint import data_path, read_headers
 from anyshard.format.datafile import ST_TO_DTYPE, DataFileHeader
 from anyshard.format.manifest import Manifest
@@ -99,7 +100,10 @@ def fill_regions(
         and f.dest.dtype == ST_TO_DTYPE[manifest.tensors[f.fqn].dtype]
         for f in fills
     ]
-    plan = plan_reads(transfers, info, direct_ok)
+    # Object stores: fewer, longer reads (each a GET streamed into the targets); locally,
+    # 64 MiB parts that threads read in parallel.
+    remote = {"max_part": 128 << 20, "max_request": 128 << 20} if storage.is_url(path) else {}
+    plan = plan_reads(transfers, info, direct_ok, **remote)
     paths = {r: data_path(path, manifest, r) for r in {t.rank for t in plan.transfers}}
     execute_plan(plan, [f.dest for f in fills], dtypes, paths, threads=threads)
     return plan

@@ -119,7 +119,8 @@ class S3Proxy:
         self.upstream = upstream.removeprefix("http://")
         self.events: list[tuple[str, str, str]] = []
         self._lock = threading.Lock()
-        self._faults: list[str] = []  # queued: "503", "500", "drop", "stall"
+        self._faults: list[str] = []  # queued: "503", "500", "drop", "stall", "cut"
+        self.ranges: list[str | None] = []  # the Range header of every GET, in order
         self.always: str | None = None  # a fault for every request, while set
         self.stall_seconds = 5.0  # how long a "stall" holds a request before dropping it
         self.rate = 0.0  # with random_faults(): the chance that a request gets a random fault
@@ -136,12 +137,13 @@ class S3Proxy:
 
     def fail_next(self, *faults: str) -> None:
         """Answer the next requests with these faults, one each: "503" or "500" (an S3 error
-        answer), "drop" (close the connection) or "stall" (answer nothing, then drop)."""
+        answer), "drop" (close the connection), "stall" (answer nothing, then drop) or "cut"
+        (forward the request, answer the headers and half the body, then drop)."""
         with self._lock:
             self._faults += faults
 
     def random_faults(
-        self, rate: float, *, seed: int, kinds=("503", "500", "drop", "stall")
+        self, rate: float, *, seed: int, kinds=("503", "500", "drop", "stall", "cut")
     ) -> None:
         """From now on, each request gets a fault drawn from ``kinds`` with chance ``rate``."""
         import random
@@ -205,6 +207,9 @@ class S3Proxy:
             def _forward(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 proxy._record("start", self.command, self.path)
+                if self.command == "GET":
+                    with proxy._lock:
+                        proxy.ranges.append(self.headers.get("Range"))
                 fault = proxy._next_fault()
                 if fault in ("drop", "stall"):
                     if fault == "stall":
@@ -240,6 +245,13 @@ class S3Proxy:
                 if "content-length" not in names:  # the upstream answer was chunked
                     self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
+                if fault == "cut":  # the upstream acted on it; the answer breaks off midway
+                    if self.command != "HEAD":
+                        self.wfile.write(data[: len(data) // 2])
+                        self.wfile.flush()
+                    self.close_connection = True
+                    self.connection.shutdown(2)
+                    return
                 if self.command != "HEAD":
                     self.wfile.write(data)
                 proxy._record("end", self.command, self.path)

@@ -32,6 +32,9 @@ PARTS_IN_FLIGHT = 4  # a writer holds at most this many parts (+ the one it fill
 MAX_GAP = 1 << 20  # ranges closer than this are fetched as one GET, gap included
 MAX_BLOCK = 16 << 20  # ... but no GET is larger: big ranges split into concurrent GETs
 WAVE_BYTES = 64 << 20  # bytes in flight per batch of concurrent GETs of one reader
+MAX_STREAM = 256 << 20  # S3: a streamed GET covers at most this many bytes
+STREAMS = 8  # S3: streamed GETs in flight per call
+CHUNK = 1 << 20  # S3: a streamed GET reads its body this much at a time (gaps: into a junk buffer)
 FIRST_BACKOFF, MAX_BACKOFF = 0.1, 5.0
 
 
@@ -272,10 +275,17 @@ class MultipartWriter:
 
 
 def read_spans(fs, path: str, url: str, spans: Sequence[Span]) -> None:
-    """Fill each buffer of ``spans`` from its offset in the object: near spans share a GET,
-    big ones split, and the GETs of up to `WAVE_BYTES` run concurrently."""
+    """Fill each buffer of ``spans`` from its offset in the object, near spans sharing a GET.
+
+    On S3 each GET streams its body straight into the buffers (memory: a chunk per GET, not the
+    range), so one GET may cover up to `MAX_STREAM` bytes; a GET that fails goes on from the
+    byte it reached. Elsewhere GETs of at most `MAX_BLOCK` are read whole, `WAVE_BYTES` at a time.
+    """
+    if hasattr(fs, "_call_s3") and not getattr(fs, "asynchronous", False):
+        _stream(fs, path, url, list(_blocks(spans, MAX_STREAM)))
+        return
     wave: list = []
-    for block in _blocks(spans):
+    for block in _blocks(spans, MAX_BLOCK):
         wave.append(block)
         if sum(b - a for a, b, _ in wave) >= WAVE_BYTES:
             _fetch(fs, path, url, wave)
@@ -284,18 +294,19 @@ def read_spans(fs, path: str, url: str, spans: Sequence[Span]) -> None:
         _fetch(fs, path, url, wave)
 
 
-def _blocks(spans: Sequence[Span]) -> Iterator[tuple[int, int, list[Span]]]:
-    """(start, stop, spans) of the GETs that cover ``spans``: near ones merged, big ones split."""
+def _blocks(spans: Sequence[Span], most: int) -> Iterator[tuple[int, int, list[Span]]]:
+    """(start, stop, spans) of the GETs that cover ``spans``: near ones merged, none longer
+    than ``most`` bytes."""
     pieces = []
     for offset, buf in spans:
         buf = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
-        for a in range(0, len(buf), MAX_BLOCK):
-            pieces.append((offset + a, buf[a : a + MAX_BLOCK]))
+        for a in range(0, len(buf), most):
+            pieces.append((offset + a, buf[a : a + most]))
     pieces.sort(key=lambda s: s[0])
     block: list | None = None
     for offset, buf in pieces:
         stop = offset + len(buf)
-        if block and offset - block[1] <= MAX_GAP and max(stop, block[1]) - block[0] <= MAX_BLOCK:
+        if block and offset - block[1] <= MAX_GAP and max(stop, block[1]) - block[0] <= most:
             block[1] = max(block[1], stop)
             block[2].append((offset, buf))
             continue
@@ -337,3 +348,85 @@ def _scatter(start: int, stop: int, spans: list[Span], data: bytes) -> None:
     view = memoryview(data)
     for offset, buf in spans:
         buf[:] = view[offset - start : offset - start + len(buf)]
+
+
+class _Stream:
+    """One streamed GET of ``[start, stop)``: ``done`` bytes of it are in their buffers."""
+
+    def __init__(self, start: int, stop: int, spans: list[Span]):
+        self.start, self.stop, self.spans = start, stop, spans
+        self.done = 0
+
+    async def run(self, fs, bucket: str, key: str, kwargs: dict, stall: float) -> None:
+        import asyncio
+
+        pos = self.start + self.done
+        resp = await asyncio.wait_for(
+            fs._call_s3(
+                "get_object", Bucket=bucket, Key=key, Range=f"bytes={pos}-{self.stop - 1}", **kwargs
+            ),
+            stall,
+        )
+        body = resp["Body"]
+        junk = None
+        try:
+            for offset, buf in self.spans:
+                end = offset + len(buf)
+                if end <= pos:
+                    continue
+                if offset > pos:  # a gap between spans: read through it
+                    junk = junk if junk is not None else memoryview(bytearray(min(CHUNK, MAX_GAP)))
+                    while pos < offset:
+                        pos = await self._into(body, junk[: min(len(junk), offset - pos)], stall)
+                while pos < end:
+                    a = pos - offset
+                    pos = await self._into(body, buf[a : min(len(buf), a + CHUNK)], stall)
+        finally:
+            body.close()
+
+    async def _into(self, body, buf: memoryview, stall: float) -> int:
+        import asyncio
+
+        n = await asyncio.wait_for(body.readinto(buf), stall)
+        if n == 0:
+            end = self.start + self.done
+            raise EOFError(
+                f"expected {self.stop - self.start} bytes at offset {self.start}, the object ends at {end}"
+            )
+        self.done += n
+        return self.start + self.done
+
+
+def _stream(fs, path: str, url: str, blocks: list[tuple[int, int, list[Span]]]) -> None:
+    """GET ``blocks`` from S3, `STREAMS` at a time, each body streamed into its spans; on a
+    retry every unfinished GET goes on from the byte it reached. An attempt is cut off when a
+    GET makes no progress for the attempt's timeout."""
+    import asyncio
+
+    from fsspec.asyn import sync
+
+    bucket, key = fs.split_path(path)[:2]
+    kwargs = dict(getattr(fs, "req_kw", None) or {})
+    streams = [_Stream(*b) for b in blocks]
+
+    async def all_of(stall: float) -> list:
+        gate = asyncio.Semaphore(STREAMS)
+
+        async def one(st: _Stream) -> None:
+            async with gate:
+                await st.run(fs, bucket, key, kwargs, stall)
+
+        todo = [st for st in streams if st.start + st.done < st.stop]
+        return await asyncio.gather(*(one(st) for st in todo), return_exceptions=True)
+
+    def attempt(timeout: float) -> None:
+        got = sync(fs.loop, all_of, timeout)
+        failed = [e for e in got if isinstance(e, BaseException)]
+        if failed:  # the one to act on: a missing object first, then one retrying cannot fix
+            failed.sort(key=lambda e: (not isinstance(e, FileNotFoundError), is_transient(e)))
+            raise failed[0]
+
+    if not blocks:
+        return
+    first, last = blocks[0][0], blocks[-1][1]
+    retry(url, f"read of bytes [{first}, {last})", attempt)

@@ -355,8 +355,8 @@ class FileReader:
     def read_scattered(self, spans: Sequence[tuple[int, memoryview]]) -> None:
         """Fill each buffer with the bytes at its offset.
 
-        On a URL, spans closer than 1 MiB are fetched as one GET, larger ones split into 16 MiB
-        GETs, and the GETs of up to 64 MiB run concurrently: a thousand row-sized spans cost a
+        On a URL, spans closer than 1 MiB are fetched as one GET (see `_remote.read_spans` for
+        the sizes of GETs and how many run at once): a thousand row-sized spans cost a
         few requests, not a thousand round trips. Locally, one ``preadv`` per span.
         """
         if self._fd is not None:

@@ -174,20 +174,47 @@ def test_scattered_rows_are_read_with_few_ranged_requests(s3_proxy):
         assert bytes(buf) == blob[offset : offset + 100]
 
 
-def test_a_large_read_is_split_into_concurrent_ranged_requests(s3_proxy):
+def test_a_large_read_streams_one_ranged_request_per_block(s3_proxy, monkeypatch):
     url = f"{s3_proxy.bucket}/blob"
     blob = torch.randint(0, 256, (40 << 20,), dtype=torch.uint8).numpy().tobytes()
     storage.write_bytes_atomic(url, blob)
     buf = memoryview(bytearray(len(blob) - 10))
-    before = len(s3_proxy.requests("GET"))
     with storage.FileReader(url) as reader:
         reader.read_into(10, buf)
-        assert len(s3_proxy.requests("GET")) - before == 3  # 16 + 16 + 8 MiB
+        assert s3_proxy.ranges[-1:] == [f"bytes=10-{len(blob) - 1}"]  # one GET, streamed
+        assert bytes(buf) == blob[10:]
+        monkeypatch.setattr(_remote, "MAX_STREAM", 16 << 20)
+        before = len(s3_proxy.ranges)
+        buf = memoryview(bytearray(len(blob) - 10))
+        reader.read_into(10, buf)
+        assert sorted(s3_proxy.ranges[before:]) == sorted(
+            f"bytes={a}-{min(a + (16 << 20), len(blob)) - 1}"
+            for a in (10, 10 + (16 << 20), 10 + (32 << 20))
+        )
+        assert bytes(buf) == blob[10:]
         with pytest.raises(EOFError):
             reader.read_into(len(blob) - 4, memoryview(bytearray(8)))
         with pytest.raises(EOFError):
             reader.read_into(len(blob) + 4, memoryview(bytearray(8)))
-    assert bytes(buf) == blob[10:]
+
+
+def test_a_streamed_read_cut_midway_goes_on_from_the_byte_it_reached(s3_proxy, monkeypatch):
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    url = f"{s3_proxy.bucket}/blob"
+    blob = torch.randint(0, 256, (12 << 20,), dtype=torch.uint8).numpy().tobytes()
+    storage.write_bytes_atomic(url, blob)
+    rows = [(k << 20, memoryview(bytearray(1 << 19))) for k in range(12)]  # half of each MiB
+    before = len(s3_proxy.ranges)
+    s3_proxy.fail_next("cut")
+    with storage.FileReader(url) as reader:
+        reader.read_scattered(rows)
+    for offset, buf in rows:
+        assert bytes(buf) == blob[offset : offset + len(buf)]
+    first, *rest = s3_proxy.ranges[before:]
+    assert first == f"bytes=0-{(11 << 20) + (1 << 19) - 1}"
+    assert len(rest) == 1 and rest[0].endswith(f"-{(11 << 20) + (1 << 19) - 1}")
+    resumed_at = int(rest[0].removeprefix("bytes=").split("-")[0])
+    assert resumed_at > 0  # not from the start: what arrived before the cut was kept
 
 
 def test_transient_server_errors_are_retried_until_the_save_and_load_succeed(s3_proxy, monkeypatch):
