@@ -33,8 +33,10 @@ repetitions are reported. Bytes read per rank are /proc/self/io deltas around th
 (``rchar``: bytes the process asked the kernel for, on any file system; ``read_bytes``: bytes
 fetched from the block device, disk regime only); the RSS sampler's own /proc reads are
 subtracted. Peak RSS over target: the peak of VmRSS during the operation (VmHWM after a reset
-through /proc/self/clear_refs, and a 2 ms VmRSS sampler thread, whichever is higher) minus VmRSS
-just before it, when the target tensors are already allocated and touched.
+through /proc/self/clear_refs; a 2 ms VmRSS sampler thread only where the reset is refused, as
+such a thread competes for the GIL with the code it measures) minus VmRSS just before it, when
+the target tensors are already allocated and touched. CPU: user + sys seconds of each rank's
+process (all threads) during the operation, summed over the ranks.
 """
 
 from __future__ import annotations
@@ -154,8 +156,9 @@ def status_kib(field: str) -> int:
 class RssSampler:
     """Samples VmRSS every ``period`` s in a thread; counts its own /proc reads (rchar)."""
 
-    def __init__(self, period: float = 0.002):
+    def __init__(self, period: float = 0.002, *, enabled: bool = True):
         self.period = period
+        self.enabled = enabled
         self.peak_kib = 0
         self.own_rchar = 0
         self._stop = threading.Event()
@@ -176,14 +179,15 @@ class RssSampler:
             os.close(fd)
 
     def __enter__(self) -> RssSampler:
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        if self.enabled:
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        assert self._thread is not None
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
 
 
 def reset_hwm() -> bool:
@@ -407,11 +411,15 @@ def worker(rank: int, cfg: dict, store_path: str, out_path: str) -> None:
         with Profiler(prof_kind, cfg["profile_dir"], f"{regime}-{label}") as prof:
             rss0 = status_kib("VmRSS")
             hwm_ok = reset_hwm()
-            with RssSampler() as sampler:
+            # The kernel's peak (VmHWM, reset above) is exact; a sampler thread, which would
+            # compete for the GIL with the threads it measures, only where it cannot be reset.
+            with RssSampler(enabled=not hwm_ok) as sampler:
                 io0 = proc_io()
+                cpu0 = resource.getrusage(resource.RUSAGE_SELF)
                 t0 = time.perf_counter()
                 fn()
                 t1 = time.perf_counter()
+                cpu1 = resource.getrusage(resource.RUSAGE_SELF)
                 io1 = proc_io()
             hwm = status_kib("VmHWM") if hwm_ok else 0
         peak = max(hwm, sampler.peak_kib)
@@ -422,6 +430,7 @@ def worker(rank: int, cfg: dict, store_path: str, out_path: str) -> None:
             "wchar": io1["wchar"] - io0["wchar"],
             "write_bytes": io1["write_bytes"] - io0["write_bytes"],
             "rss_over": (peak - rss0) * 1024,
+            "cpu": (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime),
             "profile": prof.file,
         }
         # The floor reads bytes, not tensors: nothing to verify.
@@ -551,11 +560,21 @@ def summarize(data: dict) -> list[dict]:
                 "wchar": med("wchar"),
                 "write_bytes": med("write_bytes"),
                 "rss_over": max(max(r["rss_over"] for r in ranks) for ranks in reps),
+                "cpu": statistics.median(sum(r.get("cpu", 0.0) for r in ranks) for ranks in reps),
                 "bad": sorted({b for ranks in reps for r in ranks for b in r["bad"]}),
                 "profiles": [r["profile"] for ranks in reps for r in ranks if r["profile"]],
             }
         out.append(row)
     return out
+
+
+def cpu_line(rows: list[dict]) -> str:
+    """CPU seconds (user + sys, every thread) of all ranks together, median repetition: with 4
+    ranks on few cores, what an operation costs in CPU bounds its wall time from below."""
+    return "CPU seconds, all ranks together (user + sys, median repetition): " + "; ".join(
+        f"{r['regime']} {r['op']} " + " ".join(f"{s}={r[s]['cpu']:.2f}" for s in SYSTEMS)
+        for r in rows
+    )
 
 
 def _median_of_worst(reps: list[list[dict]], key: str) -> float:
@@ -874,7 +893,8 @@ def write_docs(
         "per-rank /proc/self/io deltas (worst rank): `rchar` (bytes requested from the kernel), and for",
         "the disk regime `read_bytes` from the block device in parentheses; save rows show `wchar`",
         "(bytes written). RSS+ is the peak VmRSS during the operation minus VmRSS just before it (target",
-        "tensors already allocated), worst rank and repetition.",
+        "tensors already allocated), worst rank and repetition: the kernel's VmHWM, reset before each",
+        "operation (a 2 ms sampler thread only where the reset is refused).",
         "",
         text_table,
         "",
@@ -1021,6 +1041,7 @@ def main(argv: list[str] | None = None) -> int:
             for r in rows
         )
     )
+    print(cpu_line(rows))
     checks = check_targets(rows)
     print("\ntargets:")
     for name, ok, detail in checks:
@@ -1042,9 +1063,8 @@ def main(argv: list[str] | None = None) -> int:
             argv if argv is not None else sys.argv[1:]
         )
         notes = machine_note(dirs) + [f"- {load_note}"]
-        write_docs(
-            args.write_docs, command.strip(), table(rows, markdown=True), checks, notes, data, cfg
-        )
+        text = table(rows, markdown=True) + "\n\n" + cpu_line(rows) + "."
+        write_docs(args.write_docs, command.strip(), text, checks, notes, data, cfg)
         print(f"\nwrote {args.write_docs}")
     bad = any(r[s]["bad"] for r in rows for s in SYSTEMS)
     return 1 if bad else 0
