@@ -37,6 +37,7 @@ PRELOAD = (
     "torch._dynamo",
     "torch.distributed.checkpoint.state_dict",
     "anyshard.trainer_integration.gpt.train",
+    "anyshard.trainer_integration.gpt._preload",
 )
 
 

@@ -1,0 +1,6 @@
+"""Imported by the warm launcher's forkserver (`launch.PRELOAD`): builds once what every rank
+would otherwise build on its first restore, the parser of the mapping language."""
+
+from anyshard.ucl.mapping import _parser
+
+_parser()
