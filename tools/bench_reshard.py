@@ -17,8 +17,8 @@ deterministic transformer-like state of ``--gib`` GiB fp32 as DTensors on a 2D m
 ("dp_shard"=2, "tp"=2) -- column-parallel weights tp Shard(0), row-parallel weights tp Shard(1),
 norms replicated over tp, everything dp Shard(0) -- and, per regime (a directory on the real
 disk with the page cache dropped before every operation, and /dev/shm), per repetition, with
-the order of the systems rotated every repetition, one system after another (save, both loads,
-removal of its checkpoint, so that storage holds one checkpoint at a time):
+the order of the systems rotated every repetition (on disk all saves, then all loads; on tmpfs,
+where a checkpoint is memory, one system after another: save, both loads, removal):
 
 * saves it with the floor (every rank writes its bytes to one plain file, fsync), anyshard
   (``anyshard.save``) and DCP (``dcp.save`` with its default planner and ``FileSystemWriter``);
@@ -483,22 +483,39 @@ def worker(rank: int, cfg: dict, store_path: str, out_path: str) -> None:
                 "anyshard": partial(anyshard.save, paths["anyshard"], source),
                 "dcp": partial(_dcp_save, dcp, source, paths["dcp"]),
             }
-            # One system's checkpoint on storage at a time: save, both loads, removal. Each
-            # save then writes into memory the previous one freed, the same for every system.
-            for s in order:
-                measure(regime, root, "save", s, save_fns[s], f"save-rep{rep}")
-                for t in TARGETS:
-                    tgt_locals = [targets[t][n].to_local() for n, _, _ in spec]
-                    load_fns = {
-                        "floor": partial(floor_load, floor_file, tgt_locals),
-                        "anyshard": partial(anyshard.load, paths["anyshard"], targets[t]),
-                        "dcp": partial(_dcp_load, dcp, targets[t], paths["dcp"]),
-                    }
-                    measure(regime, root, f"load->{t}", s, load_fns[s], f"load-{t}-rep{rep}")
+            load_fns = {
+                t: {
+                    "floor": partial(
+                        floor_load, floor_file, [targets[t][n].to_local() for n, _, _ in spec]
+                    ),
+                    "anyshard": partial(anyshard.load, paths["anyshard"], targets[t]),
+                    "dcp": partial(_dcp_load, dcp, targets[t], paths["dcp"]),
+                }
+                for t in TARGETS
+            }
+
+            def remove(path: str) -> None:
                 dist.barrier()
                 if rank == 0:
-                    shutil.rmtree(paths[s], ignore_errors=True)
+                    shutil.rmtree(path, ignore_errors=True)
                 dist.barrier()
+
+            if regime == "tmpfs":
+                # A checkpoint on tmpfs is memory: one system's at a time (save, both loads,
+                # removal), so that each save writes into memory the previous one freed.
+                for s in order:
+                    measure(regime, root, "save", s, save_fns[s], f"save-rep{rep}")
+                    for t in TARGETS:
+                        measure(regime, root, f"load->{t}", s, load_fns[t][s], f"load-{t}-rep{rep}")
+                    remove(paths[s])
+            else:
+                # On disk, all saves, then every system's load into each target: no system
+                # reads back what it has just read (the VM host's cache survives drop_caches).
+                for s in order:
+                    measure(regime, root, "save", s, save_fns[s], f"save-rep{rep}")
+                for t in TARGETS:
+                    for s in order:
+                        measure(regime, root, f"load->{t}", s, load_fns[t][s], f"load-{t}-rep{rep}")
             if rank == 0:
                 shutil.rmtree(root, ignore_errors=True)
             dist.barrier()
@@ -884,11 +901,13 @@ def write_docs(
         "dims, norms replicated) and a dp_shard=4 mesh (`Shard(0)`). The floor writes",
         "each rank's bytes to one plain file with fsync, and reads as many bytes as the target holds back",
         "cold with plain sequential reads. DCP is `dcp.save`/`dcp.load` with the default planners and",
-        "`FileSystemWriter`/`FileSystemReader`. Systems alternate within each repetition (rotated order),",
-        "each saving, loading twice and removing its checkpoint before the next begins, so that storage",
-        "holds one checkpoint at a time (this VM's host backs guest memory lazily: once several GiB are in",
-        "use, new tmpfs pages cost several times as much, a cost that used to fall on whichever system",
-        "saved last). Every load is compared bit-exact (BLAKE2b digest of each shard's bytes against the",
+        "`FileSystemWriter`/`FileSystemReader`. Systems alternate within each repetition (rotated order).",
+        "On disk, all three save, then each loads into tp=4, then each into dp_shard=4 (no system reads",
+        "back what it has just read: the VM host's cache survives drop_caches). On tmpfs each system",
+        "saves, loads twice and removes its checkpoint before the next begins, so that tmpfs holds one",
+        "checkpoint at a time (this VM's host backs guest memory lazily: once several GiB are in use,",
+        "new tmpfs pages cost several times as much, a cost that fell on whichever system saved",
+        "last). Every load is compared bit-exact (BLAKE2b digest of each shard's bytes against the",
         "expected shard's) outside the timed region. Bytes are",
         "per-rank /proc/self/io deltas (worst rank): `rchar` (bytes requested from the kernel), and for",
         "the disk regime `read_bytes` from the block device in parentheses; save rows show `wchar`",
