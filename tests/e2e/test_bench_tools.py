@@ -50,3 +50,25 @@ def test_bench_convert_memory_quick_measures_and_checks_a_conversion(tmp_path):
     assert "anyshard convert --to hf" in text and "DCP dcp_to_torch_save" in text
     # the checkpoints and outputs are removed
     assert sorted(p.name for p in tmp_path.iterdir()) == ["benchmarks.md", "result.json"]
+
+
+def test_probe_fork_snapshot_reports_each_round_and_the_medians():
+    out = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "tools", "probe_fork_snapshot.py"),
+            "--gib",
+            "0.125",
+            "--rounds",
+            "2",
+            "--child-s",
+            "0.05",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert sum(line.startswith("round ") for line in lines) == 2
+    assert lines[-1].startswith("medians (0.12 GiB state")
