@@ -4,7 +4,8 @@ writes, and coalesced concurrent ranged reads. Only `storage` imports this modul
 Every call to a remote object goes through `retry`: transient failures (dropped connections,
 timeouts, HTTP 5xx, 408 and 429) are retried with jittered exponential backoff until
 ``ANYSHARD_STORAGE_DEADLINE`` seconds (default 120), each attempt cut off after
-``ANYSHARD_STORAGE_ATTEMPT_TIMEOUT`` (default a quarter of the deadline). fsspec backends retry
+``ANYSHARD_STORAGE_ATTEMPT_TIMEOUT`` (default a quarter of the deadline). A streamed S3 read is
+cut off after that long without a byte, and its deadline counts from the last byte it moved. fsspec backends retry
 a little on their own (botocore: ``AWS_MAX_ATTEMPTS``); this layer is the one with a deadline.
 """
 
@@ -124,16 +125,24 @@ def _why(e: BaseException) -> str:
     return f"{http}{type(e).__name__}: {e}" if str(e) else f"{http}{type(e).__name__}"
 
 
-def retry(url: str, what: str, attempt: Callable[[float], T]) -> T:
+def retry(
+    url: str,
+    what: str,
+    attempt: Callable[[float], T],
+    progress: Callable[[], int] | None = None,
+) -> T:
     """``attempt(timeout)`` until it succeeds or ``ANYSHARD_STORAGE_DEADLINE`` passes.
 
     `FileNotFoundError` and `FileExistsError` pass through at once, a range past the end of the
     object becomes an `EOFError`; an error that retrying cannot fix (denied access, bad request,
-    no credentials) becomes a `StorageError` at once.
+    no credentials) becomes a `StorageError` at once. With ``progress`` (a count of bytes done
+    that failed attempts may advance), the deadline counts from the last attempt that advanced
+    it: a long transfer that keeps moving is never cut off for its length.
     """
     deadline = _seconds("ANYSHARD_STORAGE_DEADLINE", 120.0)
     per_attempt = _seconds("ANYSHARD_STORAGE_ATTEMPT_TIMEOUT", max(deadline / 4, 1.0))
     start, backoff, attempts = time.monotonic(), FIRST_BACKOFF, 0
+    mark = progress() if progress is not None else 0
     while True:
         attempts += 1
         left = deadline - (time.monotonic() - start)
@@ -147,6 +156,8 @@ def retry(url: str, what: str, attempt: Callable[[float], T]) -> T:
             if not is_transient(e):
                 raise StorageError(f"{url}: {what} failed: {_why(e)}") from e
             last = e
+        if progress is not None and progress() != mark:
+            mark, start, backoff = progress(), time.monotonic(), FIRST_BACKOFF
         pause = random.uniform(backoff / 2, backoff)
         elapsed = time.monotonic() - start
         if elapsed + pause >= deadline:
@@ -400,7 +411,8 @@ class _Stream:
 def _stream(fs, path: str, url: str, blocks: list[tuple[int, int, list[Span]]]) -> None:
     """GET ``blocks`` from S3, `STREAMS` at a time, each body streamed into its spans; on a
     retry every unfinished GET goes on from the byte it reached. An attempt is cut off when a
-    GET makes no progress for the attempt's timeout."""
+    GET makes no progress for the attempt's timeout, and the deadline counts from the last
+    attempt that moved bytes."""
     import asyncio
 
     from fsspec.asyn import sync
@@ -429,4 +441,5 @@ def _stream(fs, path: str, url: str, blocks: list[tuple[int, int, list[Span]]]) 
     if not blocks:
         return
     first, last = blocks[0][0], blocks[-1][1]
-    retry(url, f"read of bytes [{first}, {last})", attempt)
+    done = lambda: sum(st.done for st in streams)  # noqa: E731
+    retry(url, f"read of bytes [{first}, {last})", attempt, progress=done)

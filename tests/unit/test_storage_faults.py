@@ -51,3 +51,35 @@ def test_saves_and_loads_survive_random_faults_on_a_fifth_of_requests(s3_proxy, 
         else:
             assert report.tensors == 2
     assert outcomes.count("ok") >= 1, outcomes
+
+
+def _flaky(seconds: float, failures: int, moves: bool):
+    """An attempt that fails ``failures`` times, each after ``seconds`` (moving one byte each
+    time when ``moves``), then succeeds; and the count of bytes moved."""
+    import time
+
+    failed, moved = [0], [0]
+
+    def attempt(timeout: float) -> str:
+        time.sleep(seconds)
+        if failed[0] < failures:
+            failed[0] += 1
+            moved[0] += int(moves)
+            raise ConnectionError("injected")
+        return "ok"
+
+    return attempt, (lambda: moved[0])
+
+
+def test_the_deadline_counts_from_the_last_attempt_that_moved_bytes(monkeypatch):
+    from anyshard.format import _remote
+
+    monkeypatch.setenv("ANYSHARD_STORAGE_DEADLINE", "1.0")
+    monkeypatch.setattr(_remote, "FIRST_BACKOFF", 0.01)
+    # 6 failures of 0.3 s each: 1.8 s in all, past the deadline, but each one moved bytes
+    attempt, progress = _flaky(0.3, 6, moves=True)
+    assert _remote.retry("s3://b/k", "read", attempt, progress=progress) == "ok"
+    # the same failures without progress end at the deadline
+    attempt, progress = _flaky(0.3, 6, moves=False)
+    with pytest.raises(StorageError, match="deadline"):
+        _remote.retry("s3://b/k", "read", attempt, progress=progress)
