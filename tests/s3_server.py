@@ -137,8 +137,9 @@ class S3Proxy:
 
     def fail_next(self, *faults: str) -> None:
         """Answer the next requests with these faults, one each: "503" or "500" (an S3 error
-        answer), "drop" (close the connection), "stall" (answer nothing, then drop) or "cut"
-        (forward the request, answer the headers and half the body, then drop)."""
+        answer), "drop" (close the connection), "stall" (answer nothing, then drop), "cut"
+        (forward the request, answer the headers and half the body, then drop) or "norange"
+        (forward it without its Range header, as a server that ignores ranges would)."""
         with self._lock:
             self._faults += faults
 
@@ -229,6 +230,8 @@ class S3Proxy:
                     proxy._record("end", self.command, self.path)
                     return
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
+                if fault == "norange":  # a server that ignores Range: the whole object, 200
+                    headers = {k: v for k, v in headers.items() if k.lower() != "range"}
                 conn = http.client.HTTPConnection(proxy.upstream, timeout=60)
                 try:
                     conn.request(self.command, self.path, body=body, headers=headers)

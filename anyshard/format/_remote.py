@@ -379,6 +379,13 @@ class _Stream:
             stall,
         )
         body = resp["Body"]
+        got = resp.get("ContentRange") or ""
+        if not got.startswith(f"bytes {pos}-"):  # a server that ignored the Range header
+            body.close()
+            raise StorageError(
+                f"s3://{bucket}/{key}: asked for bytes {pos}-{self.stop - 1}, the server answered "
+                f"{got or 'without a Content-Range'}; it does not serve byte ranges as S3 does"
+            )
         junk = None
         try:
             for offset, buf in self.spans:

@@ -217,6 +217,18 @@ def test_a_streamed_read_cut_midway_goes_on_from_the_byte_it_reached(s3_proxy, m
     assert resumed_at > 0  # not from the start: what arrived before the cut was kept
 
 
+def test_a_server_that_ignores_ranges_is_an_error_not_wrong_bytes(s3_proxy):
+    url = f"{s3_proxy.bucket}/blob"
+    storage.write_bytes_atomic(url, bytes(range(256)) * 64)
+    s3_proxy.fail_next("norange")
+    buf = memoryview(bytearray(100))
+    with storage.FileReader(url) as reader:
+        with pytest.raises(StorageError, match="does not serve byte ranges"):
+            reader.read_into(1000, buf)
+        reader.read_into(1000, buf)  # the next answer honours the range
+    assert bytes(buf) == (bytes(range(256)) * 64)[1000:1100]
+
+
 def test_transient_server_errors_are_retried_until_the_save_and_load_succeed(s3_proxy, monkeypatch):
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # no retries inside botocore: anyshard's own
     url = f"{s3_proxy.bucket}/ckpt/step-1"
