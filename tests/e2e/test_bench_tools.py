@@ -72,3 +72,33 @@ def test_probe_fork_snapshot_reports_each_round_and_the_medians():
     lines = out.stdout.splitlines()
     assert sum(line.startswith("round ") for line in lines) == 2
     assert lines[-1].startswith("medians (0.12 GiB state")
+
+
+def test_bench_io_paths_quick_checks_every_read_and_writes_its_section(tmp_path):
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("# Benchmarks\n")
+    out = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "tools", "bench_io_paths.py"),
+            "--quick",
+            "--parts",
+            "disk,s3",
+            "--disk-dir",
+            str(tmp_path),
+            "--write-docs",
+            str(docs),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = docs.read_text()
+    assert "<!-- io_paths:begin -->" in text and "<!-- io_paths:end -->" in text
+    rows = [
+        line for line in text.splitlines() if line.startswith("| disk") or line.startswith("| s3")
+    ]
+    assert len(rows) == 2 + 3 + 3  # two writers, three readers on disk and on S3
+    assert all(line.split("|")[-2].strip() in ("yes", "-") for line in rows)
+    assert sum(line.split("|")[-2].strip() == "yes" for line in rows) == 6
