@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections import defaultdict
 from collections.abc import Mapping as MappingType
 from collections.abc import Sequence
@@ -80,9 +81,10 @@ def execute_plan(
         tensor_bytes(t) if t.device.type == "cpu" and t.is_contiguous() else None for t in targets
     ]
     pool = io_pool(threads)
+    bounces: dict[int, torch.Tensor] = {}  # thread -> its bounce buffer, for this plan
     for batch in plan.batches:
         staging = _staging(plan, batch, src_dtypes)
-        memory = (target_bytes, staging, target_u8)
+        memory = (target_bytes, staging, target_u8, bounces)
         run = lambda task, memory=memory: _run_task(plan, task, memory, paths)  # noqa: E731
         for checks in pool.map(run, _tasks(batch)):
             for shard, offset, length, crc in checks:
@@ -106,18 +108,21 @@ def _staging(plan: ReadPlan, batch: list[Request], src_dtypes) -> dict[int, memo
 
 # A request scattering at least this many equal rows into a target reads them into one
 # contiguous bounce buffer and scatters with one strided copy: a checksum over one buffer and one
-# copy beat hundreds of small iovecs and per-row checksum calls.
+# copy beat hundreds of small iovecs and per-row checksum calls. The rows go through the bounce
+# buffer at most _BOUNCE_BYTES at a time, and each thread keeps its buffer for the whole plan:
+# a fresh buffer per request would fault in (and zero) as many pages as the request reads.
 _BOUNCE_MIN_SPANS = 16
+_BOUNCE_BYTES = 4 << 20
 
 
 class _Task:
     """State of one worker task: its own file descriptions (so that each stream of reads keeps
     its own readahead state in the kernel), a bounce buffer and a junk buffer, reused."""
 
-    def __init__(self, paths):
+    def __init__(self, paths, bounces: dict[int, torch.Tensor]):
         self.paths = paths
         self.readers: dict[int, storage.FileReader] = {}
-        self.bounce = torch.empty(0, dtype=torch.uint8)
+        self.bounces = bounces  # per thread, kept for the whole plan
         self.junk: memoryview | None = None
 
     def reader(self, rank: int) -> storage.FileReader:
@@ -127,9 +132,11 @@ class _Task:
         return reader
 
     def bounce_for(self, n: int) -> torch.Tensor:
-        if self.bounce.numel() < n:
-            self.bounce = torch.empty(n, dtype=torch.uint8)
-        return self.bounce[:n]
+        me = threading.get_ident()
+        bounce = self.bounces.get(me)
+        if bounce is None or bounce.numel() < n:
+            bounce = self.bounces[me] = torch.empty(n, dtype=torch.uint8)
+        return bounce[:n]
 
     def junk_for(self, n: int) -> memoryview:
         if self.junk is None or len(self.junk) < n:
@@ -166,9 +173,9 @@ def _run_task(
     plan: ReadPlan, task: list[Request], memory, paths
 ) -> list[tuple[int, int, int, int]]:
     """Run consecutive requests; returns the checksums of the parts of shards they read."""
-    target_bytes, staging, target_u8 = memory
+    target_bytes, staging, target_u8, bounces = memory
     transfers = plan.transfers
-    state = _Task(paths)
+    state = _Task(paths, bounces)
     out = []
     try:
         for r in task:
@@ -177,29 +184,52 @@ def _run_task(
                 continue
             rows = _uniform_rows(r, plan)
             if rows is not None:
-                target, first, stride, n = rows
-                bounce = state.bounce_for(r.length)
-                buffers = [memoryview(bounce.numpy())]
-                _read(state.reader(r.rank), r, buffers)
-                count = len(r.spans)
-                dst = target_u8(target).as_strided((count, n), (stride, 1), first)
-                dst.copy_(bounce.view(count, n))
-            else:
-                buffers = []
-                for kind, i, offset, n in r.spans:
-                    if kind == TARGET:
-                        buffers.append(target_bytes[transfers[i].target][offset : offset + n])
-                    elif kind == GAP:
-                        buffers.append(state.junk_for(n))
-                    else:
-                        buffers.append(staging[i][offset : offset + n])
-                _read(state.reader(r.rank), r, buffers)
+                out += _run_rows(r, rows, state, target_u8)
+                continue
+            buffers = []
+            for kind, i, offset, n in r.spans:
+                if kind == TARGET:
+                    buffers.append(target_bytes[transfers[i].target][offset : offset + n])
+                elif kind == GAP:
+                    buffers.append(state.junk_for(n))
+                else:
+                    buffers.append(staging[i][offset : offset + n])
+            _read(state.reader(r.rank), r, buffers)
             for c in r.checks:
                 crc = _crc_range(buffers, c.start, c.stop)
                 out.append((c.shard, r.offset + c.start, c.stop - c.start, crc))
     finally:
         state.close()
     return out
+
+
+def _run_rows(
+    r: Request, rows: tuple[int, int, int, int], state: _Task, target_u8
+) -> list[tuple[int, int, int, int]]:
+    """A request of equal rows, contiguous in the file, scattered at a fixed stride into one
+    target: read through the thread's bounce buffer, at most `_BOUNCE_BYTES` at a time, each
+    part copied into place with one strided copy; the checksums run on over the parts."""
+    target, first, stride, n = rows
+    count = len(r.spans)
+    per = max(1, _BOUNCE_BYTES // n)
+    dest = target_u8(target)
+    reader = state.reader(r.rank)
+    crcs = [0] * len(r.checks)
+    for k0 in range(0, count, per):
+        k = min(per, count - k0)
+        lo = k0 * n
+        bounce = state.bounce_for(k * n)
+        mv = memoryview(bounce.numpy())
+        _read(reader, r, [mv], at=lo)
+        dest.as_strided((k, n), (stride, 1), first + k0 * stride).copy_(bounce.view(k, n))
+        for j, c in enumerate(r.checks):
+            a, z = max(c.start, lo), min(c.stop, lo + k * n)
+            if a < z:
+                crcs[j] = crc32c(mv[a - lo : z - lo], crcs[j])
+    return [
+        (c.shard, r.offset + c.start, c.stop - c.start, crc)
+        for c, crc in zip(r.checks, crcs, strict=True)
+    ]
 
 
 def _run_repeated(r: Request, target_bytes, staging, transfers, state: _Task) -> None:
@@ -242,9 +272,10 @@ def _run_repeated(r: Request, target_bytes, staging, transfers, state: _Task) ->
         raise StorageError(f"{reader.path}: read of {n} bytes at {pos} failed: {e}") from e
 
 
-def _read(reader: storage.FileReader, r: Request, buffers: list[memoryview]) -> None:
+def _read(reader: storage.FileReader, r: Request, buffers: list[memoryview], at: int = 0) -> None:
+    """Fill ``buffers`` from the bytes of request ``r``, starting ``at`` bytes into it."""
     try:
-        reader.readv(r.offset, buffers)
+        reader.readv(r.offset + at, buffers)
     except EOFError as e:
         raise CorruptCheckpointError(
             f"{reader.path}: data file is truncated ({e}); the checkpoint was copied "

@@ -52,6 +52,33 @@ def test_a_corrupt_shard_read_through_the_bounce_buffer_fails_its_checksum(ckpt)
         fill_columns(ckpt, 64)
 
 
+@pytest.mark.parametrize("part_rows", [1, 5, 64])  # the bounce buffer holds this many rows
+def test_rows_through_a_small_bounce_buffer_land_exactly_and_are_checksummed(
+    ckpt, monkeypatch, part_rows
+):
+    from anyshard.reshard import executor
+
+    monkeypatch.setattr(executor, "_BOUNCE_BYTES", part_rows * 16)  # 16-byte rows
+    dest, plan = fill_columns(ckpt, 64)
+    full = torch.arange(64 * 4, dtype=torch.float32).reshape(64, 4)
+    assert (
+        torch.equal(dest[:, 2:6], full) and (dest[:, :2] == -1).all() and (dest[:, 6:] == -1).all()
+    )
+    data = os.path.join(ckpt, "data", "rank-00000.safetensors")
+    with open(data, "r+b") as f:  # a flipped byte in the middle part, then in the last
+        for where in (-16 * 33 + 3, -5):
+            f.seek(where, os.SEEK_END)
+            good = f.read(1)
+            f.seek(where, os.SEEK_END)
+            f.write(bytes([good[0] ^ 0x10]))
+            f.flush()
+            with pytest.raises(ChecksumError, match="'w'"):
+                fill_columns(ckpt, 64)
+            f.seek(where, os.SEEK_END)
+            f.write(good)
+            f.flush()
+
+
 def test_strided_source_rows_are_read_as_repeated_requests(ckpt):
     with anyshard.open(ckpt) as view:
         got = view.get_slice("w")[:, 1:3]
