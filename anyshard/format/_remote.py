@@ -5,7 +5,8 @@ Every call to a remote object goes through `retry`: transient failures (dropped 
 timeouts, HTTP 5xx, 408 and 429) are retried with jittered exponential backoff until
 ``ANYSHARD_STORAGE_DEADLINE`` seconds (default 120), each attempt cut off after
 ``ANYSHARD_STORAGE_ATTEMPT_TIMEOUT`` (default a quarter of the deadline). A streamed S3 read is
-cut off after that long without a byte, and its deadline counts from the last byte it moved. fsspec backends retry
+cut off after that long without a byte, and its deadline restarts after each failed attempt that
+moved bytes. fsspec backends retry
 a little on their own (botocore: ``AWS_MAX_ATTEMPTS``); this layer is the one with a deadline.
 """
 
@@ -290,11 +291,14 @@ def read_spans(fs, path: str, url: str, spans: Sequence[Span]) -> None:
 
     On S3 each GET streams its body straight into the buffers (memory: a chunk per GET, not the
     range), so one GET may cover up to `MAX_STREAM` bytes; a GET that fails goes on from the
-    byte it reached. Elsewhere GETs of at most `MAX_BLOCK` are read whole, `WAVE_BYTES` at a time.
+    byte it reached. Elsewhere (and for spans that overlap) GETs of at most `MAX_BLOCK` are read
+    whole, `WAVE_BYTES` at a time.
     """
     if hasattr(fs, "_call_s3") and not getattr(fs, "asynchronous", False):
-        _stream(fs, path, url, list(_blocks(spans, MAX_STREAM)))
-        return
+        blocks = list(_blocks(spans, MAX_STREAM))
+        if not _overlapping(blocks):
+            _stream(fs, path, url, blocks)
+            return
     wave: list = []
     for block in _blocks(spans, MAX_BLOCK):
         wave.append(block)
@@ -381,7 +385,7 @@ class _Stream:
         body = resp["Body"]
         got = resp.get("ContentRange") or ""
         if not got.startswith(f"bytes {pos}-"):  # a server that ignored the Range header
-            body.close()
+            await _close(body)
             raise StorageError(
                 f"s3://{bucket}/{key}: asked for bytes {pos}-{self.stop - 1}, the server answered "
                 f"{got or 'without a Content-Range'}; it does not serve byte ranges as S3 does"
@@ -400,7 +404,7 @@ class _Stream:
                     a = pos - offset
                     pos = await self._into(body, buf[a : min(len(buf), a + CHUNK)], stall)
         finally:
-            body.close()
+            await _close(body)
 
     async def _into(self, body, buf: memoryview, stall: float) -> int:
         import asyncio
@@ -415,6 +419,26 @@ class _Stream:
         return self.start + self.done
 
 
+async def _close(body) -> None:
+    """Release a response body's connection (``aclose`` where the backend has it)."""
+    closer = getattr(body, "aclose", None)
+    if closer is not None:
+        await closer()
+    else:
+        body.close()
+
+
+def _overlapping(blocks: list[tuple[int, int, list[Span]]]) -> bool:
+    """Whether two spans of a block share bytes (a stream fills each byte once, in order)."""
+    for _, _, spans in blocks:
+        end = -1
+        for offset, buf in spans:
+            if offset < end:
+                return True
+            end = max(end, offset + len(buf))
+    return False
+
+
 def _stream(fs, path: str, url: str, blocks: list[tuple[int, int, list[Span]]]) -> None:
     """GET ``blocks`` from S3, `STREAMS` at a time, each body streamed into its spans; on a
     retry every unfinished GET goes on from the byte it reached. An attempt is cut off when a
@@ -424,8 +448,10 @@ def _stream(fs, path: str, url: str, blocks: list[tuple[int, int, list[Span]]]) 
 
     from fsspec.asyn import sync
 
-    bucket, key = fs.split_path(path)[:2]
+    bucket, key, version = fs.split_path(path)
     kwargs = dict(getattr(fs, "req_kw", None) or {})
+    if version:
+        kwargs["VersionId"] = version
     streams = [_Stream(*b) for b in blocks]
 
     async def all_of(stall: float) -> list:

@@ -109,8 +109,9 @@ def _staging(plan: ReadPlan, batch: list[Request], src_dtypes) -> dict[int, memo
 # A request scattering at least this many equal rows into a target reads them into one
 # contiguous bounce buffer and scatters with one strided copy: a checksum over one buffer and one
 # copy beat hundreds of small iovecs and per-row checksum calls. The rows go through the bounce
-# buffer at most _BOUNCE_BYTES at a time, and each thread keeps its buffer for the whole plan:
-# a fresh buffer per request would fault in (and zero) as many pages as the request reads.
+# buffer at most _BOUNCE_BYTES at a time (one row at a time when a row is larger), and each thread
+# keeps its buffer for the whole plan: a fresh buffer per request would fault in (and zero) as
+# many pages as the request reads. Local files only: on a URL each part would be a GET.
 _BOUNCE_MIN_SPANS = 16
 _BOUNCE_BYTES = 4 << 20
 
@@ -183,9 +184,10 @@ def _run_task(
                 _run_repeated(r, target_bytes, staging, transfers, state)
                 continue
             rows = _uniform_rows(r, plan)
-            if rows is not None:
+            if rows is not None and state.reader(r.rank).fd is not None:
                 out += _run_rows(r, rows, state, target_u8)
                 continue
+            # (a URL streams the rows straight into place with one GET: no bounce buffer)
             buffers = []
             for kind, i, offset, n in r.spans:
                 if kind == TARGET:
@@ -289,8 +291,9 @@ def _read(reader: storage.FileReader, r: Request, buffers: list[memoryview], at:
     except OSError as e:
         if isinstance(e, StorageError):
             raise
+        length = sum(len(b) for b in buffers)
         raise StorageError(
-            f"{reader.path}: read of {r.length} bytes at {r.offset} failed: {e}"
+            f"{reader.path}: read of {length} bytes at {r.offset + at} failed: {e}"
         ) from e
 
 

@@ -217,6 +217,56 @@ def test_a_streamed_read_cut_midway_goes_on_from_the_byte_it_reached(s3_proxy, m
     assert resumed_at > 0  # not from the start: what arrived before the cut was kept
 
 
+def test_a_streamed_read_cut_inside_a_span_fills_the_rest_of_it(s3_proxy, monkeypatch):
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    url = f"{s3_proxy.bucket}/blob"
+    blob = torch.randint(0, 256, (12 << 20,), dtype=torch.uint8).numpy().tobytes()
+    storage.write_bytes_atomic(url, blob)
+    buf = memoryview(bytearray(len(blob) - 100))
+    before = len(s3_proxy.ranges)
+    s3_proxy.fail_next("cut")  # half of the answer arrives: the cut falls inside the one span
+    with storage.FileReader(url) as reader:
+        reader.read_into(100, buf)
+    assert bytes(buf) == blob[100:]
+    first, again = s3_proxy.ranges[before:]
+    assert first == f"bytes=100-{len(blob) - 1}"
+    assert 100 < int(again.removeprefix("bytes=").split("-")[0]) < len(blob)
+
+
+def test_overlapping_spans_are_each_filled(s3_proxy):
+    url = f"{s3_proxy.bucket}/blob"
+    blob = bytes(range(256)) * 64
+    storage.write_bytes_atomic(url, blob)
+    spans = [(100, memoryview(bytearray(1000))), (200, memoryview(bytearray(100)))]
+    spans.append((150, memoryview(bytearray(50))))
+    with storage.FileReader(url) as reader:
+        reader.read_scattered(spans)
+    for offset, buf in spans:
+        assert bytes(buf) == blob[offset : offset + len(buf)]
+
+
+def test_strided_rows_from_s3_stream_in_one_get(s3_proxy, monkeypatch):
+    from anyshard._read import Fill, fill_regions
+    from anyshard.format.checkpoint import read_manifest
+    from anyshard.reshard import executor
+    from anyshard.reshard.boxes import Piece
+
+    monkeypatch.setattr(executor, "_BOUNCE_BYTES", 5 * 16)  # locally: 13 parts of 5 rows
+    url = f"{s3_proxy.bucket}/ckpt"
+    full = torch.arange(64 * 4, dtype=torch.float32).reshape(64, 4)
+    anyshard.save(url, {"w": full})
+    dest = torch.full((64, 8), -1.0)  # stored rows land in columns 2..6: 64 strided rows
+    piece = Piece(0, (64, 8), ((0, 64), (2, 6)), ((0, 64), (0, 4)))
+    manifest = read_manifest(url)
+    before = len(s3_proxy.ranges)
+    fill_regions(url, manifest, [Fill("w", dest, (piece,))])
+    assert (
+        torch.equal(dest[:, 2:6], full) and (dest[:, :2] == -1).all() and (dest[:, 6:] == -1).all()
+    )
+    data_gets = [r for r in s3_proxy.ranges[before:] if not r.startswith("bytes=0-")]
+    assert len(data_gets) == 1  # headers are read from byte 0; the rows in one streamed GET
+
+
 def test_a_server_that_ignores_ranges_is_an_error_not_wrong_bytes(s3_proxy):
     url = f"{s3_proxy.bucket}/blob"
     storage.write_bytes_atomic(url, bytes(range(256)) * 64)
