@@ -44,6 +44,7 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 
 import torch
+from markdown_section import replace_section
 
 MiB = 1 << 20
 ROW = 2048  # fp32 elements per row: 8 KiB rows, 4 KiB half rows
@@ -362,14 +363,7 @@ def write_docs(path: str, command: str, table: str, notes: list[str]) -> None:
         table,
         DOCS_END,
     ]
-    text = "\n".join(section)
-    old = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
-    if DOCS_BEGIN in old and DOCS_END in old:
-        new = old[: old.index(DOCS_BEGIN)] + text + old[old.index(DOCS_END) + len(DOCS_END) :]
-    else:
-        new = old.rstrip("\n") + "\n\n" + text + "\n"
-    with open(path, "w") as f:
-        f.write(new)
+    replace_section(path, section[0], section[-1], section[1:-1])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -61,6 +61,8 @@ import zlib
 from datetime import datetime, timezone
 from functools import partial
 
+from markdown_section import replace_section
+
 MiB = 1 << 20
 GiB = 1 << 30
 WORLD = 4
@@ -922,15 +924,7 @@ def write_docs(
         *[f"- {_verdict(ok)} {name}: {detail}" for name, ok, detail in checks],
         DOCS_END,
     ]
-    text = "\n".join(section)
-    old = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
-    if DOCS_BEGIN in old and DOCS_END in old:
-        new = old[: old.index(DOCS_BEGIN)] + text + old[old.index(DOCS_END) + len(DOCS_END) :]
-    else:
-        new = old.rstrip("\n") + "\n\n" + text + "\n"
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        f.write(new)
+    replace_section(path, section[0], section[-1], section[1:-1])
 
 
 # --------------------------------------------------------------------------- main

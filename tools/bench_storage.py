@@ -66,6 +66,7 @@ import uuid
 from datetime import datetime, timezone
 
 import torch
+from markdown_section import replace_section
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -751,17 +752,7 @@ def _verdict(ok: bool | None) -> str:
 
 
 def write_docs(path: str, section_lines: list[str]) -> None:
-    text = "\n".join([DOCS_BEGIN, *section_lines, DOCS_END])
-    old = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
-    if DOCS_BEGIN in old and DOCS_END in old:
-        new = old[: old.index(DOCS_BEGIN)] + text + old[old.index(DOCS_END) + len(DOCS_END) :]
-    elif DOCS_HEADING in old:
-        at = old.index(DOCS_HEADING) + len(DOCS_HEADING)
-        new = old[:at] + "\n\n" + text + "\n" + old[at:].lstrip("\n")
-    else:
-        new = old.rstrip("\n") + "\n\n\n" + DOCS_HEADING + "\n\n" + text + "\n"
-    with open(path, "w") as f:
-        f.write(new)
+    replace_section(path, DOCS_BEGIN, DOCS_END, section_lines, heading=DOCS_HEADING)
 
 
 # --------------------------------------------------------------------------- main
