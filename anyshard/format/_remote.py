@@ -12,6 +12,7 @@ a little on their own (botocore: ``AWS_MAX_ATTEMPTS``); this layer is the one wi
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 import random
@@ -80,8 +81,6 @@ def _http(e: BaseException) -> tuple[int | None, str | None]:
 
 @cache
 def _transient_types() -> tuple[type[BaseException], ...]:
-    import asyncio
-
     types: list[type[BaseException]] = [ConnectionError, TimeoutError, asyncio.TimeoutError]
     try:
         from botocore import exceptions, parsers
@@ -373,8 +372,6 @@ class _Stream:
         self.done = 0
 
     async def run(self, fs, bucket: str, key: str, kwargs: dict, stall: float) -> None:
-        import asyncio
-
         pos = self.start + self.done
         resp = await asyncio.wait_for(
             fs._call_s3(
@@ -407,8 +404,6 @@ class _Stream:
             await _close(body)
 
     async def _into(self, body, buf: memoryview, stall: float) -> int:
-        import asyncio
-
         n = await asyncio.wait_for(body.readinto(buf), stall)
         if n == 0:
             end = self.start + self.done
@@ -444,8 +439,6 @@ def _stream(fs, path: str, url: str, blocks: list[tuple[int, int, list[Span]]]) 
     retry every unfinished GET goes on from the byte it reached. An attempt is cut off when a
     GET makes no progress for the attempt's timeout, and the deadline counts from the last
     attempt that moved bytes."""
-    import asyncio
-
     from fsspec.asyn import sync
 
     bucket, key, version = fs.split_path(path)
