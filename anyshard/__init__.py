@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 from anyshard import errors, ucl
-from anyshard._async import SaveHandle
-from anyshard._load import load
-from anyshard._open import CheckpointView, TensorMetadata, TensorSlice
-from anyshard._open import open_checkpoint as open
-from anyshard._save import save
+from anyshard import loaders as _loaders  # noqa: F401  (registers the formats anyshard.open detects)
+from anyshard._version import __version__
+from anyshard.api.async_save import SaveHandle
+from anyshard.api.load import load
+from anyshard.api.open import open_checkpoint as open
+from anyshard.api.save import save
+from anyshard.api.views import CheckpointView, TensorMetadata, TensorSlice
 from anyshard.errors import AnyshardError
 
 __all__ = [

@@ -63,8 +63,7 @@ def _layout_arg(text: str | None) -> dict[str, int]:
 def _load_spec_arg(name: str):
     from pathlib import Path
 
-    from anyshard._spec import SPEC_DIR, shipped_specs
-    from anyshard.ucl import parse
+    from anyshard.ucl.library import SPEC_DIR, parse, shipped_specs
 
     p = Path(name)
     if p.is_file():
@@ -410,7 +409,7 @@ def _diff(args) -> int:
 
 
 def _verify(args) -> int:
-    from anyshard.format.verify import verify_checkpoint
+    from anyshard.reshard.verify import verify_checkpoint
 
     try:
         report = verify_checkpoint(args.path)

@@ -285,7 +285,7 @@ def micro_floors(state: dict, rounds: int = 3) -> dict:
 
 def _staging_reset() -> None:
     """Forget anyshard's staging buffers, so that the next async save is a first one."""
-    from anyshard import _async
+    from anyshard.api import async_save as _async
 
     _async.wait_for_previous()
     _async._STAGING.clear()

@@ -32,12 +32,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from torch.distributed.tensor import Replicate, Shard  # noqa: E402
 from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
 
-from anyshard._layout import hold_mapping, stored_mapping  # noqa: E402
+from anyshard.api.tensor_layout import hold_mapping, stored_mapping  # noqa: E402
 from anyshard.format.manifest import Manifest, MeshEntry, TensorEntry  # noqa: E402
-from anyshard.reshard.boxes import box_numel  # noqa: E402
+from anyshard.geometry.boxes import box_numel  # noqa: E402
+from anyshard.geometry.runs import piece_offsets, unit_length_dim  # noqa: E402
 from anyshard.reshard.planner import StoredShardInfo, match_shards, plan_reads  # noqa: E402
-from anyshard.reshard.runs import piece_offsets, unit_length_dim  # noqa: E402
-from anyshard.ucl.compile import compile_mapping  # noqa: E402
+from anyshard.ucl.lowering import compile_mapping  # noqa: E402
 
 ITEMSIZE = 2  # bf16
 
@@ -251,7 +251,7 @@ def dcp_metadata(
         TensorStorageMetadata,
     )
 
-    from anyshard.ucl.compile import enumerate_shards
+    from anyshard.ucl.lowering import enumerate_shards
 
     md, storage = {}, {}
     for t in model:

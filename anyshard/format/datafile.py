@@ -17,16 +17,18 @@ from dataclasses import dataclass
 import crc32c
 import torch
 
-from anyshard._pool import io_pool
 from anyshard.errors import CorruptCheckpointError, FormatVersionError
 from anyshard.format import storage
+from anyshard.format.dtypes import DTYPE_TO_ST, ST_TO_DTYPE
+from anyshard.format.manifest import Manifest
+from anyshard.format.pool import io_pool
 
 __all__ = [
     "DATAFILE_VERSION",
-    "DTYPE_TO_ST",
-    "ST_TO_DTYPE",
     "DataFileHeader",
     "ShardEntry",
+    "data_path",
+    "read_headers",
     "read_header",
     "tensor_bytes",
     "write_datafile",
@@ -35,26 +37,6 @@ __all__ = [
 DATAFILE_VERSION = 1
 _FIRST_READ = 64 * 1024
 _MAX_HEADER = 100 * 1024 * 1024
-
-DTYPE_TO_ST: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.uint16: "U16",
-    torch.uint32: "U32",
-    torch.uint64: "U64",
-    torch.complex64: "C64",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-}
-ST_TO_DTYPE = {v: k for k, v in DTYPE_TO_ST.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,3 +177,28 @@ def _shard_entries(path: str, header: dict, meta: dict, base: int) -> dict[str, 
             dtype=dtype, shape=shape, start=base + begin, stop=base + end, crc32c=crc
         )
     return shards
+
+
+def data_path(path: str, manifest: Manifest, rank: int) -> str:
+    """The data file of ``rank`` in the checkpoint at ``path``."""
+    return storage.join(path, *manifest.files[rank].split("/"))
+
+
+def read_headers(
+    path: str, manifest: Manifest, ranks, *, threads: int = 16
+) -> dict[int, DataFileHeader]:
+    """Headers of the data files of ``ranks``, read in parallel."""
+    ranks = sorted(set(ranks))
+    for r in ranks:
+        if r not in manifest.files:
+            raise CorruptCheckpointError(
+                f"{path}: the manifest names no data file for rank {r}, whose shards are needed"
+            )
+    if len(ranks) <= 1:
+        return {r: read_header(data_path(path, manifest, r)) for r in ranks}
+    pool = io_pool(threads)
+    return dict(
+        zip(
+            ranks, pool.map(lambda r: read_header(data_path(path, manifest, r)), ranks), strict=True
+        )
+    )

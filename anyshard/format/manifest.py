@@ -15,8 +15,17 @@ from typing import Any
 
 import numpy as np
 
-from anyshard.errors import CorruptCheckpointError, FormatVersionError
+from anyshard.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FormatVersionError,
+    StorageError,
+    UCLError,
+)
+from anyshard.format import storage
+from anyshard.format.dtypes import ST_TO_DTYPE
 from anyshard.ucl.mapping import Mapping, parse_mapping
+from anyshard.ucl.ranks import RankTensors, compile_every_rank, written_parts
 
 __all__ = [
     "FORMAT_NAME",
@@ -26,6 +35,7 @@ __all__ = [
     "MeshEntry",
     "SpecEntry",
     "TensorEntry",
+    "read_manifest",
 ]
 
 FORMAT_NAME = "anyshard-checkpoint"
@@ -69,6 +79,22 @@ class MeshEntry:
         if all(entry.rank_at_index(i) == r for i, r in enumerate(ranks)):
             return entry
         return cls(dims=dims, sizes=sizes, ranks=tuple(ranks))
+
+    @classmethod
+    def row_major(cls, sizes: MappingType[str, int]) -> MeshEntry:
+        """Ranks in row-major order of the dims of ``sizes`` (the last varies fastest), as a
+        UCL spec's mesh numbers them."""
+        strides = []
+        step = 1
+        for n in reversed(list(sizes.values())):
+            strides.append(step if n > 1 else 0)
+            step *= n
+        return cls(
+            dims=tuple(sizes),
+            sizes=tuple(sizes.values()),
+            offset=0,
+            strides=tuple(reversed(strides)),
+        )
 
     @property
     def axis_sizes(self) -> dict[str, int]:
@@ -228,18 +254,21 @@ class Manifest:
             out["spec"] = self.spec.to_json()
         return out
 
+    def spec_ranks(self) -> tuple[RankTensors, ...]:
+        """The spec compiled for every coordinate of its mesh (cached by text and layout)."""
+        if self.spec is None:
+            raise ValueError("the manifest has no spec")
+        return compile_every_rank(self.spec.text, tuple(sorted(self.spec.layout.items())))
+
     def shards_per_rank(self) -> np.ndarray:
         """How many stored shards each rank's data file must hold, in O(tensors + ranks x
         distinct writer patterns): tensors are grouped by mesh and by the coordinates their
         mapping pins (``on()``, or 0 for mesh dims it leaves out)."""
+        counts = np.zeros(self.world_size, dtype=np.int64)
         if self.spec is not None:
-            from anyshard.format.stored import spec_index
-
-            counts = np.zeros(self.world_size, dtype=np.int64)
-            for rank, names in spec_index(self).written.items():
-                counts[rank] += len(names)
-        else:
-            counts = np.zeros(self.world_size, dtype=np.int64)
+            mesh = self.meshes[self.spec.mesh]
+            for r in self.spec_ranks():
+                counts[mesh.rank(r.coords)] += sum(t.written for t in r.tensors.values())
         groups: dict[tuple[int, tuple], int] = {}
         for t in self.tensors.values():
             if t.mapping is None:
@@ -310,18 +339,14 @@ class Manifest:
 
 def _check_tensors(manifest: Manifest, where: str) -> None:
     """Each tensor entry names a known dtype, an existing mesh, and a mapping over that mesh."""
-    from anyshard.format.datafile import ST_TO_DTYPE
-
+    spec_stored: dict = {}  # logical name -> the spec's written parts holding it
     if manifest.spec is not None:
-        from anyshard.errors import UCLError
-        from anyshard.format.stored import spec_index
-
         if not 0 <= manifest.spec.mesh < len(manifest.meshes):
             raise CorruptCheckpointError(
                 f"{where}: the spec's mesh {manifest.spec.mesh} does not exist"
             )
         try:
-            spec_index(manifest)
+            spec_stored = written_parts(manifest.spec_ranks())
         except (UCLError, ValueError) as e:
             raise CorruptCheckpointError(
                 f"{where}: the manifest's spec does not compile for its layout ({e})"
@@ -330,7 +355,7 @@ def _check_tensors(manifest: Manifest, where: str) -> None:
         if t.mapping is None:
             if manifest.spec is None:
                 why = "it has no mapping and the manifest has no spec"
-            elif fqn not in spec_index(manifest).sources:
+            elif fqn not in spec_stored:
                 why = "the spec stores no shard of it"
             elif t.dtype not in ST_TO_DTYPE:
                 why = f"dtype {t.dtype!r} is not one of {', '.join(sorted(ST_TO_DTYPE))}"
@@ -357,3 +382,23 @@ def _check_tensors(manifest: Manifest, where: str) -> None:
             f"{where}: the entry of tensor {fqn!r} is malformed: {why}; the manifest is corrupt "
             "or was written by an incompatible tool"
         )
+
+
+def read_manifest(path: str) -> Manifest:
+    """The manifest of the committed checkpoint at ``path``, checked; clear errors when there is
+    no checkpoint, or only an uncommitted one."""
+    where = storage.join(path, MANIFEST_NAME)
+    try:
+        data = storage.read_bytes(where)
+    except FileNotFoundError:
+        if not storage.exists(path):
+            raise CheckpointNotFoundError(f"{path}: no such checkpoint directory") from None
+        raise CheckpointNotFoundError(
+            f"{path}: not a committed checkpoint (no {MANIFEST_NAME}); an interrupted save? "
+            "Load an earlier step, or remove the directory with `anyshard gc`"
+        ) from None
+    except IsADirectoryError:
+        raise CheckpointNotFoundError(f"{where} is a directory, not a manifest") from None
+    except StorageError:
+        raise
+    return Manifest.loads(data, where)

@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 _STEP_RE = re.compile(r"^step-(\d{9,})$")
-# The one subdirectory a checkpoint has (anyshard._save writes ``data/rank-NNNNN.safetensors``);
+# The one subdirectory a checkpoint has (anyshard.api.save writes ``data/rank-NNNNN.safetensors``);
 # object stores have no directory entries, so the layout, not a stat, says what to descend into.
 _SUBDIRS = ("data",)
 

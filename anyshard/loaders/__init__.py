@@ -6,6 +6,8 @@ gives, writers that stream any view into another format or layout, and `convert`
 
 from __future__ import annotations
 
+from anyshard.api.open import Format, register_format
+from anyshard.loaders import dcp, deepspeed, hf, megatron_dist, torchsave, zarr_store
 from anyshard.loaders.convert import DiffReport, TensorDiff, convert, diff
 from anyshard.loaders.dcp import DCPCheckpointView
 from anyshard.loaders.deepspeed import DeepSpeedUniversalView, DeepSpeedZeroView
@@ -48,3 +50,31 @@ __all__ = [
     "write_hf",
     "write_zarr",
 ]
+
+# What `anyshard.open` tries, in order. Told by the path alone, before anyshard's manifest:
+# a .safetensors file or index, a torch.save file. Then, where there is no manifest:
+# DeepSpeed's and Megatron's markers first (``latest`` naming a step folder of DeepSpeed's
+# files, ``metadata.json``), as such a directory may hold other files too; a root holding both
+# kinds (converted in place) opens as its ZeRO files, the training state; Megatron's torch_dist
+# is a DCP directory too, so it comes before DCP.
+for _format in (
+    Format("huggingface-file", hf.looks_like_file, hf.HFCheckpointView, by_name=True),
+    Format("torch-save-file", torchsave.looks_like_file, torchsave.TorchSaveView, by_name=True),
+    Format("deepspeed-zero", deepspeed.looks_like_deepspeed_zero, deepspeed.DeepSpeedZeroView),
+    Format(
+        "deepspeed-universal",
+        deepspeed.looks_like_deepspeed_universal,
+        deepspeed.DeepSpeedUniversalView,
+    ),
+    Format(
+        "megatron-torch-dist",
+        megatron_dist.looks_like_megatron_dist,
+        megatron_dist.MegatronDistView,
+    ),
+    Format("huggingface", hf.looks_like_hf, hf.HFCheckpointView),
+    Format("dcp", dcp.looks_like_dcp, dcp.DCPCheckpointView),
+    Format("zarr", zarr_store.looks_like_zarr, zarr_store.ZarrView),
+    Format("torch-save", torchsave.looks_like_torch_save, torchsave.TorchSaveView),
+):
+    register_format(_format)
+del _format

@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from anyshard.api.open import open_checkpoint
 from anyshard.errors import AnyshardError
-from anyshard.format.datafile import ST_TO_DTYPE
+from anyshard.format.dtypes import ST_TO_DTYPE
+from anyshard.geometry.boxes import full_box
 from anyshard.loaders.export import ExportReport, Progress, write_anyshard, write_hf
-from anyshard.reshard.boxes import full_box
 
 __all__ = ["DiffReport", "TensorDiff", "convert", "diff", "format_of"]
 
@@ -64,11 +65,9 @@ def convert(
     >>> convert(d + "/hf", d + "/back", dtype="bf16").format
     'anyshard'
     """
-    import anyshard
-
     if to is not None and to not in TARGETS:
         raise AnyshardError(f"cannot convert to {to!r}; the targets are {', '.join(TARGETS)}")
-    with anyshard.open(src) as view:
+    with open_checkpoint(src) as view:
         target = to or ("hf" if format_of(view) == "anyshard" else "anyshard")
         if target != "anyshard" and (spec is not None or layout):
             raise AnyshardError(
@@ -158,9 +157,7 @@ def diff(a: str, b: str, *, atol: float = 0.0) -> DiffReport:
     >>> r.equal, r.tensors[0].max_abs, diff(d + "/a", d + "/b", atol=0.5).equal
     (False, 0.5, True)
     """
-    import anyshard
-
-    with anyshard.open(a) as va, anyshard.open(b) as vb:
+    with open_checkpoint(a) as va, open_checkpoint(b) as vb:
         names_a, names_b = va.keys(), vb.keys()
         in_b = set(names_b)
         report = DiffReport(

@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
-from anyshard._open import StoredShard, TensorSlice
+from anyshard.api.views import StoredShard, TensorSlice
 from anyshard.errors import CheckpointNotFoundError, CorruptCheckpointError
 from anyshard.format import storage
-from anyshard.format.datafile import DTYPE_TO_ST
-from anyshard.reshard.boxes import Box, box_runs, box_shape, full_box, intersect
+from anyshard.format.dtypes import DTYPE_TO_ST
+from anyshard.geometry.boxes import Box, box_runs, box_shape, full_box, intersect
 
 __all__ = ["DCPCheckpointView", "DCPTensorMetadata", "looks_like_dcp"]
 

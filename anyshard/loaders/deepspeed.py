@@ -41,12 +41,12 @@ from typing import Any
 
 import torch
 
-from anyshard._open import StoredShard, TensorSlice
+from anyshard.api.views import StoredShard, TensorSlice
 from anyshard.errors import CheckpointNotFoundError, CorruptCheckpointError, LayoutError
 from anyshard.format import storage
+from anyshard.geometry.boxes import Box, box_shape, full_box
 from anyshard.loaders.dcp import DCPTensorMetadata, checked_region
 from anyshard.loaders.megatron import MegatronCheckpointView, _rank_grid, _Tensor
-from anyshard.reshard.boxes import Box, box_shape, full_box
 
 __all__ = [
     "DeepSpeedUniversalView",

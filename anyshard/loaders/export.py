@@ -32,9 +32,21 @@ import torch
 from anyshard.errors import AnyshardError, SaveError, StateDictMismatchError
 from anyshard.format import storage
 from anyshard.format.checksum import crc32c
-from anyshard.format.datafile import DATAFILE_VERSION, DTYPE_TO_ST, ST_TO_DTYPE, tensor_bytes
-from anyshard.format.manifest import MANIFEST_NAME
-from anyshard.reshard.boxes import Piece, box_shape, full_box
+from anyshard.format.commit import (
+    ReportedSpec,
+    ReportedTensor,
+    SaveReport,
+    build_manifest,
+    commit_manifest,
+    data_file_name,
+    refuse_committed,
+)
+from anyshard.format.datafile import DATAFILE_VERSION, tensor_bytes
+from anyshard.format.dtypes import DTYPE_TO_ST, ST_TO_DTYPE
+from anyshard.format.manifest import MeshEntry
+from anyshard.geometry.boxes import Piece, box_shape, full_box
+from anyshard.ucl.evaluate import compile, coords_of_rank, layout_for
+from anyshard.ucl.library import load_spec
 
 __all__ = [
     "ExportReport",
@@ -80,7 +92,7 @@ _ST_ORDER = {
         "BOOL U8 I8 F8_E5M2 F8_E4M3 I16 U16 F16 BF16 I32 U32 F32 C64 F64 I64 U64".split()
     )
 }
-_PLAIN_MESH = {"dims": ["world"], "sizes": [1], "offset": 0, "strides": [1]}
+_PLAIN_MESH = MeshEntry(dims=("world",), sizes=(1,), offset=0, strides=(1,))
 
 
 @dataclass(frozen=True, slots=True)
@@ -364,45 +376,39 @@ class _LocalWrite:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def _plain_plan(items: list[_Item], values: dict) -> tuple[list[list[_LocalWrite]], list[dict]]:
+def _plain_plan(
+    items: list[_Item], values: dict
+) -> tuple[list[list[_LocalWrite]], list[SaveReport]]:
     writes, entries = [], {}
     for it in sorted(items, key=lambda it: it.target):
         box = full_box(it.shape)
         piece = Piece(0, it.shape, box, box)
         writes.append(_LocalWrite(it.target, it.shape, it.dtype, ((it.source, (piece,)),)))
-        entries[it.target] = {
-            "dtype": DTYPE_TO_ST[it.dtype],
-            "shape": list(it.shape),
-            "mesh": _PLAIN_MESH,
-            "mapping": "on(world, 0)",
-        }
+        entries[it.target] = ReportedTensor(
+            dtype=DTYPE_TO_ST[it.dtype], shape=it.shape, mesh=_PLAIN_MESH, mapping="on(world, 0)"
+        )
     return [writes], [_report(0, writes, entries, values, None)]
 
 
-def _report(rank: int, writes: list, entries: dict, values: dict, spec: dict | None) -> dict:
-    from anyshard._save import _file_name
-
-    return {
-        "error": None,
-        "file": _file_name(rank) if writes else None,
-        "count": len(writes),
-        "entries": entries,
-        "values": values,
-        "spec": spec,
-    }
+def _report(
+    rank: int, writes: list, entries: dict, values: dict, spec: ReportedSpec | None
+) -> SaveReport:
+    return SaveReport(
+        file=data_file_name(rank) if writes else None,
+        count=len(writes),
+        tensors=entries,
+        values=values,
+        spec=spec,
+    )
 
 
 def _spec_plan(
     items: list[_Item], spec, layout: Mapping[str, int], values: dict
-) -> tuple[list[list[_LocalWrite]], list[dict]]:
+) -> tuple[list[list[_LocalWrite]], list[SaveReport]]:
     """Every rank's writes and report under ``spec``; all mismatches with the view at once."""
-    from anyshard._spec import layout_json, spec_mesh
-    from anyshard.ucl import compile, layout_for, load_spec
-    from anyshard.ucl.evaluate import coords_of_rank
-
     parsed = load_spec(spec)
     lay = layout_for(parsed, layout)
-    mesh = spec_mesh(lay).to_json()
+    recorded = ReportedSpec.of(parsed, lay)
     by_name = {it.target: it for it in items}
     problems: set[str] = set()
     saved: set[str] = set()
@@ -421,21 +427,17 @@ def _spec_plan(
             for part in t.parts:
                 if part.primary:
                     saved.add(part.logical)
-                    entries[part.logical] = {
-                        "dtype": DTYPE_TO_ST[w.dtype],
-                        "shape": list(part.logical_shape),
-                        "mesh": mesh,
-                        "mapping": None,
-                    }
-        spec_json = None
-        if rank == 0:
-            spec_json = {
-                "text": parsed.text or str(parsed),
-                "layout": layout_json(parsed, lay),
-                "mesh": mesh,
-            }
+                    entries[part.logical] = ReportedTensor(
+                        dtype=DTYPE_TO_ST[w.dtype],
+                        shape=part.logical_shape,
+                        mesh=recorded.mesh,
+                        mapping=None,
+                    )
         plan.append(writes)
-        reports.append(_report(rank, writes, entries, values if rank == 0 else {}, spec_json))
+        first = rank == 0
+        reports.append(
+            _report(rank, writes, entries, values if first else {}, recorded if first else None)
+        )
     unsaved = sorted(set(by_name) - saved)
     if unsaved:
         problems.add(
@@ -490,9 +492,9 @@ def _local_write(t, by_name: dict[str, _Item], problems: set[str]) -> _LocalWrit
 
 def _build_local(view, w: _LocalWrite) -> torch.Tensor:
     """One rank's stored tensor, filled from the logical regions its pieces hold (padding 0)."""
-    from anyshard._open import CheckpointView
-    from anyshard._read import Fill, fill_regions
+    from anyshard.api.views import CheckpointView
     from anyshard.reshard.executor import piece_view
+    from anyshard.reshard.fill import Fill, fill_regions
 
     covered = sum(math.prod(box_shape(p.logical_box)) for _, pieces in w.parts for p in pieces)
     # padding is zero; a tensor its pieces fill whole is not written twice
@@ -613,10 +615,7 @@ def write_anyshard(
     >>> r.files, anyshard.open(d + "/ckpt").get_tensor("w")[3].tolist()
     (('data/rank-00000.safetensors', 'data/rank-00001.safetensors'), [6.0, 7.0])
     """
-    from anyshard._save import _merge
-
-    if storage.exists(storage.join(dst, MANIFEST_NAME)):
-        raise SaveError(f"{dst} already holds a committed checkpoint; write to a new path")
+    refuse_committed(dst)
     items = _items(view, only, rename, dtype)
     values = {k: view.get_value(k) for k in view.value_keys()}
     if spec is None:
@@ -625,7 +624,9 @@ def write_anyshard(
         plan, reports = _plain_plan(items, values)
     else:
         plan, reports = _spec_plan(items, spec, layout or {}, values)
-    manifest = _merge(reports, dst)  # checks, before any write, that every element is kept once
+    manifest = build_manifest(
+        reports, dst
+    )  # checks, before any write, that every element is kept once
     total_n = sum(len(ws) for ws in plan)
     total_b = sum(w.nbytes for ws in plan for w in ws)
     done = [0, 0]
@@ -640,17 +641,9 @@ def write_anyshard(
     for rank, writes in enumerate(plan):
         if not writes:
             continue
-        rel = reports[rank]["file"]
+        rel = reports[rank].file
         storage.makedirs(storage.join(dst, *rel.split("/")[:-1]))
         _write_datafile(storage.join(dst, *rel.split("/")), view, writes, on_tensor)
         files.append(rel)
-    storage.makedirs(dst)
-    try:
-        storage.write_bytes_atomic(
-            storage.join(dst, MANIFEST_NAME), manifest.dumps(), exclusive=True
-        )
-    except FileExistsError:
-        raise SaveError(
-            f"{dst} already holds a committed checkpoint; write to a new path"
-        ) from None
+    commit_manifest(dst, manifest)
     return ExportReport(dst, "anyshard", tuple(files), len(items), total_b)

@@ -24,11 +24,12 @@ from typing import Any
 
 import torch
 
-from anyshard._open import StoredShard, TensorSlice
+from anyshard.api.views import StoredShard, TensorSlice
 from anyshard.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from anyshard.format import storage
-from anyshard.format.datafile import ST_TO_DTYPE, tensor_bytes
-from anyshard.reshard.boxes import Box, box_runs, box_shape, full_box
+from anyshard.format.datafile import tensor_bytes
+from anyshard.format.dtypes import ST_TO_DTYPE
+from anyshard.geometry.boxes import Box, box_runs, box_shape, full_box
 
 __all__ = [
     "FORMAT",

@@ -24,13 +24,17 @@ from typing import Any
 
 import torch
 
-from anyshard._open import StoredShard, TensorSlice
+from anyshard.api.views import StoredShard, TensorSlice
 from anyshard.errors import AnyshardError, CorruptCheckpointError
 from anyshard.format import storage
-from anyshard.format.datafile import DTYPE_TO_ST
+from anyshard.format.dtypes import DTYPE_TO_ST
+from anyshard.format.manifest import MeshEntry
+from anyshard.geometry.boxes import Box, box_numel, box_shape, full_box
 from anyshard.loaders.dcp import checked_region
-from anyshard.reshard.boxes import Box, box_numel, box_shape, full_box
 from anyshard.reshard.executor import piece_view
+from anyshard.reshard.stored import index_spec
+from anyshard.ucl.evaluate import coords_of_rank, layout_for
+from anyshard.ucl.library import load_spec
 
 __all__ = ["MegatronCheckpointView", "megatron_file_name"]
 
@@ -93,15 +97,13 @@ class MegatronCheckpointView:
     def _setup(self, spec: Any, layout: dict[str, int], file_of) -> None:
         """Compile ``spec`` under ``layout`` for every rank; ``file_of(coords)`` names the file
         of the rank at those coordinates (relative to ``self.path``)."""
-        from anyshard._spec import resolve_spec, spec_mesh
-        from anyshard.format.stored import _index
-        from anyshard.ucl.evaluate import coords_of_rank, layout_for
-
-        self.spec = resolve_spec(spec)
+        self.spec = load_spec(spec)
         lay = layout_for(self.spec, layout)
         self.layout = layout
-        self._index = _index(
-            self.spec.text or str(self.spec), tuple(sorted(layout.items())), spec_mesh(lay)
+        self._index = index_spec(
+            self.spec.text or str(self.spec),
+            tuple(sorted(layout.items())),
+            MeshEntry.row_major(lay.sizes),
         )
         self._files = {r: file_of(coords_of_rank(lay.sizes, r)) for r in range(lay.world_size)}
         self._lock = threading.Lock()

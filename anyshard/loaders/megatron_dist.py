@@ -40,10 +40,11 @@ from typing import Any
 
 import torch
 
-from anyshard._open import StoredShard
-from anyshard._state import is_json_value, json_roundtrip
+from anyshard.api.state import is_json_value, json_roundtrip
+from anyshard.api.views import StoredShard
 from anyshard.errors import AnyshardError, CheckpointNotFoundError, CorruptCheckpointError
 from anyshard.format import storage
+from anyshard.geometry.boxes import Box, box_numel, box_shape, full_box, intersect
 from anyshard.loaders.dcp import (
     METADATA,
     DCPCheckpointView,
@@ -54,7 +55,6 @@ from anyshard.loaders.dcp import (
 )
 from anyshard.loaders.megatron import MegatronCheckpointView
 from anyshard.loaders.torchsave import LoadedFile, load_weights_only
-from anyshard.reshard.boxes import Box, box_numel, box_shape, full_box, intersect
 
 __all__ = ["FORMAT", "MegatronDistView", "looks_like_megatron_dist"]
 

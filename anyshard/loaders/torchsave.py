@@ -32,14 +32,14 @@ from typing import Any
 
 import torch
 
-from anyshard._open import TensorSlice
-from anyshard._state import _has_tensor, is_json_value, json_roundtrip
+from anyshard.api.state import _has_tensor, is_json_value, json_roundtrip
+from anyshard.api.views import TensorSlice
 from anyshard.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from anyshard.format import storage
-from anyshard.format.datafile import DTYPE_TO_ST
+from anyshard.format.dtypes import DTYPE_TO_ST
+from anyshard.geometry.boxes import Box, box_shape, full_box
 from anyshard.loaders.dcp import checked_region
 from anyshard.loaders.hf import HFTensorMetadata, _check_file_name, _split
-from anyshard.reshard.boxes import Box, box_shape, full_box
 
 __all__ = [
     "FORMAT",

@@ -32,13 +32,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from anyshard._open import StoredShard, TensorSlice
+from anyshard.api.views import StoredShard, TensorSlice
 from anyshard.errors import AnyshardError, CheckpointNotFoundError, CorruptCheckpointError
 from anyshard.format import storage
-from anyshard.format.datafile import DTYPE_TO_ST
+from anyshard.format.dtypes import DTYPE_TO_ST
+from anyshard.geometry.boxes import Box, box_shape, full_box
 from anyshard.loaders.dcp import checked_region
 from anyshard.loaders.export import ExportReport, Progress, _Item, _items, parse_size, select_names
-from anyshard.reshard.boxes import Box, box_shape, full_box
 
 __all__ = ["ZarrView", "looks_like_zarr", "write_zarr"]
 
@@ -404,6 +404,6 @@ class _SliceEntry:
 
 
 def _st_dtype(code: object) -> torch.dtype | None:
-    from anyshard.format.datafile import ST_TO_DTYPE
+    from anyshard.format.dtypes import ST_TO_DTYPE
 
     return ST_TO_DTYPE.get(code) if isinstance(code, str) else None

@@ -10,12 +10,12 @@ from collections.abc import Sequence
 
 import torch
 
-from anyshard._pool import io_pool
 from anyshard.errors import ChecksumError, CorruptCheckpointError, StorageError
 from anyshard.format import storage
 from anyshard.format.checksum import crc32c, crc32c_combine
 from anyshard.format.datafile import tensor_bytes
-from anyshard.reshard.boxes import Piece, box_shape
+from anyshard.format.pool import io_pool
+from anyshard.geometry.boxes import Piece, box_shape
 from anyshard.reshard.planner import GAP, TARGET, ReadPlan, Request
 
 __all__ = ["execute_plan", "piece_view"]

@@ -14,9 +14,10 @@ from typing import NamedTuple
 import numpy as np
 
 from anyshard.errors import CorruptCheckpointError
-from anyshard.reshard.boxes import Box, Piece, box_numel, box_shape, intersect
-from anyshard.reshard.runs import contiguous_from, piece_offsets, unit_length_dim
-from anyshard.ucl.compile import Shard, enumerate_shards
+from anyshard.geometry.boxes import Box, Piece, box_numel, box_shape, intersect
+from anyshard.geometry.runs import contiguous_from, piece_offsets, unit_length_dim
+from anyshard.geometry.shards import Shard
+from anyshard.ucl.lowering import enumerate_shards
 from anyshard.ucl.mapping import Mapping
 
 __all__ = [

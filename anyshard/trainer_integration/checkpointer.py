@@ -20,13 +20,13 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-import anyshard
-from anyshard import _async
-from anyshard import _collectives as coll
+from anyshard.api import async_save
+from anyshard.api import collectives as coll
+from anyshard.api.load import load
+from anyshard.api.save import save
 from anyshard.errors import AnyshardError
 from anyshard.format import steps, storage
-from anyshard.format.checkpoint import read_manifest
-from anyshard.format.manifest import MANIFEST_NAME
+from anyshard.format.manifest import MANIFEST_NAME, read_manifest
 
 __all__ = ["Checkpointer"]
 
@@ -164,22 +164,22 @@ class Checkpointer:
             return True
         self._clear_stale(path)
         if self.async_:
-            handle = anyshard.save(path, state, process_group=self.process_group, async_=True)
+            handle = save(path, state, process_group=self.process_group, async_=True)
             self._pending.append(handle)
         else:
-            anyshard.save(path, state, process_group=self.process_group)
+            save(path, state, process_group=self.process_group)
         if coll.rank(self.process_group) == 0:
-            self._pending.append(_async.submit(self._apply_retention))
+            self._pending.append(async_save.submit(self._apply_retention))
         return True
 
     def _save_tiered(self, step: int, state: dict[str, Any]) -> None:
         local, remote = self.local_path(step), self.step_path(step)
         self._clear_stale(local)
-        group = _async.background_group(self.process_group)  # collective: on this thread
-        handle = anyshard.save(local, state, process_group=self.process_group, async_=self.async_)
+        group = async_save.background_group(self.process_group)  # collective: on this thread
+        handle = save(local, state, process_group=self.process_group, async_=self.async_)
         if handle is not None:
             self._pending.append(handle)
-        self._pending.append(_async.submit(lambda: self._upload(step, local, remote, group)))
+        self._pending.append(async_save.submit(lambda: self._upload(step, local, remote, group)))
 
     def _upload(self, step: int, local: str, remote: str, group) -> None:
         """Background: every rank uploads its own data file, then rank 0 the manifest."""
@@ -348,7 +348,7 @@ class Checkpointer:
         state = _state_dicts(app_state)
         path = self.local_path(step) if local else self.step_path(step)
         self.restored_from = path
-        anyshard.load(path, state, process_group=self.process_group, strict=strict)
+        load(path, state, process_group=self.process_group, strict=strict)
         for name, obj in app_state.items():
             if _is_stateful(obj):
                 obj.load_state_dict(state[name])

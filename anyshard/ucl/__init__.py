@@ -20,8 +20,9 @@ from __future__ import annotations
 
 from anyshard.errors import UCLError, UCLSemanticError, UCLSyntaxError
 from anyshard.ucl.evaluate import Layout, LocalPart, LocalTensor, compile, layout_for
+from anyshard.ucl.library import load_spec, parse, shipped_specs
 from anyshard.ucl.mapping import Mapping, parse_mapping
-from anyshard.ucl.spec import Spec, parse
+from anyshard.ucl.syntax import Spec
 
 __all__ = [
     "Layout",
@@ -42,22 +43,8 @@ __all__ = [
 ]
 
 
-def load_spec(spec) -> Spec:
-    """A `Spec` from its text, a ``.ucl`` path, or the name of a shipped spec."""
-    from anyshard._spec import resolve_spec
-
-    return resolve_spec(spec)
-
-
-def shipped_specs() -> list[str]:
-    """Names of the specs shipped in ``anyshard/ucl/specs``."""
-    from anyshard._spec import shipped_specs as names
-
-    return names()
-
-
 def save_local_states(path: str, states, *, spec, layout) -> None:
-    """Write a checkpoint for a whole layout from one process (see `anyshard._save`)."""
-    from anyshard._save import save_local_states as impl
+    """Write a checkpoint for a whole layout from one process (see `anyshard.api.save`)."""
+    from anyshard.api.save import save_local_states as impl
 
     impl(path, states, spec=spec, layout=layout)

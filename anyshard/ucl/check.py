@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from anyshard.errors import UCLSemanticError
-from anyshard.ucl.spec import (
+from anyshard.ucl.syntax import (
     And,
     BinOp,
     Call,

@@ -14,18 +14,19 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from anyshard.errors import LayoutError, MappingError, UCLSemanticError
-from anyshard.reshard.boxes import Piece, intersect
+from anyshard.geometry.boxes import Piece, intersect
+from anyshard.geometry.shards import Shard, chunk_bounds
 from anyshard.ucl.check import DTYPES, USAGE
-from anyshard.ucl.compile import (
-    Shard,
-    _flatten,
-    _narrow_block,
-    _narrow_flat,
-    _State,
-    _translate,
-    chunk_bounds,
+from anyshard.ucl.library import load_spec
+from anyshard.ucl.lowering import (
+    ShardState,
+    flatten_pieces,
+    initial_state,
+    narrow_block,
+    narrow_flat,
+    translate_box,
 )
-from anyshard.ucl.spec import (
+from anyshard.ucl.syntax import (
     And,
     BinOp,
     Call,
@@ -54,6 +55,7 @@ __all__ = [
     "coords_of_rank",
     "layout_for",
     "all_coords",
+    "recorded_layout",
 ]
 
 
@@ -102,11 +104,7 @@ class Layout:
 
 
 def _as_spec(spec: Spec | str) -> Spec:
-    if isinstance(spec, Spec):
-        return spec
-    from anyshard._spec import resolve_spec
-
-    return resolve_spec(spec)  # text, a .ucl path, or a shipped spec's name
+    return spec if isinstance(spec, Spec) else load_spec(spec)  # text, a path, a shipped name
 
 
 class _Eval:
@@ -191,7 +189,7 @@ class _Eval:
 
     # --- mappings ---
 
-    def apply(self, st: _State, op: OpCall, env, flags: dict) -> None:
+    def apply(self, st: ShardState, op: OpCall, env, flags: dict) -> None:
         pos = [a for a in op.args if not isinstance(a, KwArg)]
         kw = {a.name: self.expr(a.value, env) for a in op.args if isinstance(a, KwArg)}
         try:
@@ -199,7 +197,7 @@ class _Eval:
         except MappingError as e:
             raise self.error(op, str(e), USAGE[op.name]) from None
 
-    def _dim(self, st: _State, op: OpCall, d: int) -> int:
+    def _dim(self, st: ShardState, op: OpCall, d: int) -> int:
         ndim = len(st.shape)
         if not 0 <= d < ndim or (st.flat and d != 0):
             raise self.error(
@@ -209,13 +207,13 @@ class _Eval:
             )
         return d
 
-    def _narrow(self, st: _State, dim: int, start: int, stop: int) -> None:
+    def _narrow(self, st: ShardState, dim: int, start: int, stop: int) -> None:
         if st.flat:
-            _narrow_flat(st, start, stop)
+            narrow_flat(st, start, stop)
         else:
-            _narrow_block(st, dim, start, stop)
+            narrow_block(st, dim, start, stop)
 
-    def _apply(self, st: _State, op: OpCall, pos, kw, env, flags: dict) -> None:
+    def _apply(self, st: ShardState, op: OpCall, pos, kw, env, flags: dict) -> None:
         name = op.name
         if name in ("replicate", "average", "on"):
             axis = pos[0].name
@@ -248,7 +246,7 @@ class _Eval:
             return
         if name == "flatten":
             if not st.flat:
-                _flatten(st)
+                flatten_pieces(st)
             return
         if name == "range":
             start, stop = (self.expr(x, env) for x in pos)
@@ -262,7 +260,7 @@ class _Eval:
                 raise self.error(
                     op, f"{op}: outside 0..{st.shape[0]}", f"0 <= start <= stop <= {st.shape[0]}"
                 )
-            _narrow_flat(st, start, stop) if st.flat else _narrow_block(st, 0, start, stop)
+            narrow_flat(st, start, stop) if st.flat else narrow_block(st, 0, start, stop)
             return
         dim = self._dim(st, op, self.expr(pos[0], env))
         extent = st.shape[dim]
@@ -325,14 +323,12 @@ class _Eval:
             return
         raise AssertionError(name)
 
-    def part_state(self, part: Part, env, flags: dict) -> tuple[str, tuple[int, ...], _State]:
+    def part_state(self, part: Part, env, flags: dict) -> tuple[str, tuple[int, ...], ShardState]:
         logical = self.name(part.name, env)
         shape = tuple(self.expr(d, env) for d in part.shape)
         if any(n < 0 for n in shape):
             raise self.error(part, f"{logical}: negative size in shape {list(shape)}", "sizes >= 0")
-        from anyshard.ucl.compile import _initial
-
-        st = _initial(shape)
+        st = initial_state(shape)
         for op in part.ops:
             self.apply(st, op, env, flags)
         return logical, shape, st
@@ -348,7 +344,7 @@ class _Eval:
             elif self.cond(it.when, env):
                 yield from self.expand(it.items, env)
 
-    def combine(self, c: Combine, env) -> list[tuple[str, tuple[int, ...], _State, dict]]:
+    def combine(self, c: Combine, env) -> list[tuple[str, tuple[int, ...], ShardState, dict]]:
         parts = []
         for part, penv in self.expand(c.items, env):
             flags = _flags()
@@ -376,7 +372,7 @@ class _Eval:
             states = self._concat(parts, dim, blocks, c)
         return [(p[0], p[1], s, p[3]) for p, s in zip(parts, states, strict=True)]
 
-    def _concat(self, parts, dim: int, blocks, c: Combine) -> list[_State]:
+    def _concat(self, parts, dim: int, blocks, c: Combine) -> list[ShardState]:
         states = [p[2] for p in parts]
         flat = {s.flat for s in states}
         if len(flat) > 1:
@@ -391,7 +387,7 @@ class _Eval:
                     Piece(p.base + offset, p.array_shape, p.array_box, p.logical_box)
                     for p in s.pieces
                 ]
-                out.append(_State((total,), pieces, True))
+                out.append(ShardState((total,), pieces, True))
                 offset += s.shape[0]
             return out
         ndims = {len(s.shape) for s in states}
@@ -445,30 +441,32 @@ class _Eval:
                     x = intersect(p.array_box, window)
                     if x is None:
                         continue
-                    logical = _translate(x, p.array_box, p.logical_box)
+                    logical = translate_box(x, p.array_box, p.logical_box)
                     box = tuple(
                         (lo + shift, hi + shift) if d == dim else (lo, hi)
                         for d, (lo, hi) in enumerate(x)
                     )
                     pieces.append(Piece(0, shape, box, logical))
-            out.append(_State(shape, pieces, False))
+            out.append(ShardState(shape, pieces, False))
             offset += b
         return out
 
-    def _bucket(self, states: list[_State], align: int, multiple: int, c: Combine) -> list[_State]:
+    def _bucket(
+        self, states: list[ShardState], align: int, multiple: int, c: Combine
+    ) -> list[ShardState]:
         if align <= 0 or multiple <= 0:
             raise self.error(c, f"bucket(): align={align}, multiple={multiple}", "positive values")
         cursor = 0
         offsets = []
         for s in states:
             if not s.flat:
-                _flatten(s)
+                flatten_pieces(s)
             start = -(-cursor // align) * align
             offsets.append(start)
             cursor = start + s.shape[0]
         total = -(-cursor // multiple) * multiple
         return [
-            _State(
+            ShardState(
                 (total,),
                 [Piece(p.base + o, p.array_shape, p.array_box, p.logical_box) for p in s.pieces],
                 True,
@@ -563,6 +561,15 @@ def layout_for(spec: Spec | str, layout: Mapping[str, int]) -> Layout:
         elif isinstance(stmt, Let):
             env[stmt.name] = ev.expr(stmt.expr, env)
     return Layout({d: env[d] for d in spec.mesh}, env)
+
+
+def recorded_layout(spec: Spec, lay: Layout) -> dict[str, int]:
+    """The layout as a checkpoint records it: every mesh dim's size and every param's value
+    (what `layout_for` needs to give ``lay`` back)."""
+    out = dict(lay.sizes)
+    for p in spec.params:
+        out[p.name] = lay.values[p.name]
+    return out
 
 
 def all_coords(sizes: Mapping[str, int]) -> Iterator[dict[str, int]]:

@@ -12,9 +12,9 @@ import string
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from anyshard.reshard.boxes import Box, box_numel, intersect
+from anyshard.geometry.boxes import Box, box_numel, intersect
 from anyshard.ucl.evaluate import Layout, LocalTensor, all_coords, compile, layout_for
-from anyshard.ucl.spec import Spec
+from anyshard.ucl.syntax import Spec
 
 __all__ = ["LayoutReport", "check_layout", "explain"]
 

@@ -14,8 +14,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 import anyshard
-import anyshard._read
-import anyshard.format.checkpoint
+import anyshard.reshard.fill
+import anyshard.format.datafile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
 import scale_sim  # noqa: E402
@@ -105,7 +105,7 @@ def load_task(ckpt: str) -> dict:
     """Load under the LOAD layout, check every value, and report what planning read and chose."""
     state, submesh = _stage_state(LOAD, lambda t: torch.zeros(t.shape, dtype=torch.bfloat16))
     plans, headers = [], []
-    plan_reads, read_header = anyshard._read.plan_reads, anyshard.format.checkpoint.read_header
+    plan_reads, read_header = anyshard.reshard.fill.plan_reads, anyshard.format.datafile.read_header
 
     def recording_plan_reads(*args, **kwargs):
         plans.append(plan_reads(*args, **kwargs))
@@ -115,13 +115,13 @@ def load_task(ckpt: str) -> dict:
         headers.append(_file_rank(path))
         return read_header(path)
 
-    anyshard._read.plan_reads = recording_plan_reads
-    anyshard.format.checkpoint.read_header = recording_read_header
+    anyshard.reshard.fill.plan_reads = recording_plan_reads
+    anyshard.format.datafile.read_header = recording_read_header
     try:
         anyshard.load(ckpt, state)
     finally:
-        anyshard._read.plan_reads = plan_reads
-        anyshard.format.checkpoint.read_header = read_header
+        anyshard.reshard.fill.plan_reads = plan_reads
+        anyshard.format.datafile.read_header = read_header
     coords = tuple(submesh.get_coordinate())
     for t in model():
         full, got = full_tensor_of(t), state[t.name]

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 import anyshard
-from anyshard.format.verify import verify_checkpoint
+from anyshard.reshard.verify import verify_checkpoint
 
 TASKS = os.path.join(os.path.dirname(__file__), "_layouts.py")
 LAYOUTS4 = ["fsdp4", "fsdp2_tp2", "ddp2_tp2", "tp4"]
@@ -58,7 +58,7 @@ def test_checkpoint_loads_in_one_process_as_plain_tensors(saved, src):
 def test_save_stores_every_logical_element_exactly_once(saved, src):
     from safetensors import safe_open
 
-    from anyshard.format.verify import verify_checkpoint
+    from anyshard.reshard.verify import verify_checkpoint
 
     ckpt, truth_dir = saved[src]
     report = verify_checkpoint(ckpt)

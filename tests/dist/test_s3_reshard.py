@@ -9,7 +9,7 @@ import torch
 from _s3_tasks import full_tensors
 
 import anyshard
-from anyshard.format.verify import verify_checkpoint
+from anyshard.reshard.verify import verify_checkpoint
 
 TASKS = os.path.join(os.path.dirname(__file__), "_s3_tasks.py")
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from anyshard.format.checkpoint import read_manifest
+from anyshard.format.manifest import read_manifest
 
 HERE = os.path.dirname(__file__)
 TASKS = os.path.join(HERE, "_scale_tasks.py")

@@ -10,7 +10,7 @@ import os
 import torch
 
 import anyshard
-from anyshard.format.verify import verify_checkpoint
+from anyshard.reshard.verify import verify_checkpoint
 
 TASKS = os.path.join(os.path.dirname(__file__), "_ucl_tasks.py")
 

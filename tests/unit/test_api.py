@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 import anyshard
-import anyshard._load
-import anyshard._open
-import anyshard._save
+import anyshard.api.load
+import anyshard.api.save
+import anyshard.api.views
 from anyshard.errors import (
     AnyshardError,
     CheckpointNotFoundError,
@@ -515,7 +515,7 @@ def test_saving_twice_to_one_path_raises_and_leaves_the_first_checkpoint_intact(
 
 
 @pytest.mark.parametrize(
-    "module", [anyshard._save, anyshard._load, anyshard._open], ids=lambda m: m.__name__
+    "module", [anyshard.api.save, anyshard.api.load, anyshard.api.views], ids=lambda m: m.__name__
 )
 def test_public_docstring_examples_run(module):
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)

@@ -20,7 +20,7 @@ import torch
 import anyshard
 from anyshard import ucl
 from anyshard.errors import AnyshardError, ChecksumError
-from anyshard.format.verify import verify_checkpoint
+from anyshard.reshard.verify import verify_checkpoint
 
 SEED = 1234
 DATA_FLIPS = 60  # per checkpoint

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from anyshard.reshard.boxes import (
+from anyshard.geometry.boxes import (
     Piece,
     box_numel,
     box_runs,

@@ -17,8 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from anyshard.errors import MappingError
-from anyshard.reshard.boxes import intersect
-from anyshard.ucl.compile import chunk_bounds, compile_mapping, enumerate_shards
+from anyshard.geometry.boxes import intersect
+from anyshard.geometry.shards import chunk_bounds
+from anyshard.ucl.lowering import compile_mapping, enumerate_shards
 from anyshard.ucl.mapping import (
     Chunk,
     Flatten,

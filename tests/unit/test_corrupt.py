@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import anyshard
-import anyshard._read
+import anyshard.reshard.fill
 from anyshard.errors import (
     AnyshardError,
     CheckpointNotFoundError,
@@ -276,14 +276,14 @@ def test_flipped_byte_is_caught_when_loading_into_a_non_contiguous_or_cast_desti
 def reads_in_small_parts(monkeypatch):
     """Plan reads with tiny limits so that one stored shard is read in several requests."""
     plans = []
-    real = anyshard._read.plan_reads
+    real = anyshard.reshard.fill.plan_reads
 
     def plan_reads(*args, **kwargs):
         plan = real(*args, **kwargs, max_staging=128, max_request=128, max_part=128)
         plans.append(plan)
         return plan
 
-    monkeypatch.setattr(anyshard._read, "plan_reads", plan_reads)
+    monkeypatch.setattr(anyshard.reshard.fill, "plan_reads", plan_reads)
     return plans
 
 

@@ -31,7 +31,7 @@ import pytest
 
 import anyshard
 from anyshard.format.steps import list_steps
-from anyshard.format.verify import verify_checkpoint
+from anyshard.reshard.verify import verify_checkpoint
 from anyshard.trainer_integration import Checkpointer
 
 pytestmark = pytest.mark.skipif(

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import anyshard
-from anyshard._read import Fill, fill_regions
 from anyshard.errors import ChecksumError
-from anyshard.format.checkpoint import read_manifest
-from anyshard.reshard.boxes import Piece
+from anyshard.format.manifest import read_manifest
+from anyshard.geometry.boxes import Piece
+from anyshard.reshard.fill import Fill, fill_regions
 
 
 @pytest.fixture

@@ -26,9 +26,9 @@ from safetensors.torch import save_file
 import anyshard
 from anyshard import ucl
 from anyshard.errors import CorruptCheckpointError, SaveError, StateDictMismatchError
-from anyshard.format.verify import verify_checkpoint
 from anyshard.loaders import HFCheckpointView, convert, diff, write_anyshard, write_hf
 from anyshard.loaders import export as export_module
+from anyshard.reshard.verify import verify_checkpoint
 from anyshard.ucl.evaluate import coords_of_rank
 
 LLAMA = {"tp": 2, "hidden": 8, "heads": 2, "kv_heads": 1, "ffn": 12, "vocab": 10, "layers": 2}

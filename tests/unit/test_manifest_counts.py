@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from anyshard.format.manifest import Manifest, MeshEntry, TensorEntry
-from anyshard.ucl.compile import enumerate_shards
+from anyshard.ucl.lowering import enumerate_shards
 
 OPS = [
     "chunk(0, a)",

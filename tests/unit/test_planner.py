@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from test_compile import AXES, PAD, all_coords, materialise, numbered, pipelines, shapes
 
 from anyshard.errors import CorruptCheckpointError
-from anyshard.reshard.boxes import Piece, box_shape, full_box
+from anyshard.geometry.boxes import Piece, box_shape, full_box
 from anyshard.reshard.planner import (
     GAP,
     STAGING,
@@ -28,7 +28,7 @@ from anyshard.reshard.planner import (
     match_shards,
     plan_reads,
 )
-from anyshard.ucl.compile import compile_mapping
+from anyshard.ucl.lowering import compile_mapping
 from anyshard.ucl.mapping import Chunk, Mapping, On, Replicate, parse_mapping
 
 FAST = settings(max_examples=200, deadline=None)

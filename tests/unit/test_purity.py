@@ -1,7 +1,8 @@
-"""The planning modules stay pure: no torch.distributed, no fsspec, no file I/O.
+"""Geometry, the language and the planner stay pure: no torch.distributed, no fsspec, no file I/O.
 
 That purity is what lets the planner be property-tested exhaustively and run on any rank
-before a process group exists (docs: STYLE.md, "Pure planning, I/O at the edges").
+before a process group exists (docs: STYLE.md, "Pure planning, I/O at the edges"). The UCL
+modules read their grammars and the shipped specs, package data, and nothing else.
 
 Run: python -m pytest tests/unit/test_purity.py -q
 """
@@ -20,10 +21,19 @@ import pytest
 # Found without importing anyshard, whose __init__ brings in the I/O half and torch.
 PACKAGE = Path(importlib.util.find_spec("anyshard").origin).parent
 PLANNING = [
-    "anyshard.reshard.boxes",
-    "anyshard.reshard.planner",
+    "anyshard.geometry.boxes",
+    "anyshard.geometry.runs",
+    "anyshard.geometry.shards",
+    "anyshard.ucl.check",
+    "anyshard.ucl.evaluate",
+    "anyshard.ucl.explain",
+    "anyshard.ucl.library",
+    "anyshard.ucl.lowering",
     "anyshard.ucl.mapping",
-    "anyshard.ucl.compile",
+    "anyshard.ucl.parser",
+    "anyshard.ucl.ranks",
+    "anyshard.ucl.syntax",
+    "anyshard.reshard.planner",
 ]
 # Modules that reach processes, storage or the file system; the I/O half of anyshard too.
 FORBIDDEN = [
@@ -38,6 +48,9 @@ FORBIDDEN = [
     "subprocess",
     "anyshard.format",
     "anyshard.reshard.executor",
+    "anyshard.reshard.fill",
+    "anyshard.reshard.stored",
+    "anyshard.api",
 ]
 
 
@@ -100,16 +113,25 @@ PROBE = textwrap.dedent(
             return None
 
     sys.meta_path.insert(0, Refuse())
-    for name, sub in (("anyshard", ""), ("anyshard.reshard", "reshard"), ("anyshard.ucl", "ucl")):
+    for name, sub in (
+        ("anyshard", ""),
+        ("anyshard.geometry", "geometry"),
+        ("anyshard.reshard", "reshard"),
+        ("anyshard.ucl", "ucl"),
+    ):
         pkg = types.ModuleType(name)
         pkg.__path__ = [os.path.join({package!r}, sub)] if sub else [{package!r}]
         sys.modules[name] = pkg
 
     from anyshard.reshard.planner import StoredShardInfo, match_shards, plan_reads
-    from anyshard.ucl.compile import compile_mapping
+    from anyshard.ucl.evaluate import compile
+    from anyshard.ucl.library import parse
+    from anyshard.ucl.lowering import compile_mapping
     from anyshard.ucl.mapping import parse_mapping
+    from anyshard.ucl.ranks import compile_every_rank, coverage_problems
 
-    parse_mapping("flatten()")  # loads the grammar
+    parse_mapping("flatten()")  # loads the grammars
+    parse("mesh tp;")
 
     def no_files(*args, **kwargs):
         raise AssertionError("planning touched the file system: " + repr(args))
@@ -125,6 +147,10 @@ PROBE = textwrap.dedent(
     info = {{k: StoredShardInfo(0, 4 * s[0] * s[1], 4, 0) for k, s in used.items()}}
     plan = plan_reads(transfers, info, [True])
     assert plan.bytes_needed == 4 * 10 * 2, plan.bytes_needed
+    spec = parse('mesh tp; param h; "w" -> "w" [h, 4] : chunk(0, tp);')
+    assert compile(spec, {{"tp": 2, "h": 6}}, {{"tp": 1}})["w"].shape == (3, 4)
+    ranks = compile_every_rank(spec.text, (("h", 6), ("tp", 2)))
+    assert coverage_problems(ranks, lambda c: c["tp"]) == []
     leaked = sorted(m for m in sys.modules if any(m == f or m.startswith(f + ".") for f in FORBIDDEN))
     assert not leaked, leaked
     print("pure", len(plan.requests))
@@ -134,7 +160,14 @@ PROBE = textwrap.dedent(
 
 def test_planning_runs_with_io_modules_refused_and_file_access_disabled():
     code = PROBE.format(
-        forbidden=["torch.distributed", "fsspec", "anyshard.format", "anyshard.reshard.executor"],
+        forbidden=[
+            "torch.distributed",
+            "fsspec",
+            "anyshard.format",
+            "anyshard.reshard.executor",
+            "anyshard.reshard.fill",
+            "anyshard.api",
+        ],
         package=str(PACKAGE),
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -6,7 +6,7 @@ import torch
 
 import anyshard
 from anyshard.errors import StorageError
-from anyshard.format.verify import verify_checkpoint
+from anyshard.reshard.verify import verify_checkpoint
 
 
 def state(seed: int) -> dict:

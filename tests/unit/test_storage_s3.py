@@ -17,7 +17,7 @@ import anyshard
 from anyshard.cli import main as cli
 from anyshard.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from anyshard.format import _remote, storage
-from anyshard.format.verify import verify_checkpoint
+from anyshard.reshard.verify import verify_checkpoint
 
 
 def sample_state() -> dict:
@@ -246,10 +246,10 @@ def test_overlapping_spans_are_each_filled(s3_proxy):
 
 
 def test_strided_rows_from_s3_stream_in_one_get(s3_proxy, monkeypatch):
-    from anyshard._read import Fill, fill_regions
-    from anyshard.format.checkpoint import read_manifest
+    from anyshard.format.manifest import read_manifest
+    from anyshard.geometry.boxes import Piece
     from anyshard.reshard import executor
-    from anyshard.reshard.boxes import Piece
+    from anyshard.reshard.fill import Fill, fill_regions
 
     monkeypatch.setattr(executor, "_BOUNCE_BYTES", 5 * 16)  # locally: 13 parts of 5 rows
     url = f"{s3_proxy.bucket}/ckpt"

@@ -19,9 +19,10 @@ from hypothesis import strategies as st
 
 import anyshard
 from anyshard.errors import UCLError, UCLSemanticError, UCLSyntaxError
-from anyshard.ucl import spec as S
+from anyshard.ucl import syntax as S
 from anyshard.ucl.check import DTYPES, FUNCTIONS
-from anyshard.ucl.spec import parse
+from anyshard.ucl.library import parse
+from anyshard.ucl.parser import MAX_DEPTH
 
 SPEC_DIR = Path(S.__file__).parent / "specs"
 SHIPPED = {p.stem: p.read_text() for p in sorted(SPEC_DIR.glob("*.ucl"))}
@@ -218,7 +219,7 @@ def test_parentheses_nest_freely():
 
 
 def test_nesting_up_to_the_limit_parses_prints_and_compares():
-    depth = S.MAX_DEPTH - 3  # start, let_decl and the number itself are levels too
+    depth = MAX_DEPTH - 3  # start, let_decl and the number itself are levels too
     text = "let x = " + "-" * depth + "1;"
     spec = parse(text)
     assert_round_trip(spec)

@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from anyshard.errors import LayoutError
 from anyshard.format.manifest import MeshEntry
-from anyshard.ucl.compile import Shard, chunk_bounds, compile_mapping
+from anyshard.geometry.shards import Shard, chunk_bounds
+from anyshard.ucl.lowering import compile_mapping
 from anyshard.ucl.mapping import Chunk, Mapping, On, Op, Replicate
 
 __all__ = ["SPREAD_MIN_BYTES", "TensorLayout", "hold_mapping", "layout_of", "stored_mapping"]

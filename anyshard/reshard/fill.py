@@ -1,4 +1,5 @@
-"""Filling target regions from a checkpoint: match shards, read headers, plan, execute."""
+"""Filling target regions from a checkpoint: find the stored shards, read their headers, plan
+the reads, execute them. The one path by which `load`, `open` and the exporters read bytes."""
 
 from __future__ import annotations
 
@@ -9,20 +10,13 @@ import torch
 
 from anyshard.errors import CorruptCheckpointError
 from anyshard.format import storage
-from anyshard.format.checkpoint import data_path, read_headers
-from anyshard.format.datafile import ST_TO_DTYPE, DataFileHeader
+from anyshard.format.datafile import DataFileHeader, data_path, read_headers
+from anyshard.format.dtypes import ST_TO_DTYPE
 from anyshard.format.manifest import Manifest
-from anyshard.format.stored import describe_spec, spec_index, stored_shards
-from anyshard.reshard.boxes import Piece
+from anyshard.geometry.boxes import Piece
 from anyshard.reshard.executor import execute_plan
-from anyshard.reshard.planner import (
-    ReadPlan,
-    StoredShardInfo,
-    Transfer,
-    match_shards,
-    match_sources,
-    plan_reads,
-)
+from anyshard.reshard.planner import ReadPlan, StoredShardInfo, Transfer, match_sources, plan_reads
+from anyshard.reshard.stored import describe_spec, stored_shards
 
 __all__ = ["Fill", "fill_regions"]
 
@@ -46,34 +40,25 @@ def fill_regions(
 ) -> ReadPlan:
     """Read what ``fills`` need, only that, and write it into their tensors."""
     transfers: list[Transfer] = []
-    shapes: dict[tuple[int, str], tuple[int, ...]] = {}
+    shapes: dict[tuple[int, str], tuple[int, ...]] = {}  # stored shards used: (rank, key)
     stored_dtype: dict[tuple[int, str], str] = {}
     for i, f in enumerate(fills):
         entry = manifest.tensors[f.fqn]
-        if entry.mapping is None:
-            new: dict[tuple[int, str], tuple[int, ...]] = {}
-            transfers += match_sources(
-                f.fqn,
-                i,
-                f.pieces,
-                lambda needed, fqn=f.fqn: (
-                    (s.rank, s.key, s.shard) for s in stored_shards(manifest, fqn, needed)
-                ),
-                new,
-                f"the spec it was saved with ({describe_spec(manifest)})",
-            )
-            index = spec_index(manifest)
-            for key in new:
-                shapes[key] = index.written[key[0]][key[1]].stored_shape
-                stored_dtype[key] = entry.dtype
-        else:
-            mesh = manifest.meshes[entry.mesh]
-            new = {}
-            transfers += match_shards(
-                f.fqn, i, f.pieces, entry.parsed, entry.shape, mesh.axis_sizes, mesh.rank, new
-            )
-            shapes.update(new)
-            stored_dtype.update(dict.fromkeys(new, entry.dtype))
+        used: dict[tuple[int, str], tuple[int, ...]] = {}
+        transfers += match_sources(
+            f.fqn,
+            i,
+            f.pieces,
+            lambda needed, fqn=f.fqn: (
+                (s.rank, s.key, s.shard) for s in stored_shards(manifest, fqn, needed)
+            ),
+            used,
+            f"the manifest's mapping {entry.mapping!r}"
+            if entry.mapping is not None
+            else f"the spec it was saved with ({describe_spec(manifest)})",
+        )
+        shapes.update(used)
+        stored_dtype.update(dict.fromkeys(used, entry.dtype))
     headers = headers if headers is not None else {}
     missing = {r for r, _ in shapes} - set(headers)
     headers.update(read_headers(path, manifest, missing))

@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 import difflib
-import functools
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from anyshard import _collectives as coll
-from anyshard._read import Fill
-from anyshard._state import Leaf, json_roundtrip
+from anyshard.api import collectives as coll
+from anyshard.api.state import Leaf, json_roundtrip
 from anyshard.errors import AnyshardError, LayoutError, StateDictMismatchError
-from anyshard.format.datafile import DTYPE_TO_ST, ST_TO_DTYPE
+from anyshard.format.commit import ReportedTensor
+from anyshard.format.dtypes import DTYPE_TO_ST, ST_TO_DTYPE
 from anyshard.format.manifest import Manifest, MeshEntry
+from anyshard.reshard.fill import Fill
 from anyshard.ucl.evaluate import (
     Layout,
     LocalTensor,
@@ -24,58 +23,12 @@ from anyshard.ucl.evaluate import (
     compile,
     coords_of_rank,
     layout_for,
+    recorded_layout,
 )
-from anyshard.ucl.spec import Spec, parse
+from anyshard.ucl.ranks import compile_every_rank
+from anyshard.ucl.syntax import Combine, Group, Part, Spec
 
-__all__ = ["resolve_spec", "shipped_specs", "spec_fills", "spec_writes"]
-
-SPEC_DIR = Path(__file__).parent / "ucl" / "specs"
-
-
-def shipped_specs() -> list[str]:
-    """Names of the specs shipped with anyshard (``anyshard/ucl/specs/*.ucl``)."""
-    return sorted(p.stem for p in SPEC_DIR.glob("*.ucl"))
-
-
-def resolve_spec(spec: Spec | str | Path) -> Spec:
-    """A `Spec` from a parsed spec, a spec's text, a path to a ``.ucl`` file, or the name of a
-    shipped spec (``"megatron_gpt"``)."""
-    if isinstance(spec, Spec):
-        return spec
-    if isinstance(spec, Path):
-        return parse(spec.read_text())
-    if not isinstance(spec, str):
-        raise TypeError(f"spec must be a Spec, a text, a path or a name, not {type(spec).__name__}")
-    if "\n" in spec or ";" in spec:
-        return parse(spec)
-    if spec in shipped_specs():
-        return parse((SPEC_DIR / f"{spec}.ucl").read_text())
-    p = Path(spec)
-    if p.is_file():
-        return parse(p.read_text())
-    raise AnyshardError(
-        f"spec {spec!r} is neither a file nor a shipped spec ({', '.join(shipped_specs())}) "
-        "nor spec text"
-    )
-
-
-def layout_json(spec: Spec, lay: Layout) -> dict[str, int]:
-    """The layout as a checkpoint records it: every mesh dim's size and every param's value."""
-    out = dict(lay.sizes)
-    for p in spec.params:
-        out[p.name] = lay.values[p.name]
-    return out
-
-
-def spec_mesh(lay: Layout) -> MeshEntry:
-    """Ranks in row-major order of the spec's mesh dims (the last varies fastest)."""
-    sizes = tuple(lay.sizes.values())
-    strides = []
-    step = 1
-    for n in reversed(sizes):
-        strides.append(step if n > 1 else 0)
-        step *= n
-    return MeshEntry(dims=tuple(lay.sizes), sizes=sizes, offset=0, strides=tuple(reversed(strides)))
+__all__ = ["axis_group", "rank_coords", "spec_fills", "spec_writes"]
 
 
 def rank_coords(
@@ -165,7 +118,7 @@ def axis_group(lay: Layout, axis: str, coords: Mapping[str, int], group):
         return None
     key = (tuple(lay.sizes.items()), axis, id(group))
     if key not in _GROUPS:
-        mesh = spec_mesh(lay)
+        mesh = MeshEntry.row_major(lay.sizes)
         made = {}
         others = {d: n for d, n in lay.sizes.items() if d != axis}
         for c in all_coords(others):
@@ -179,8 +132,6 @@ def axis_group(lay: Layout, axis: str, coords: Mapping[str, int], group):
 
 def _average_axes(spec: Spec, lay: Layout) -> list[str]:
     """Mesh dims that some rule averages over, from the text alone (the same on every rank)."""
-    from anyshard.ucl.spec import Combine, Group, Part
-
     axes: dict[str, None] = {}
 
     def ops_of(node):
@@ -208,9 +159,9 @@ def spec_writes(
     group,
     *,
     distributed: bool = True,
-) -> tuple[list[tuple[str, torch.Tensor]], dict[str, dict], dict[str, Any]]:
-    """What this rank writes (local name, tensor as stored), the logical tensors it reports
-    (name -> dtype, shape), and its JSON values."""
+) -> tuple[list[tuple[str, torch.Tensor]], dict[str, ReportedTensor], dict[str, Any]]:
+    """What this rank writes (local name, tensor as stored), the logical tensors it reports,
+    and its JSON values."""
     locals_ = compile(spec, lay, coords)
     if distributed:  # collective (group creation): before anything that may fail on one rank
         for axis in _average_axes(spec, lay):
@@ -221,7 +172,8 @@ def spec_writes(
             "the state dict does not match the spec:\n  " + "\n  ".join(problems)
         )
     writes: list[tuple[str, torch.Tensor]] = []
-    entries: dict[str, dict] = {}
+    entries: dict[str, ReportedTensor] = {}
+    mesh = MeshEntry.row_major(lay.sizes)
     for name, value, t in pairs:
         if value.dtype not in DTYPE_TO_ST:
             raise AnyshardError(f"{name}: dtype {value.dtype} cannot be stored in safetensors")
@@ -235,7 +187,9 @@ def spec_writes(
         code = DTYPE_TO_ST[stored.dtype]
         for part in t.parts:
             if part.primary and not t.alias:
-                entries[part.logical] = {"dtype": code, "shape": list(part.logical_shape)}
+                entries[part.logical] = ReportedTensor(
+                    dtype=code, shape=part.logical_shape, mesh=mesh, mapping=None
+                )
         if t.written:
             if stored.device.type != "cpu":
                 stored = stored.to("cpu")
@@ -243,18 +197,12 @@ def spec_writes(
     return writes, entries, {k: json_roundtrip(leaf.value) for k, leaf in values.items()}
 
 
-@functools.lru_cache(maxsize=16)
-def _held_logical(text: str, layout: tuple[tuple[str, int], ...]) -> frozenset[str]:
-    """Every logical tensor some rank of the layout holds (compiled once per spec and layout,
-    not at every load of every rank)."""
-    spec = parse(text)
-    lay = layout_for(spec, dict(layout))
-    return frozenset(
-        p.logical
-        for c in all_coords(lay.sizes)
-        for t in compile(spec, lay, c).values()
-        for p in t.parts
-    )
+def _held_logical(spec: Spec, lay: Layout) -> frozenset[str]:
+    """Every logical tensor some rank of the layout holds (the spec compiled once per text and
+    layout, not at every load of every rank)."""
+    layout = tuple(sorted(recorded_layout(spec, lay).items()))
+    ranks = compile_every_rank(spec.text or str(spec), layout)
+    return frozenset(p.logical for r in ranks for t in r.tensors.values() for p in t.parts)
 
 
 def spec_fills(
@@ -303,9 +251,7 @@ def spec_fills(
                 continue
             fills.append(Fill(part.logical, dest, part.shard.pieces))
     if strict:
-        wanted = _held_logical(
-            spec.text or str(spec), tuple(sorted(layout_json(spec, lay).items()))
-        )
+        wanted = _held_logical(spec, lay)
         extra = sorted(set(manifest.tensors) - wanted)
         if extra:
             problems.append(

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from anyshard.reshard.boxes import Piece, box_shape
+from anyshard.geometry.boxes import Piece, box_shape
 
 __all__ = ["contiguous_from", "piece_offsets", "unit_length_dim"]
 

@@ -1,4 +1,6 @@
-"""``anyshard.open``: a lazy, read-only view of a checkpoint's logical tensors."""
+"""The view vocabulary: a checkpoint's logical tensors read lazily (`CheckpointView`), their
+metadata and where their shards are stored (`TensorMetadata`, `StoredShard`), and slicing that
+reads only what it needs (`TensorSlice`)."""
 
 from __future__ import annotations
 
@@ -7,14 +9,15 @@ from typing import Any
 
 import torch
 
-from anyshard._read import Fill, fill_regions
 from anyshard.errors import AnyshardError
-from anyshard.format.checkpoint import data_path, read_manifest
-from anyshard.format.datafile import ST_TO_DTYPE, DataFileHeader
-from anyshard.format.stored import stored_shards
-from anyshard.reshard.boxes import Box, Piece, full_box
+from anyshard.format.datafile import DataFileHeader, data_path
+from anyshard.format.dtypes import ST_TO_DTYPE
+from anyshard.format.manifest import read_manifest
+from anyshard.geometry.boxes import Box, Piece, full_box
+from anyshard.reshard.fill import Fill, fill_regions
+from anyshard.reshard.stored import stored_shards
 
-__all__ = ["CheckpointView", "StoredShard", "TensorMetadata", "TensorSlice", "open_checkpoint"]
+__all__ = ["CheckpointView", "StoredShard", "TensorMetadata", "TensorSlice"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,53 +179,3 @@ class TensorSlice:
         for d in reversed(squeeze):
             out = out.squeeze(d)
         return out
-
-
-def open_checkpoint(path: str, *, threads: int = 8):
-    """Open the checkpoint at ``path`` (a directory, file or URL) for lazy reading.
-
-    The format is detected: a directory with ``manifest.json`` is an anyshard checkpoint
-    (`CheckpointView`); a ``.safetensors`` file, a ``*.safetensors.index.json``, or a directory
-    holding either and no ``manifest.json`` is a Hugging Face checkpoint
-    (`anyshard.loaders.HFCheckpointView`); a directory with DCP's ``.metadata`` is a PyTorch DCP
-    checkpoint (`anyshard.loaders.DCPCheckpointView`, read without running code); a directory
-    whose ``zarr.json`` is a zarr v3 group is a zarr store (`anyshard.loaders.ZarrView`, as
-    `anyshard.loaders.write_zarr` exports); a DeepSpeed ZeRO-1/2/3 checkpoint (``latest`` and
-    ``global_step*/*zero_pp_rank_*_optim_states.pt``) or universal checkpoint (``zero/<name>/``)
-    is a `anyshard.loaders.DeepSpeedZeroView` / `DeepSpeedUniversalView`; a Megatron-core
-    ``torch_dist`` directory (``metadata.json``) a `anyshard.loaders.MegatronDistView`; a
-    ``torch.save`` file (``.pt``, ``.pth``, ``.bin``) or a directory with ``pytorch_model.bin``
-    (or its index) a `anyshard.loaders.TorchSaveView`, read only with
-    ``torch.load(weights_only=True)``. Anything else
-    raises as for an anyshard checkpoint.
-    """
-    from anyshard.errors import CheckpointNotFoundError
-    from anyshard.loaders import hf, torchsave
-
-    if hf.looks_like_file(path):  # no request needed to tell
-        return hf.HFCheckpointView(path)
-    if torchsave.looks_like_file(path):
-        return torchsave.TorchSaveView(path)
-    try:
-        return CheckpointView(path, threads=threads)
-    except CheckpointNotFoundError:
-        from anyshard.loaders import dcp, deepspeed, megatron_dist, zarr_store
-
-        # DeepSpeed's and Megatron's markers (``latest`` naming a step folder of DeepSpeed's
-        # files, ``metadata.json``) first: such a directory may hold other files too. A root holding both kinds (converted in place): the
-        # ZeRO files are the training state.
-        if deepspeed.looks_like_deepspeed_zero(path):
-            return deepspeed.DeepSpeedZeroView(path)
-        if deepspeed.looks_like_deepspeed_universal(path):
-            return deepspeed.DeepSpeedUniversalView(path)
-        if megatron_dist.looks_like_megatron_dist(path):  # a DCP directory too: before it
-            return megatron_dist.MegatronDistView(path)
-        if hf.looks_like_hf(path):
-            return hf.HFCheckpointView(path)
-        if dcp.looks_like_dcp(path):
-            return dcp.DCPCheckpointView(path)
-        if zarr_store.looks_like_zarr(path):
-            return zarr_store.ZarrView(path)
-        if torchsave.looks_like_torch_save(path):
-            return torchsave.TorchSaveView(path)
-        raise

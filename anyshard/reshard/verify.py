@@ -7,10 +7,11 @@ from dataclasses import dataclass
 
 from anyshard.errors import ChecksumError, CorruptCheckpointError
 from anyshard.format import storage
-from anyshard.format.checkpoint import data_path, read_headers, read_manifest
 from anyshard.format.checksum import crc32c
-from anyshard.format.stored import describe_spec, stored_shards
-from anyshard.reshard.boxes import box_numel, intersect
+from anyshard.format.datafile import data_path, read_headers
+from anyshard.format.manifest import read_manifest
+from anyshard.geometry.boxes import box_numel, intersect
+from anyshard.reshard.stored import describe_spec, stored_shards
 
 __all__ = ["VerifyReport", "verify_checkpoint"]
 

@@ -1,6 +1,7 @@
-"""Compile a mapping into pieces: which box of a shard holds which box of the logical tensor.
+"""Lowering a mapping to pieces: which box of a shard holds which box of the logical tensor.
 
-Pure functions: shapes, mesh sizes and coordinates in, `Shard` descriptions out.
+Pure functions: shapes, mesh sizes and coordinates in, `Shard` descriptions out. The spec
+evaluator builds on the same steps (`ShardState`, `narrow_block`, `narrow_flat`, ...).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from collections.abc import Mapping as MappingType
 from dataclasses import dataclass
 
 from anyshard.errors import MappingError
-from anyshard.reshard.boxes import Box, Piece, box_shape, flat_range_to_boxes, full_box, intersect
+from anyshard.geometry.boxes import Box, Piece, box_shape, flat_range_to_boxes, full_box, intersect
+from anyshard.geometry.shards import Shard, chunk_bounds
 from anyshard.ucl.mapping import (
     Chunk,
     Flatten,
@@ -25,41 +27,32 @@ from anyshard.ucl.mapping import (
     Split,
 )
 
-__all__ = ["Shard", "chunk_bounds", "compile_mapping", "enumerate_shards"]
-
-
-@dataclass(frozen=True, slots=True)
-class Shard:
-    """A shard of ``shape`` whose ``pieces`` hold regions of the logical tensor."""
-
-    shape: tuple[int, ...]
-    pieces: tuple[Piece, ...]
-
-
-def chunk_bounds(extent: int, parts: int, index: int) -> tuple[int, int]:
-    """``[start, stop)`` of part ``index`` of ``torch.chunk(extent, parts)`` (as DTensor's Shard).
-
-    torch.chunk uses parts of ceil(extent / parts); trailing parts may be short or empty.
-    """
-    size = -(-extent // parts) if parts else 0
-    start = min(index * size, extent)
-    return start, min(start + size, extent)
+__all__ = [
+    "ShardState",
+    "initial_state",
+    "compile_mapping",
+    "enumerate_shards",
+    "flatten_pieces",
+    "narrow_block",
+    "narrow_flat",
+    "translate_box",
+]
 
 
 @dataclass(slots=True)
-class _State:
+class ShardState:
     shape: tuple[int, ...]
     pieces: list[Piece]
     flat: bool
 
 
-def _initial(logical_shape: Sequence[int]) -> _State:
+def initial_state(logical_shape: Sequence[int]) -> ShardState:
     shape = tuple(int(n) for n in logical_shape)
     box = full_box(shape)
-    return _State(shape, [Piece(0, shape, box, box)], flat=False)
+    return ShardState(shape, [Piece(0, shape, box, box)], flat=False)
 
 
-def _narrow_block(st: _State, dim: int, start: int, stop: int) -> None:
+def narrow_block(st: ShardState, dim: int, start: int, stop: int) -> None:
     shape = st.shape[:dim] + (stop - start,) + st.shape[dim + 1 :]
     window = tuple((start, stop) if d == dim else (0, n) for d, n in enumerate(st.shape))
     pieces = []
@@ -67,7 +60,7 @@ def _narrow_block(st: _State, dim: int, start: int, stop: int) -> None:
         inter = intersect(p.array_box, window)
         if inter is None:
             continue
-        logical = _translate(inter, p.array_box, p.logical_box)
+        logical = translate_box(inter, p.array_box, p.logical_box)
         array_box = tuple(
             (lo - start, hi - start) if d == dim else (lo, hi) for d, (lo, hi) in enumerate(inter)
         )
@@ -75,7 +68,7 @@ def _narrow_block(st: _State, dim: int, start: int, stop: int) -> None:
     st.shape, st.pieces = shape, pieces
 
 
-def _narrow_flat(st: _State, start: int, stop: int) -> None:
+def narrow_flat(st: ShardState, start: int, stop: int) -> None:
     pieces = []
     for p in st.pieces:
         n = math.prod(p.array_shape)
@@ -83,7 +76,7 @@ def _narrow_flat(st: _State, start: int, stop: int) -> None:
         if u >= v:
             continue
         for sub in flat_range_to_boxes(p.array_shape, u - p.base, v - p.base):
-            logical = _translate(sub, p.array_box, p.logical_box)
+            logical = translate_box(sub, p.array_box, p.logical_box)
             pieces.append(_rebased(p.base - start, p.array_shape, sub, logical))
     st.shape, st.pieces = (stop - start,), pieces
 
@@ -97,7 +90,7 @@ def _rebased(base: int, array_shape: tuple[int, ...], sub: Box, logical: Box) ->
     return Piece(base + offset, shape, full_box(shape), logical)
 
 
-def _translate(box: Box, src: Box, dst: Box) -> Box:
+def translate_box(box: Box, src: Box, dst: Box) -> Box:
     """``box`` (inside the space of ``src``) moved by the offset that takes ``src`` onto ``dst``."""
     return tuple(
         (lo - slo + dlo, hi - slo + dlo)
@@ -119,16 +112,16 @@ def _contiguous_parts(shape: tuple[int, ...], box: Box) -> Iterator[Box]:
         yield from _contiguous_parts(shape, box[:first] + ((i, i + 1),) + box[first + 1 :])
 
 
-def _flatten(st: _State) -> None:
+def flatten_pieces(st: ShardState) -> None:
     pieces = []
     for p in st.pieces:
         for sub in _contiguous_parts(p.array_shape, p.array_box):
-            logical = _translate(sub, p.array_box, p.logical_box)
+            logical = translate_box(sub, p.array_box, p.logical_box)
             pieces.append(_rebased(p.base, p.array_shape, sub, logical))
     st.shape, st.pieces, st.flat = (math.prod(st.shape),), pieces, True
 
 
-def _apply(st: _State, op: Op, coord: int | None, size: int | None) -> None:
+def _apply(st: ShardState, op: Op, coord: int | None, size: int | None) -> None:
     if isinstance(op, (Chunk, Split, Slice, Range)):
         dim = 0 if isinstance(op, Range) else op.dim
         _check_dim(st, op, dim)
@@ -154,9 +147,9 @@ def _apply(st: _State, op: Op, coord: int | None, size: int | None) -> None:
             if stop > extent:
                 raise MappingError(f"{op}: stop {stop} is beyond the extent {extent} of dim {dim}")
         if st.flat:
-            _narrow_flat(st, start, stop)
+            narrow_flat(st, start, stop)
         else:
-            _narrow_block(st, dim, start, stop)
+            narrow_block(st, dim, start, stop)
     elif isinstance(op, Pad):
         _check_dim(st, op, op.dim)
         if op.size < st.shape[op.dim]:
@@ -167,10 +160,10 @@ def _apply(st: _State, op: Op, coord: int | None, size: int | None) -> None:
         st.shape = shape
     elif isinstance(op, Flatten):
         if not st.flat:
-            _flatten(st)
+            flatten_pieces(st)
 
 
-def _check_dim(st: _State, op: Op, dim: int) -> None:
+def _check_dim(st: ShardState, op: Op, dim: int) -> None:
     if dim >= len(st.shape) or (st.flat and dim != 0):
         raise MappingError(f"{op}: the shard has {len(st.shape)} dim(s) here {list(st.shape)}")
 
@@ -191,7 +184,7 @@ def compile_mapping(
     coords: MappingType[str, int],
 ) -> Shard | None:
     """The shard held at mesh ``coords``; None where an ``on()`` excludes these coordinates."""
-    st = _initial(logical_shape)
+    st = initial_state(logical_shape)
     for op in mapping.ops:
         size = _axis_size(op, sizes)
         coord = coords.get(op.axis_name) if op.axis_name is not None else None
@@ -221,15 +214,15 @@ def enumerate_shards(
     as a narrowing leaves nothing of it.
     """
     ops = mapping.ops
-    st = _initial(logical_shape)
+    st = initial_state(logical_shape)
 
-    def prune(state: _State) -> bool:
+    def prune(state: ShardState) -> bool:
         return needed is not None and all(
             intersect(p.logical_box, needed) is None for p in state.pieces
         )
 
     def walk(
-        i: int, state: _State, coords: dict[str, int]
+        i: int, state: ShardState, coords: dict[str, int]
     ) -> Iterator[tuple[dict[str, int], Shard]]:
         if prune(state):
             return
@@ -240,7 +233,7 @@ def enumerate_shards(
         size = _axis_size(op, sizes)
         axis = op.axis_name
         if axis is None:
-            nxt = _State(state.shape, list(state.pieces), state.flat)
+            nxt = ShardState(state.shape, list(state.pieces), state.flat)
             _apply(nxt, op, None, None)
             yield from walk(i + 1, nxt, coords)
             return
@@ -256,7 +249,7 @@ def enumerate_shards(
         for c in choices:
             if isinstance(op, On) and c != op.index:
                 continue
-            nxt = _State(state.shape, list(state.pieces), state.flat)
+            nxt = ShardState(state.shape, list(state.pieces), state.flat)
             if not isinstance(op, (On, Replicate)):
                 _apply(nxt, op, c, size)
             coords[axis] = c
@@ -267,7 +260,7 @@ def enumerate_shards(
     yield from walk(0, st, {})
 
 
-def _candidate_coords(op: Op, state: _State, size: int, needed: Box | None) -> range:
+def _candidate_coords(op: Op, state: ShardState, size: int, needed: Box | None) -> range:
     """Coordinates worth trying for a narrowing op; all of them unless a cheap bound exists."""
     if needed is None or state.flat or not isinstance(op, Chunk) or len(state.pieces) != 1:
         return range(size)

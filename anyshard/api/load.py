@@ -6,12 +6,14 @@ from typing import Any
 
 import torch
 
-from anyshard._layout import layout_of
-from anyshard._read import Fill, fill_regions
-from anyshard._state import flatten_state
+from anyshard.api.spec_state import spec_fills
+from anyshard.api.state import flatten_state
+from anyshard.api.tensor_layout import layout_of
 from anyshard.errors import StateDictMismatchError
-from anyshard.format.checkpoint import read_manifest
-from anyshard.format.datafile import ST_TO_DTYPE
+from anyshard.format.dtypes import ST_TO_DTYPE
+from anyshard.format.manifest import read_manifest
+from anyshard.reshard.fill import Fill, fill_regions
+from anyshard.ucl.library import load_spec
 
 __all__ = ["load"]
 
@@ -109,10 +111,8 @@ def load(
 
 
 def _load_spec(path, manifest, flat, spec, layout, coords, group, strict, cast, threads) -> None:
-    from anyshard import _spec
-
-    parsed = _spec.resolve_spec(spec)
-    fills, problems, value_keys = _spec.spec_fills(
+    parsed = load_spec(spec)
+    fills, problems, value_keys = spec_fills(
         manifest, flat, parsed, layout, coords, group, strict=strict, cast=cast
     )
     for k in value_keys:

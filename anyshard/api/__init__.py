@@ -1,0 +1,1 @@
+"""The API layer: save, load and open, over the reshard engine."""

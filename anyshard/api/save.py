@@ -1,0 +1,283 @@
+"""``anyshard.save``: every rank writes the shards it holds, as they are; one rank commits."""
+
+from __future__ import annotations
+
+import hashlib
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from anyshard.api import async_save
+from anyshard.api import collectives as coll
+from anyshard.api.spec_state import rank_coords, spec_writes
+from anyshard.api.state import Leaf, flatten_state, json_roundtrip
+from anyshard.api.tensor_layout import TensorLayout, layout_of
+from anyshard.errors import AnyshardError, SaveError
+from anyshard.format import storage
+from anyshard.format.commit import (
+    DATA_DIR,
+    ReportedSpec,
+    ReportedTensor,
+    SaveReport,
+    build_manifest,
+    commit_manifest,
+    data_file_name,
+    refuse_committed,
+)
+from anyshard.format.datafile import write_datafile
+from anyshard.format.dtypes import DTYPE_TO_ST
+from anyshard.format.manifest import MeshEntry
+from anyshard.ucl.evaluate import compile, coords_of_rank, layout_for
+from anyshard.ucl.library import load_spec
+from anyshard.ucl.mapping import On
+
+__all__ = ["save", "save_local_states"]
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    return t.contiguous()
+
+
+def _is_representative(layout: TensorLayout) -> bool:
+    pinned = {op.axis for op in layout.hold.ops if isinstance(op, On)}
+    return all(c == 0 for axis, c in layout.coords.items() if axis not in pinned)
+
+
+@dataclass(slots=True)
+class _LocalPlan:
+    """What this rank writes (stored key, tensor) and reports, before anything is written."""
+
+    writes: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    tensors: dict[str, ReportedTensor] = field(default_factory=dict)
+    values: dict[str, Any] = field(default_factory=dict)
+    spec: ReportedSpec | None = None
+
+
+def _plan_local(flat: dict, holders: dict[str, list[int]], group, *, to_host: bool) -> _LocalPlan:
+    """This rank's shards to write (as contiguous host tensors when ``to_host``; an async save
+    stages them itself, straight from the device), the tensors it reports, and its JSON
+    values. ``flat`` is the flattened state, ``holders`` what `_plain_holders` found."""
+    plan = _LocalPlan()
+    meshes: dict = {}  # device mesh -> what layouts need of it, for this call only
+    for fqn, leaf in flat.items():
+        value = leaf.value
+        if not isinstance(value, torch.Tensor):
+            plan.values[fqn] = json_roundtrip(value)
+            continue
+        if value.dtype not in DTYPE_TO_ST:
+            raise AnyshardError(f"{fqn}: dtype {value.dtype} cannot be stored in safetensors")
+        layout = layout_of(fqn, value, group, meshes, holders.get(fqn))
+        write, part = layout.write_plan(fqn)
+        if part is not None:
+            plan.writes.append((fqn, _host(part) if to_host else part))
+        if _is_representative(layout):
+            plan.tensors[fqn] = ReportedTensor(
+                dtype=DTYPE_TO_ST[value.dtype],
+                shape=layout.global_shape,
+                mesh=layout.mesh,
+                mapping=str(write),
+            )
+    return plan
+
+
+def _plan_spec(state_dict, spec, layout, coords, group) -> _LocalPlan:
+    parsed = load_spec(spec)
+    lay = layout_for(parsed, layout)
+    me = rank_coords(lay, coords, group, saving=True)
+    writes, tensors, values = spec_writes(flatten_state(state_dict), parsed, lay, me, group)
+    return _LocalPlan(writes, tensors, values, ReportedSpec.of(parsed, lay))
+
+
+def _plain_holders(flat: dict, group) -> dict[str, list[int]]:
+    """The ranks holding each plain tensor that not every rank holds (the tensors of one
+    pipeline stage, say). One 32-byte all-gather when every rank holds the same names."""
+    from torch.distributed.tensor import DTensor
+
+    names = sorted(
+        k
+        for k, leaf in flat.items()
+        if isinstance(leaf.value, torch.Tensor) and not isinstance(leaf.value, DTensor)
+    )
+    digest = hashlib.sha256("\n".join(names).encode()).digest()
+    if coll.all_equal(digest, group):
+        return {}
+    lists = coll.gather_json(names, group)
+    partial = None
+    if lists is not None:
+        held: dict[str, list[int]] = {}
+        for r, ns in enumerate(lists):
+            for n in ns:
+                held.setdefault(n, []).append(r)
+        partial = {n: rs for n, rs in held.items() if len(rs) < len(lists)}
+    return coll.broadcast_json(partial, group)
+
+
+def _error_text(e: BaseException) -> str:
+    return "".join(traceback.format_exception_only(type(e), e))
+
+
+def save(
+    path: str,
+    state_dict: dict[str, Any],
+    *,
+    process_group=None,
+    async_: bool = False,
+    spec=None,
+    layout: dict[str, int] | None = None,
+    coords: dict[str, int] | None = None,
+):
+    """Save ``state_dict`` to ``path`` (a directory or URL), collectively over ``process_group``.
+
+    Each rank writes the shards it holds into its own safetensors file (replicated regions once,
+    spread over their holders); then rank 0 writes ``manifest.json``, the commit.
+
+    With ``spec`` (a UCL spec: text, path, shipped name or `anyshard.ucl.Spec`) and ``layout``
+    (mesh dim sizes and params, e.g. ``{"tp": 2, "pp": 2, "hidden": 4096}``), ``state_dict``
+    holds this rank's plain local tensors as the spec describes them (fused, padded, flattened,
+    locally numbered); each rank writes them as they are and the manifest records the spec. The
+    rank's mesh coordinates come from its rank in row-major order of the spec's mesh dims, or
+    from ``coords``.
+
+    With ``async_=True`` it returns a `SaveHandle` as soon as the shards are staged in host
+    memory (pinned when CUDA is used): the caller may modify its tensors right away, and the
+    files are written and committed in the background. One async save is in flight at a time:
+    the next save waits for it, and a failure surfaces there or at ``handle.result()``.
+
+    >>> import torch, anyshard, tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> anyshard.save(d + "/step-1", {"w": torch.arange(6.0).reshape(2, 3), "step": 1})
+    >>> anyshard.open(d + "/step-1").get_tensor("w")[1]
+    tensor([3., 4., 5.])
+    """
+    async_save.wait_for_previous()  # staging buffers are reused; a failure surfaces here
+    me = coll.rank(process_group)
+    error: BaseException | None = None
+    flat: dict | None = None
+    try:
+        if me == 0:
+            refuse_committed(path)
+        if spec is None:
+            flat = flatten_state(state_dict)
+    except Exception as e:  # reported to rank 0 so that no rank waits forever
+        error = e
+    # collective: every rank takes part, whatever happened to it above
+    holders = _plain_holders(flat or {}, process_group) if spec is None else {}
+    plan = _LocalPlan()
+    if error is None:
+        try:
+            if spec is not None:
+                plan = _plan_spec(state_dict, spec, layout or {}, coords, process_group)
+                plan.spec = plan.spec if me == 0 else None
+            else:
+                plan = _plan_local(flat, holders, process_group, to_host=not async_)
+        except Exception as e:  # reported to rank 0 so that no rank waits forever
+            error, plan = e, _LocalPlan()
+    if not async_:
+        _write_and_commit(path, plan, error, process_group)
+        return None
+    plan.writes = async_save.stage(plan.writes)
+    group = async_save.background_group(process_group)
+    return async_save.submit(lambda: _write_and_commit(path, plan, error, group))
+
+
+def _write_and_commit(path: str, plan: _LocalPlan, error: BaseException | None, group) -> None:
+    """Write this rank's data file, agree with every rank, commit on rank 0, raise on failure."""
+    me = coll.rank(group)
+    file = None
+    if error is None and plan.writes:
+        try:
+            storage.makedirs(storage.join(path, DATA_DIR))
+            file = data_file_name(me)
+            write_datafile(storage.join(path, *file.split("/")), plan.writes)
+        except Exception as e:
+            error, file = e, None
+    report = SaveReport(
+        error=_error_text(error) if error is not None else None,
+        file=file,
+        count=len(plan.writes) if error is None else 0,
+        tensors=plan.tensors if error is None else {},
+        values=plan.values if error is None else {},
+        spec=plan.spec if error is None else None,
+    )
+    reports = coll.gather_json(report.to_json(), group)
+    outcome: dict[str, Any] = {"ok": True}
+    if me == 0:
+        try:
+            manifest = build_manifest([SaveReport.from_json(r) for r in reports], path)
+            commit_manifest(path, manifest)
+        except Exception as e:
+            outcome = {"ok": False, "error": str(e)}
+    outcome = coll.broadcast_json(outcome, group)
+    if error is not None:
+        raise error
+    if not outcome["ok"]:
+        raise SaveError(outcome["error"])
+
+
+def save_local_states(
+    path: str,
+    states: dict[int, dict[str, Any]],
+    *,
+    spec,
+    layout: dict[str, int],
+) -> None:
+    """Write a checkpoint for a whole layout from one process: ``states[rank]`` holds the local
+    tensors of that rank (row-major over the spec's mesh dims), exactly as if every rank had
+    called `save` with ``spec`` and ``layout``. Every rank of the layout must be given."""
+    parsed = load_spec(spec)
+    lay = layout_for(parsed, layout)
+    if sorted(states) != list(range(lay.world_size)):
+        raise AnyshardError(
+            f"save_local_states needs the states of ranks 0..{lay.world_size - 1} of the layout "
+            f"{dict(lay.sizes)}; got ranks {sorted(states)}"
+        )
+    refuse_committed(path)
+    flats = {r: flatten_state(s) for r, s in states.items()}
+    averaged = _average_locally(parsed, lay, flats)
+    reports = []
+    for rank in range(lay.world_size):
+        coords = coords_of_rank(lay.sizes, rank)
+        writes, tensors, values = spec_writes(
+            averaged.get(rank, flats[rank]), parsed, lay, coords, None, distributed=False
+        )
+        file = None
+        if writes:
+            storage.makedirs(storage.join(path, DATA_DIR))
+            file = data_file_name(rank)
+            write_datafile(storage.join(path, *file.split("/")), writes)
+        reports.append(
+            SaveReport(
+                file=file,
+                count=len(writes),
+                tensors=tensors,
+                values=values,
+                spec=ReportedSpec.of(parsed, lay) if rank == 0 else None,
+            )
+        )
+    commit_manifest(path, build_manifest(reports, path))
+
+
+def _average_locally(parsed, lay, flats: dict) -> dict:
+    """``average(axis)`` tensors replaced, in copies of the states, by their mean over ``axis``."""
+    mesh = MeshEntry.row_major(lay.sizes)
+    out: dict[int, dict] = {}
+    for rank in flats:
+        coords = coords_of_rank(lay.sizes, rank)
+        for name, t in compile(parsed, lay, coords).items():
+            if not t.average or name not in flats[rank]:
+                continue
+            members = {rank}
+            for axis in t.average:
+                members = {
+                    mesh.rank({**coords_of_rank(lay.sizes, m), axis: i})
+                    for m in members
+                    for i in range(lay.sizes[axis])
+                }
+            values = [flats[m][name].value for m in sorted(members)]
+            mean = torch.stack([v.double() for v in values]).mean(0).to(values[0].dtype)
+            out.setdefault(rank, dict(flats[rank]))[name] = Leaf({}, name, mean)
+    return out

@@ -1,0 +1,1 @@
+"""Geometry: boxes, pieces and shards, the pure arithmetic under every plan."""
