@@ -10,7 +10,7 @@ import torch
 
 from anyshard.errors import AnyshardError
 
-__all__ = ["Leaf", "flatten_state", "is_json_value"]
+__all__ = ["Leaf", "flatten_state", "has_tensor", "is_json_value", "json_roundtrip"]
 
 _SCALARS = (type(None), bool, int, float, str)
 
@@ -53,13 +53,13 @@ class Leaf:
         self.owner.replace(rebuilt)
 
 
-def _has_tensor(value: Any) -> bool:
+def has_tensor(value: Any) -> bool:
     if isinstance(value, torch.Tensor):
         return True
     if isinstance(value, dict):
-        return any(_has_tensor(v) for v in value.values())
+        return any(has_tensor(v) for v in value.values())
     if isinstance(value, (list, tuple)):
-        return any(_has_tensor(v) for v in value)
+        return any(has_tensor(v) for v in value)
     return False
 
 
@@ -102,9 +102,9 @@ def _walk(node: Any, prefix: str, owner: Leaf | None = None) -> Iterator[tuple[s
         fqn = f"{prefix}.{name}" if prefix else name
         # Only a tuple child needs its slot: loading rebuilds the tuple and writes it there.
         slot = Leaf(node, key, value, owner if isinstance(node, tuple) else None)
-        if isinstance(value, dict) and value and (_has_tensor(value) or not is_json_value(value)):
+        if isinstance(value, dict) and value and (has_tensor(value) or not is_json_value(value)):
             yield from _walk(value, fqn, slot)
-        elif isinstance(value, (list, tuple)) and _has_tensor(value):
+        elif isinstance(value, (list, tuple)) and has_tensor(value):
             yield from _walk(value, fqn, slot)
         else:
             if not isinstance(value, torch.Tensor) and not is_json_value(value):

@@ -4,8 +4,9 @@ reads only what it needs (`TensorSlice`)."""
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -17,7 +18,7 @@ from anyshard.geometry.boxes import Box, Piece, full_box
 from anyshard.reshard.fill import Fill, fill_regions
 from anyshard.reshard.stored import stored_shards
 
-__all__ = ["CheckpointView", "StoredShard", "TensorMetadata", "TensorSlice"]
+__all__ = ["BaseView", "CheckpointView", "StoredShard", "TensorMetadata", "TensorSlice"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +49,69 @@ class TensorMetadata:
         return n
 
 
-class CheckpointView:
+_V = TypeVar("_V", bound="BaseView")
+
+
+class BaseView(abc.ABC):
+    """What every view of a checkpoint shares, whatever its format: a context manager whose
+    tensors are read whole (`get_tensor`) or sliced lazily (`get_slice`).
+
+    A view gives the names (`keys`, `value_keys`), the JSON values (`get_value`, `values`), a
+    tensor's `metadata`, `read_region` (a logical box of a tensor, reading only what it needs),
+    and ``_entry(name)``: an object with the tensor's ``shape`` and ``dtype``, what
+    `TensorSlice` reports. `close` drops what the view keeps open or cached.
+    """
+
+    path: str
+
+    def __enter__(self: _V) -> _V:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:  # noqa: B027 - a view that keeps nothing open has nothing to do
+        """Drop the files, mappings and caches the view keeps; it may still be read after."""
+
+    @abc.abstractmethod
+    def keys(self) -> list[str]:
+        """Names of the tensors."""
+
+    @abc.abstractmethod
+    def value_keys(self) -> list[str]:
+        """Names of the JSON values."""
+
+    @abc.abstractmethod
+    def get_value(self, name: str) -> Any:
+        """The JSON value ``name``."""
+
+    @property
+    @abc.abstractmethod
+    def values(self) -> dict[str, Any]:
+        """Every JSON value, by name."""
+
+    @abc.abstractmethod
+    def metadata(self, name: str):
+        """Shape, dtype and stored shards of tensor ``name``."""
+
+    @abc.abstractmethod
+    def read_region(self, name: str, box: Box, **kwargs) -> torch.Tensor:
+        """The logical region ``box`` of tensor ``name``, reading only the bytes it needs."""
+
+    @abc.abstractmethod
+    def _entry(self, name: str) -> Any:
+        """Tensor ``name``'s ``shape`` and ``dtype`` (a `KeyError` naming the view if unknown)."""
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        """Tensor ``name``, whole."""
+        return self.read_region(name, full_box(self._entry(name).shape))
+
+    def get_slice(self, name: str) -> TensorSlice:
+        """``view.get_slice(name)[...]``: basic indexing, read lazily."""
+        return TensorSlice(self, name)
+
+
+class CheckpointView(BaseView):
     """Read-only view of a committed checkpoint, used like safetensors' ``safe_open``.
 
     >>> import torch, anyshard, tempfile
@@ -65,10 +128,7 @@ class CheckpointView:
         self._headers: dict[int, DataFileHeader] = {}
         self._threads = threads
 
-    def __enter__(self) -> CheckpointView:
-        return self
-
-    def __exit__(self, *exc) -> None:
+    def close(self) -> None:
         self._headers.clear()
 
     def keys(self) -> list[str]:
@@ -121,12 +181,6 @@ class CheckpointView:
         )
         return out
 
-    def get_tensor(self, name: str) -> torch.Tensor:
-        return self.read_region(name, full_box(self._entry(name).shape))
-
-    def get_slice(self, name: str) -> TensorSlice:
-        return TensorSlice(self, name)
-
     def data_file(self, rank: int) -> str:
         return data_path(self.path, self.manifest, rank)
 
@@ -134,7 +188,7 @@ class CheckpointView:
 class TensorSlice:
     """``view.get_slice(name)[...]``: basic indexing (ints, step-1 slices, ...) read lazily."""
 
-    def __init__(self, view: CheckpointView, name: str):
+    def __init__(self, view: BaseView, name: str):
         self._view, self._name = view, name
         self._entry = view._entry(name)
 

@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
-from anyshard.api.views import StoredShard, TensorSlice
+from anyshard.api.views import BaseView, StoredShard
 from anyshard.errors import CheckpointNotFoundError, CorruptCheckpointError
 from anyshard.format import storage
 from anyshard.format.dtypes import DTYPE_TO_ST
-from anyshard.geometry.boxes import Box, box_runs, box_shape, full_box, intersect
+from anyshard.geometry.boxes import Box, box_runs, box_shape, intersect
 
 __all__ = ["DCPCheckpointView", "DCPTensorMetadata", "looks_like_dcp"]
 
@@ -197,7 +197,7 @@ class _Tensor:
         return DTYPE_TO_ST[self.torch_dtype]
 
 
-class DCPCheckpointView:
+class DCPCheckpointView(BaseView):
     """Read-only view of a PyTorch DCP checkpoint directory (same methods as `CheckpointView`).
 
     Non-tensor entries (DCP stores them as ``torch.save`` bytes) are the JSON-like values,
@@ -275,10 +275,7 @@ class DCPCheckpointView:
                 )
             self._tensors[fqn] = _Tensor(shape, meta.properties.dtype, tuple(chunks))
 
-    def __enter__(self) -> DCPCheckpointView:
-        return self
-
-    def __exit__(self, *exc) -> None:
+    def close(self) -> None:
         self._cache = None
 
     def keys(self) -> list[str]:
@@ -435,9 +432,3 @@ class DCPCheckpointView:
                 f"elements of region {list(box)}"
             )
         return dest
-
-    def get_tensor(self, name: str) -> torch.Tensor:
-        return self.read_region(name, full_box(self._entry(name).shape))
-
-    def get_slice(self, name: str) -> TensorSlice:
-        return TensorSlice(self, name)

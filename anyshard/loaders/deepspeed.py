@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from anyshard.api.views import StoredShard, TensorSlice
+from anyshard.api.views import BaseView, StoredShard
 from anyshard.errors import CheckpointNotFoundError, CorruptCheckpointError, LayoutError
 from anyshard.format import storage
 from anyshard.geometry.boxes import Box, box_shape, full_box
@@ -390,7 +390,7 @@ class DeepSpeedZeroView(MegatronCheckpointView):
 # --- universal --------------------------------------------------------------------------------
 
 
-class DeepSpeedUniversalView:
+class DeepSpeedUniversalView(BaseView):
     """A DeepSpeed universal checkpoint (``ds_to_universal.py``'s output) as a lazy view, with
     `CheckpointView`'s methods: each ``zero/<P>/`` folder gives ``P`` (``fp32.pt``) and, when
     present, ``P.exp_avg`` and ``P.exp_avg_sq``, the names `DeepSpeedZeroView` uses.
@@ -424,10 +424,7 @@ class DeepSpeedUniversalView:
         self._param_shapes: dict[str, tuple[int, ...]] | None = None
         self._last: tuple[str, torch.Tensor] | None = None
 
-    def __enter__(self) -> DeepSpeedUniversalView:
-        return self
-
-    def __exit__(self, *exc) -> None:
+    def close(self) -> None:
         self._last = None
 
     def keys(self) -> list[str]:
@@ -508,9 +505,3 @@ class DeepSpeedUniversalView:
             return src.clone()
         out.copy_(src.reshape(box_shape(box)))
         return out
-
-    def get_tensor(self, name: str) -> torch.Tensor:
-        return self.read_region(name, full_box(self._shape_dtype(name)[0]))
-
-    def get_slice(self, name: str) -> TensorSlice:
-        return TensorSlice(self, name)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from anyshard.api.views import StoredShard, TensorSlice
+from anyshard.api.views import BaseView, StoredShard
 from anyshard.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from anyshard.format import storage
 from anyshard.format.datafile import tensor_bytes
@@ -127,7 +127,7 @@ def _check_file_name(name: object, where: str) -> str:
     return name
 
 
-class HFCheckpointView:
+class HFCheckpointView(BaseView):
     """Read-only view of a Hugging Face safetensors checkpoint, used like `CheckpointView`.
 
     >>> import torch, tempfile, anyshard
@@ -260,12 +260,6 @@ class HFCheckpointView:
 
     # --- the view ----------------------------------------------------------------------------
 
-    def __enter__(self) -> HFCheckpointView:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def close(self) -> None:
         with self._lock:
             for r in self._readers.values():
@@ -317,12 +311,6 @@ class HFCheckpointView:
             for k, v in self._header(file).metadata.items():
                 out.setdefault(k, v)
         return out
-
-    def get_tensor(self, name: str) -> torch.Tensor:
-        return self.read_region(name, full_box(self._entry(name).shape))
-
-    def get_slice(self, name: str) -> TensorSlice:
-        return TensorSlice(self, name)
 
     def read_region(self, name: str, box: Box, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """The region ``box`` of tensor ``name``, reading only the byte ranges it covers; into

@@ -24,12 +24,12 @@ from typing import Any
 
 import torch
 
-from anyshard.api.views import StoredShard, TensorSlice
+from anyshard.api.views import BaseView, StoredShard
 from anyshard.errors import AnyshardError, CorruptCheckpointError
 from anyshard.format import storage
 from anyshard.format.dtypes import DTYPE_TO_ST
 from anyshard.format.manifest import MeshEntry
-from anyshard.geometry.boxes import Box, box_numel, box_shape, full_box
+from anyshard.geometry.boxes import Box, box_numel, box_shape
 from anyshard.loaders.dcp import checked_region
 from anyshard.reshard.executor import piece_view
 from anyshard.reshard.stored import index_spec
@@ -74,7 +74,7 @@ class _Tensor:
         self.dtype = DTYPE_TO_ST[torch_dtype]
 
 
-class MegatronCheckpointView:
+class MegatronCheckpointView(BaseView):
     """A logical view of a Megatron-LM legacy checkpoint (same methods as `CheckpointView`).
 
     ``path`` is the checkpoint root (``latest_checkpointed_iteration.txt`` picks the iteration)
@@ -224,14 +224,5 @@ class MegatronCheckpointView:
             )
         return dest
 
-    def get_tensor(self, name: str) -> torch.Tensor:
-        return self.read_region(name, full_box(self._entry(name).shape))
-
-    def get_slice(self, name: str) -> TensorSlice:
-        return TensorSlice(self, name)
-
-    def __enter__(self) -> MegatronCheckpointView:
-        return self
-
-    def __exit__(self, *exc) -> None:
+    def close(self) -> None:
         self._loaded = None

@@ -32,12 +32,12 @@ from typing import Any
 
 import torch
 
-from anyshard.api.state import _has_tensor, is_json_value, json_roundtrip
-from anyshard.api.views import TensorSlice
+from anyshard.api.state import has_tensor, is_json_value, json_roundtrip
+from anyshard.api.views import BaseView
 from anyshard.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from anyshard.format import storage
 from anyshard.format.dtypes import DTYPE_TO_ST
-from anyshard.geometry.boxes import Box, box_shape, full_box
+from anyshard.geometry.boxes import Box, box_shape
 from anyshard.loaders.dcp import checked_region
 from anyshard.loaders.hf import HFTensorMetadata, _check_file_name, _split
 
@@ -164,10 +164,10 @@ class LoadedFile:
             if (
                 isinstance(value, dict)
                 and value
-                and (_has_tensor(value) or not is_json_value(value))
+                and (has_tensor(value) or not is_json_value(value))
             ):
                 self._walk(value, fqn, where)
-            elif isinstance(value, (list, tuple)) and _has_tensor(value):
+            elif isinstance(value, (list, tuple)) and has_tensor(value):
                 self._walk(value, fqn, where)
             else:
                 self._leaf(fqn, value, where)
@@ -213,7 +213,7 @@ class _Entry:
         return DTYPE_TO_ST[self.torch_dtype]
 
 
-class TorchSaveView:
+class TorchSaveView(BaseView):
     """Read-only view of ``torch.save`` files (same methods as `CheckpointView`).
 
     >>> import torch, tempfile, anyshard
@@ -310,10 +310,7 @@ class TorchSaveView:
 
     # --- the view ----------------------------------------------------------------------------
 
-    def __enter__(self) -> TorchSaveView:
-        return self
-
-    def __exit__(self, *exc) -> None:
+    def close(self) -> None:
         with self._lock:
             self._loaded.clear()  # drops the mappings
 
@@ -380,9 +377,3 @@ class TorchSaveView:
         src = t[tuple(slice(lo, hi) for lo, hi in box)]
         dest = torch.empty(box_shape(box), dtype=t.dtype) if out is None else out
         return dest.copy_(src)
-
-    def get_tensor(self, name: str) -> torch.Tensor:
-        return self.read_region(name, full_box(self._entry(name).shape))
-
-    def get_slice(self, name: str) -> TensorSlice:
-        return TensorSlice(self, name)

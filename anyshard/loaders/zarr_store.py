@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from anyshard.api.views import StoredShard, TensorSlice
+from anyshard.api.views import BaseView, StoredShard
 from anyshard.errors import AnyshardError, CheckpointNotFoundError, CorruptCheckpointError
 from anyshard.format import storage
 from anyshard.format.dtypes import DTYPE_TO_ST
@@ -287,7 +287,7 @@ class ZarrTensorMetadata:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-class ZarrView:
+class ZarrView(BaseView):
     """Read-only view of a zarr v3 group of arrays (an `write_zarr` export or any such store),
     through tensorstore; same methods as `anyshard.open`'s view."""
 
@@ -331,10 +331,7 @@ class ZarrView:
             self._meta[name] = (ZarrTensorMetadata(name, shape, dtype, chunks), meta)
         self._open: dict[str, Any] = {}
 
-    def __enter__(self) -> ZarrView:
-        return self
-
-    def __exit__(self, *exc) -> None:
+    def close(self) -> None:
         self._open.clear()
 
     def keys(self) -> list[str]:
@@ -385,12 +382,6 @@ class ZarrView:
             return t
         out.copy_(t)
         return out
-
-    def get_tensor(self, name: str) -> torch.Tensor:
-        return self.read_region(name, full_box(self.metadata(name).shape))
-
-    def get_slice(self, name: str) -> TensorSlice:
-        return TensorSlice(self, name)
 
     def _entry(self, name: str):  # what TensorSlice reads: shape and dtype
         md = self.metadata(name)
