@@ -291,8 +291,8 @@ def _convert(args) -> int:
     import re
 
     from anyshard.format import storage
+    from anyshard.loaders import parse_dtype, parse_size
     from anyshard.loaders.convert import convert
-    from anyshard.loaders.export import parse_dtype, parse_size
 
     if args.spec is None and args.layout:
         raise _Usage("--layout needs --spec (the UCL spec the layout is for)")

@@ -8,17 +8,11 @@ from __future__ import annotations
 
 from anyshard.api.open import Format, register_format
 from anyshard.loaders import dcp, deepspeed, hf, megatron_dist, torchsave, zarr_store
+from anyshard.loaders._shared import ExportReport, parse_dtype, parse_size, select_names
 from anyshard.loaders.convert import DiffReport, TensorDiff, convert, diff
 from anyshard.loaders.dcp import DCPCheckpointView
 from anyshard.loaders.deepspeed import DeepSpeedUniversalView, DeepSpeedZeroView
-from anyshard.loaders.export import (
-    ExportReport,
-    parse_dtype,
-    parse_size,
-    select_names,
-    write_anyshard,
-    write_hf,
-)
+from anyshard.loaders.export import write_anyshard, write_hf
 from anyshard.loaders.export_dcp import write_dcp
 from anyshard.loaders.hf import HFCheckpointView, HFTensorMetadata
 from anyshard.loaders.megatron import MegatronCheckpointView, megatron_file_name

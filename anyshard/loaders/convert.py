@@ -20,7 +20,8 @@ from anyshard.api.open import open_checkpoint
 from anyshard.errors import AnyshardError
 from anyshard.format.dtypes import ST_TO_DTYPE
 from anyshard.geometry.boxes import full_box
-from anyshard.loaders.export import ExportReport, Progress, write_anyshard, write_hf
+from anyshard.loaders._shared import ExportReport, Progress
+from anyshard.loaders.export import write_anyshard, write_hf
 
 __all__ = ["DiffReport", "TensorDiff", "convert", "diff", "format_of"]
 

@@ -27,6 +27,7 @@ from anyshard.errors import CheckpointNotFoundError, CorruptCheckpointError
 from anyshard.format import storage
 from anyshard.format.dtypes import DTYPE_TO_ST
 from anyshard.geometry.boxes import Box, box_runs, box_shape, intersect
+from anyshard.loaders._shared import checked_region
 
 __all__ = ["DCPCheckpointView", "DCPTensorMetadata", "looks_like_dcp"]
 
@@ -100,16 +101,6 @@ class _MetadataUnpickler(pickle.Unpickler):
             f"{self.where}: the DCP metadata names {module}.{name}, which is not part of DCP's "
             "metadata; refusing to load it (it could run code)"
         )
-
-
-def checked_region(name: str, box, shape: tuple[int, ...]) -> Box:
-    """``box`` as ints; an IndexError naming the tensor when it is not inside ``shape``."""
-    box = tuple((int(lo), int(hi)) for lo, hi in box)
-    if len(box) != len(shape) or any(
-        not 0 <= lo <= hi <= n for (lo, hi), n in zip(box, shape, strict=True)
-    ):
-        raise IndexError(f"{name}: region {list(box)} is outside its shape {list(shape)}")
-    return box
 
 
 def looks_like_dcp(path: str) -> bool:

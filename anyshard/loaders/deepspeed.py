@@ -45,8 +45,9 @@ from anyshard.api.views import BaseView, StoredShard
 from anyshard.errors import CheckpointNotFoundError, CorruptCheckpointError, LayoutError
 from anyshard.format import storage
 from anyshard.geometry.boxes import Box, box_shape, full_box
-from anyshard.loaders.dcp import DCPTensorMetadata, checked_region
-from anyshard.loaders.megatron import MegatronCheckpointView, _rank_grid, _Tensor
+from anyshard.loaders._shared import checked_region, rank_grid
+from anyshard.loaders.dcp import DCPTensorMetadata
+from anyshard.loaders.megatron import MegatronCheckpointView, _Tensor
 
 __all__ = [
     "DeepSpeedUniversalView",
@@ -255,7 +256,7 @@ class DeepSpeedZeroView(MegatronCheckpointView):
 
     def __init__(self, path: str, *, layout: dict[str, int] | None = None, spec: Any = None):
         self.path = _step_dir(path, "latest")
-        names, dp, tp = _rank_grid(self.path, _ZERO_FILE, "ZeRO optimizer files", ("dp", "tp"))
+        names, dp, tp = rank_grid(self.path, _ZERO_FILE, "ZeRO optimizer files", ("dp", "tp"))
         entries = storage.listdir(self.path)
         z3_models = sorted(n for n in entries if _Z3_MODEL_FILE.match(n))
         models = z3_models or sorted(n for n in entries if _MODEL_FILE.match(n))

@@ -24,7 +24,7 @@ import os
 import re
 import struct
 import tempfile
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -45,45 +45,13 @@ from anyshard.format.datafile import DATAFILE_VERSION, tensor_bytes
 from anyshard.format.dtypes import DTYPE_TO_ST, ST_TO_DTYPE
 from anyshard.format.manifest import MeshEntry
 from anyshard.geometry.boxes import Piece, box_shape, full_box
+from anyshard.loaders._shared import ExportItem, ExportReport, Progress, export_items, parse_size
 from anyshard.ucl.evaluate import compile, coords_of_rank, layout_for
 from anyshard.ucl.library import load_spec
 
-__all__ = [
-    "ExportReport",
-    "Progress",
-    "parse_dtype",
-    "parse_size",
-    "select_names",
-    "write_anyshard",
-    "write_hf",
-]
-
-# (tensors done, tensors in all, bytes done, bytes in all): called after each tensor.
-Progress = Callable[[int, int, int, int], None]
+__all__ = ["write_anyshard", "write_hf"]
 
 _BLOCK = 64 << 20  # a tensor larger than this is copied to a Hugging Face file in row blocks
-_SIZE_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
-_DTYPES = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "float": torch.float32,
-}
 # safetensors orders a file's data by dtype alignment, largest first, then by name: the rank
 # of each dtype in its ordering (safetensors' Dtype enum order).
 _ST_ORDER = {
@@ -95,119 +63,7 @@ _ST_ORDER = {
 _PLAIN_MESH = MeshEntry(dims=("world",), sizes=(1,), offset=0, strides=(1,))
 
 
-@dataclass(frozen=True, slots=True)
-class ExportReport:
-    """What a writer wrote: ``files`` relative to ``path``; ``num_tensors`` of the source's
-    tensors in ``num_bytes`` bytes as stored (progress counts stored tensors: under a spec, a
-    rank's local tensors)."""
-
-    path: str
-    format: str  # "huggingface-safetensors" or "anyshard"
-    files: tuple[str, ...]
-    num_tensors: int
-    num_bytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class _Item:
-    target: str  # name written
-    source: str  # name in the view
-    shape: tuple[int, ...]
-    src_dtype: torch.dtype
-    dtype: torch.dtype  # as written
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-def parse_size(size: int | str) -> int:
-    """Bytes from ``5GB`` (10^9), ``2GiB`` (2^30), ``500MB``, ``123`` (as transformers reads
-    ``max_shard_size``).
-
-    >>> parse_size("5GB"), parse_size("1KiB"), parse_size(100)
-    (5000000000, 1024, 100)
-    """
-    if isinstance(size, int) and not isinstance(size, bool):
-        value = size
-    else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", str(size).upper())
-        if m is None:
-            raise AnyshardError(
-                f"{size!r} is not a size; write e.g. 5GB, 500MB or 2GiB (or a number of bytes)"
-            )
-        value = int(float(m.group(1)) * _SIZE_UNITS[m.group(2) or ""])
-    if value <= 0:
-        raise AnyshardError(f"a shard size must be positive, got {size!r}")
-    return value
-
-
-def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    """``bf16``, ``fp16``, ``fp32`` (or their torch names, or a `torch.dtype`)."""
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    key = str(dtype).lower().removeprefix("torch.")
-    if key not in _DTYPES:
-        raise AnyshardError(f"unknown dtype {dtype!r}; use bf16, fp16 or fp32")
-    return _DTYPES[key]
-
-
-def select_names(
-    names: Iterable[str],
-    only: str | re.Pattern | None = None,
-    rename: Mapping[str, str] | Sequence[tuple[str, str]] | None = None,
-) -> dict[str, str]:
-    """Written name -> source name: the names ``only`` finds (``re.search``), each rewritten by
-    every ``(pattern, replacement)`` of ``rename`` in turn (``re.sub``).
-
-    >>> select_names(["a.w", "b.w", "c.b"], only=r"\\.w$", rename=[(r"^a\\.", "x.")])
-    {'x.w': 'a.w', 'b.w': 'b.w'}
-    """
-    pattern = _regex(only) if only is not None else None
-    rules = list(rename.items()) if isinstance(rename, Mapping) else list(rename or ())
-    subs = [(_regex(a), b) for a, b in rules]
-    out: dict[str, str] = {}
-    clashes: list[str] = []
-    for src in names:
-        if pattern is not None and not pattern.search(src):
-            continue
-        dst = src
-        for rx, repl in subs:
-            try:
-                dst = rx.sub(repl, dst)
-            except re.error as e:
-                raise AnyshardError(f"rename {rx.pattern!r} -> {repl!r}: {e}") from None
-        if dst in out:
-            clashes.append(f"{out[dst]!r} and {src!r} both become {dst!r}")
-        out[dst] = src
-    if clashes:
-        raise AnyshardError(
-            "the renames give two tensors one name: " + "; ".join(sorted(clashes)[:10])
-        )
-    return out
-
-
-def _regex(p: str | re.Pattern) -> re.Pattern:
-    if isinstance(p, re.Pattern):
-        return p
-    try:
-        return re.compile(p)
-    except re.error as e:
-        raise AnyshardError(f"{p!r} is not a regular expression ({e})") from None
-
-
-def _items(view, only, rename, dtype) -> list[_Item]:
-    cast = parse_dtype(dtype)
-    items = []
-    for target, source in select_names(view.keys(), only, rename).items():
-        s = view.get_slice(source)
-        src_dtype = ST_TO_DTYPE[s.get_dtype()]
-        out = cast if cast is not None and src_dtype.is_floating_point else src_dtype
-        items.append(_Item(target, source, tuple(s.get_shape()), src_dtype, out))
-    return items
-
-
-def _blocks(view, item: _Item) -> Iterator[torch.Tensor]:
+def _blocks(view, item: ExportItem) -> Iterator[torch.Tensor]:
     """The tensor, whole or in row blocks of about `_BLOCK` bytes, as written."""
     shape = item.shape
     row = math.prod(shape[1:]) * item.src_dtype.itemsize if shape else 0
@@ -226,12 +82,12 @@ def _blocks(view, item: _Item) -> Iterator[torch.Tensor]:
 # --- Hugging Face -------------------------------------------------------------------------------
 
 
-def _split_shards(items: list[_Item], max_size: int) -> list[tuple[str, list[_Item]]]:
+def _split_shards(items: list[ExportItem], max_size: int) -> list[tuple[str, list[ExportItem]]]:
     """Files and their tensors, as huggingface_hub splits a state dict: in order, a new shard
     when the next tensor would pass ``max_size``; a tensor larger than that alone in a shard
     (placed before the shard being filled)."""
-    shards: list[list[_Item]] = []
-    current: list[_Item] = []
+    shards: list[list[ExportItem]] = []
+    current: list[ExportItem] = []
     size = 0
     for it in items:
         if it.nbytes > max_size:
@@ -250,7 +106,7 @@ def _split_shards(items: list[_Item], max_size: int) -> list[tuple[str, list[_It
     return [(f"model-{i + 1:05d}-of-{n:05d}.safetensors", s) for i, s in enumerate(shards)]
 
 
-def _hf_header(items: list[_Item]) -> bytes:
+def _hf_header(items: list[ExportItem]) -> bytes:
     """The header safetensors writes for ``items`` (already in file order)."""
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
@@ -316,7 +172,7 @@ def write_hf(
     >>> anyshard.open(d + "/hf").get_tensor("w").sum().item()
     16.0
     """
-    items = sorted(_items(view, only, rename, dtype), key=lambda it: it.target)
+    items = sorted(export_items(view, only, rename, dtype), key=lambda it: it.target)
     single = dst.endswith(".safetensors")
     if single:
         root, name = os.path.split(dst) if not storage.is_url(dst) else dst.rsplit("/", 1)
@@ -377,7 +233,7 @@ class _LocalWrite:
 
 
 def _plain_plan(
-    items: list[_Item], values: dict
+    items: list[ExportItem], values: dict
 ) -> tuple[list[list[_LocalWrite]], list[SaveReport]]:
     writes, entries = [], {}
     for it in sorted(items, key=lambda it: it.target):
@@ -403,7 +259,7 @@ def _report(
 
 
 def _spec_plan(
-    items: list[_Item], spec, layout: Mapping[str, int], values: dict
+    items: list[ExportItem], spec, layout: Mapping[str, int], values: dict
 ) -> tuple[list[list[_LocalWrite]], list[SaveReport]]:
     """Every rank's writes and report under ``spec``; all mismatches with the view at once."""
     parsed = load_spec(spec)
@@ -455,7 +311,7 @@ def _spec_plan(
     return plan, reports
 
 
-def _local_write(t, by_name: dict[str, _Item], problems: set[str]) -> _LocalWrite | None:
+def _local_write(t, by_name: dict[str, ExportItem], problems: set[str]) -> _LocalWrite | None:
     parts, dtypes = [], set()
     ok = True
     for part in t.parts:
@@ -616,7 +472,7 @@ def write_anyshard(
     (('data/rank-00000.safetensors', 'data/rank-00001.safetensors'), [6.0, 7.0])
     """
     refuse_committed(dst)
-    items = _items(view, only, rename, dtype)
+    items = export_items(view, only, rename, dtype)
     values = {k: view.get_value(k) for k in view.value_keys()}
     if spec is None:
         if layout:

@@ -23,7 +23,7 @@ import torch
 
 from anyshard.errors import AnyshardError, SaveError
 from anyshard.format import storage
-from anyshard.loaders.export import ExportReport, Progress, _items, select_names
+from anyshard.loaders._shared import ExportReport, Progress, export_items, select_names
 
 __all__ = ["write_dcp"]
 
@@ -78,7 +78,7 @@ def write_dcp(
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.planner import WriteItemType
 
-    items = {it.target: it for it in _items(view, only, rename, dtype)}
+    items = {it.target: it for it in export_items(view, only, rename, dtype)}
     values = {
         target: view.get_value(source)
         for target, source in select_names(view.value_keys(), only, rename).items()

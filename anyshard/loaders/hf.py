@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os.path
-import posixpath
 import struct
 import threading
 from dataclasses import dataclass
@@ -30,6 +28,7 @@ from anyshard.format import storage
 from anyshard.format.datafile import tensor_bytes
 from anyshard.format.dtypes import ST_TO_DTYPE
 from anyshard.geometry.boxes import Box, box_runs, box_shape, full_box
+from anyshard.loaders._shared import check_file_name, split_path
 
 __all__ = [
     "FORMAT",
@@ -109,24 +108,6 @@ def looks_like_hf(path: str) -> bool:
     return any(looks_like_file(n) for n in names)
 
 
-def _check_file_name(name: object, where: str) -> str:
-    """A file an index names: a plain relative POSIX path, never outside the checkpoint."""
-    ok = (
-        isinstance(name, str)
-        and name
-        and "://" not in name
-        and not name.startswith("/")
-        and "\\" not in name
-        and all(p not in ("", ".", "..") for p in name.split("/"))
-    )
-    if not ok:
-        raise CorruptCheckpointError(
-            f"{where}: names the file {name!r}, which is not a relative path inside the "
-            "checkpoint; the index is corrupt or hostile"
-        )
-    return name
-
-
 class HFCheckpointView(BaseView):
     """Read-only view of a Hugging Face safetensors checkpoint, used like `CheckpointView`.
 
@@ -155,10 +136,10 @@ class HFCheckpointView(BaseView):
 
     def _find(self, path: str) -> tuple[str, list[str], dict[str, str] | None]:
         if path.endswith(".safetensors.index.json"):
-            root, name = _split(path)
+            root, name = split_path(path)
             return (root, *self._read_index(root, name))
         if path.endswith(".safetensors"):
-            root, name = _split(path)
+            root, name = split_path(path)
             if not storage.exists(path):
                 raise CheckpointNotFoundError(f"{path}: no such safetensors file")
             return root, [name], None
@@ -204,7 +185,7 @@ class HFCheckpointView(BaseView):
             )
         files = []
         for tensor, file in weight_map.items():
-            _check_file_name(file, f"{where} (tensor {tensor!r})")
+            check_file_name(file, f"{where} (tensor {tensor!r})")
             if file not in files:
                 files.append(file)
         self.index, self.index_name = doc, name
@@ -358,12 +339,6 @@ class HFCheckpointView(BaseView):
             raise CorruptCheckpointError(
                 f"{self._file_path(file)}: the file is truncated ({e}); it was copied incompletely"
             ) from None
-
-
-def _split(path: str) -> tuple[str, str]:
-    if storage.is_url(path):
-        return posixpath.dirname(path), posixpath.basename(path)
-    return os.path.dirname(path), os.path.basename(path)
 
 
 def _read_local(reader: storage.FileReader, spans: list[tuple[int, int]], dest: memoryview) -> int:

@@ -30,7 +30,7 @@ from anyshard.format import storage
 from anyshard.format.dtypes import DTYPE_TO_ST
 from anyshard.format.manifest import MeshEntry
 from anyshard.geometry.boxes import Box, box_numel, box_shape
-from anyshard.loaders.dcp import checked_region
+from anyshard.loaders._shared import checked_region, rank_grid
 from anyshard.reshard.executor import piece_view
 from anyshard.reshard.stored import index_spec
 from anyshard.ucl.evaluate import coords_of_rank, layout_for
@@ -45,25 +45,6 @@ def megatron_file_name(tp_rank: int, pp_rank: int, pp: int) -> str:
     """The file of a (tp, pp) rank under an ``iter_*`` directory, as Megatron-LM names it."""
     rank_dir = f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
     return f"{rank_dir}/model_optim_rng.pt"
-
-
-def _rank_grid(path: str, pattern: re.Pattern, what: str, dims: tuple[str, str]):
-    """The entries of ``path`` whose names match ``pattern`` (two integer groups, the second
-    optional), by (a, b); and the grid's two sizes, checked complete."""
-    found = {}
-    for entry in storage.listdir(path):
-        m = pattern.match(entry.rstrip("/").rsplit("/", 1)[-1])
-        if m:
-            found[(int(m.group(1)), int(m.group(2) or 0))] = m.group(0)
-    if not found:
-        raise CorruptCheckpointError(f"{path}: no {what}")
-    a = 1 + max(i for i, _ in found)
-    b = 1 + max(j for _, j in found)
-    if len(found) != a * b:
-        raise CorruptCheckpointError(
-            f"{path}: found {len(found)} of the {a * b} {what} of {dims[0]}={a}, {dims[1]}={b}"
-        )
-    return found, a, b
 
 
 class _Tensor:
@@ -86,7 +67,7 @@ class MegatronCheckpointView(BaseView):
 
     def __init__(self, path: str, *, layout: dict[str, int], spec: Any = "megatron_gpt"):
         self.path = self._iteration_dir(path)
-        _, tp, pp = _rank_grid(self.path, _RANK_DIR, "mp_rank directories", ("tp", "pp"))
+        _, tp, pp = rank_grid(self.path, _RANK_DIR, "mp_rank directories", ("tp", "pp"))
         full_layout = {
             **{k: v for k, v in layout.items() if k not in ("tp", "pp", "dp")},
             "tp": tp,

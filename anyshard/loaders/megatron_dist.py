@@ -45,14 +45,8 @@ from anyshard.api.views import StoredShard
 from anyshard.errors import AnyshardError, CheckpointNotFoundError, CorruptCheckpointError
 from anyshard.format import storage
 from anyshard.geometry.boxes import Box, box_numel, box_shape, full_box, intersect
-from anyshard.loaders.dcp import (
-    METADATA,
-    DCPCheckpointView,
-    DCPTensorMetadata,
-    _Chunk,
-    _Tensor,
-    checked_region,
-)
+from anyshard.loaders._shared import checked_region
+from anyshard.loaders.dcp import METADATA, DCPCheckpointView, DCPTensorMetadata, _Chunk, _Tensor
 from anyshard.loaders.megatron import MegatronCheckpointView
 from anyshard.loaders.torchsave import LoadedFile, load_weights_only
 

@@ -38,8 +38,8 @@ from anyshard.errors import CheckpointNotFoundError, CorruptCheckpointError, Sto
 from anyshard.format import storage
 from anyshard.format.dtypes import DTYPE_TO_ST
 from anyshard.geometry.boxes import Box, box_shape
-from anyshard.loaders.dcp import checked_region
-from anyshard.loaders.hf import HFTensorMetadata, _check_file_name, _split
+from anyshard.loaders._shared import check_file_name, checked_region, split_path
+from anyshard.loaders.hf import HFTensorMetadata
 
 __all__ = [
     "FORMAT",
@@ -241,12 +241,12 @@ class TorchSaveView(BaseView):
 
     def _find(self, path: str) -> tuple[str, list[str], dict[str, str] | None]:
         if path.endswith(_INDEX_SUFFIXES):
-            root, name = _split(path)
+            root, name = split_path(path)
             return (root, *self._read_index(root, name))
         if path.endswith(_SUFFIXES):
             if not storage.exists(path):
                 raise CheckpointNotFoundError(f"{path}: no such torch.save file")
-            root, name = _split(path)
+            root, name = split_path(path)
             return root, [name], None
         try:
             names = {n.rstrip("/").rsplit("/", 1)[-1] for n in storage.listdir(path)}
@@ -277,7 +277,7 @@ class TorchSaveView(BaseView):
             )
         files: list[str] = []
         for tensor, file in weight_map.items():
-            _check_file_name(file, f"{where} (tensor {tensor!r})")
+            check_file_name(file, f"{where} (tensor {tensor!r})")
             if file not in files:
                 files.append(file)
         self.index, self.index_name = doc, name

@@ -37,8 +37,15 @@ from anyshard.errors import AnyshardError, CheckpointNotFoundError, CorruptCheck
 from anyshard.format import storage
 from anyshard.format.dtypes import DTYPE_TO_ST
 from anyshard.geometry.boxes import Box, box_shape, full_box
-from anyshard.loaders.dcp import checked_region
-from anyshard.loaders.export import ExportReport, Progress, _Item, _items, parse_size, select_names
+from anyshard.loaders._shared import (
+    ExportItem,
+    ExportReport,
+    Progress,
+    checked_region,
+    export_items,
+    parse_size,
+    select_names,
+)
 
 __all__ = ["ZarrView", "looks_like_zarr", "write_zarr"]
 
@@ -132,7 +139,7 @@ def chunk_shape(shape: tuple[int, ...], itemsize: int, target: int) -> list[int]
     return chunk
 
 
-def _write_blocks(item: _Item, chunk: list[int]) -> Iterator[Box]:
+def _write_blocks(item: ExportItem, chunk: list[int]) -> Iterator[Box]:
     """Boxes covering the tensor in whole chunks, about `_BLOCK` bytes each."""
     shape = item.shape
     if not shape or math.prod(shape) == 0:
@@ -201,7 +208,7 @@ def write_zarr(
     if bf16 not in ("float32", "bfloat16"):
         raise AnyshardError(f"bf16={bf16!r}: choose 'float32' or 'bfloat16'")
     target = parse_size(chunk_size)
-    items = sorted(_items(view, only, rename, dtype), key=lambda it: it.target)
+    items = sorted(export_items(view, only, rename, dtype), key=lambda it: it.target)
     for it in items:
         _check_name(it.target)
     values = {
