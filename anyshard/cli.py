@@ -75,10 +75,29 @@ def _load_spec_arg(name: str):
     )
 
 
-def _demo(args) -> int:
-    from anyshard.trainer_integration.gpt.demo import main as demo_main
+# Commands that other packages (or anyshard's own reference trainer, ``demo``) add to the CLI:
+# an entry point ``NAME = "module:main"``, where ``main(argv) -> int`` parses its own options.
+COMMANDS_GROUP = "anyshard.commands"
 
-    return demo_main(args.args)
+
+def _plugin_commands() -> dict[str, object]:
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep for ep in entry_points(group=COMMANDS_GROUP)}
+
+
+def _summary(module: str) -> str:
+    """The first line of ``module``'s docstring, read without importing it."""
+    import ast
+    import importlib.util
+
+    try:
+        origin = importlib.util.find_spec(module).origin
+        with open(origin, encoding="utf-8") as f:
+            doc = ast.get_docstring(ast.parse(f.read())) or ""
+    except (ImportError, AttributeError, OSError, SyntaxError, ValueError):
+        doc = ""
+    return doc.strip().splitlines()[0].split(": ", 1)[-1].rstrip(".") if doc.strip() else module
 
 
 def _ucl_check(args) -> int:
@@ -568,14 +587,13 @@ def _parser() -> argparse.ArgumentParser:
         "--dry-run", action="store_true", help="print what would be removed, remove nothing"
     )
     s.set_defaults(run=_gc)
-    s = sub.add_parser(
-        "demo",
-        help="train the reference GPT on local CPU ranks: a rank is killed, the job restarts and "
-        "resumes, then is relaunched under another layout",
-        add_help=False,
-    )
-    s.add_argument("args", nargs=argparse.REMAINDER)
-    s.set_defaults(run=_demo)
+    for name, ep in sorted(_plugin_commands().items()):
+        if name not in sub.choices:
+            c = sub.add_parser(
+                name, help=_summary(ep.module), add_help=False
+            )
+            c.add_argument("args", nargs=argparse.REMAINDER)
+            c.set_defaults(run=lambda args, ep=ep: ep.load()(args.args))
     s = sub.add_parser(
         "ucl",
         help="check and explain UCL specs",
@@ -606,12 +624,15 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+_BUILTIN = ("convert", "diff", "gc", "inspect", "ls", "ucl", "verify")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["demo"]:  # its own options, --help included
-        from anyshard.trainer_integration.gpt.demo import main as demo_main
-
-        return demo_main(argv[1:])
+    if argv and not argv[0].startswith("-") and argv[0] not in _BUILTIN:
+        plugin = _plugin_commands().get(argv[0])
+        if plugin is not None:  # its own options, --help included
+            return plugin.load()(argv[1:])
     args = _parser().parse_args(argv)
     try:
         return args.run(args)

@@ -10,11 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from anyshard.errors import AnyshardError
+from anyshard.ucl import mapping, parser
 from anyshard.ucl.check import check_spec
 from anyshard.ucl.parser import parse_syntax
 from anyshard.ucl.syntax import Spec
 
-__all__ = ["SPEC_DIR", "load_spec", "parse", "shipped_specs"]
+__all__ = ["SPEC_DIR", "load_spec", "parse", "preload", "shipped_specs"]
 
 SPEC_DIR = Path(__file__).parent / "specs"
 
@@ -52,3 +53,11 @@ def load_spec(spec: Spec | str | Path) -> Spec:
         f"spec {spec!r} is neither a file nor a shipped spec ({', '.join(shipped_specs())}) "
         "nor spec text"
     )
+
+
+def preload() -> None:
+    """Build the parsers of mapping expressions and of specs now. Each is built once per
+    process, on first use; a process that forks workers calls this first, so that no worker
+    builds them again."""
+    mapping._parser()
+    parser._parser()

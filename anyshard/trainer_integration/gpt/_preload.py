@@ -1,6 +1,6 @@
 """Imported by the warm launcher's forkserver (`launch.PRELOAD`): builds once what every rank
-would otherwise build on its first restore, the parser of the mapping language."""
+would otherwise build on its first restore, the parsers of the mapping language."""
 
-from anyshard.ucl.mapping import _parser
+from anyshard.ucl.library import preload
 
-_parser()
+preload()
