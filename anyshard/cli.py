@@ -589,9 +589,7 @@ def _parser() -> argparse.ArgumentParser:
     s.set_defaults(run=_gc)
     for name, ep in sorted(_plugin_commands().items()):
         if name not in sub.choices:
-            c = sub.add_parser(
-                name, help=_summary(ep.module), add_help=False
-            )
+            c = sub.add_parser(name, help=_summary(ep.module), add_help=False)
             c.add_argument("args", nargs=argparse.REMAINDER)
             c.set_defaults(run=lambda args, ep=ep: ep.load()(args.args))
     s = sub.add_parser(
