@@ -15,7 +15,7 @@ from anyshard.format.datafile import DataFileHeader, data_path
 from anyshard.format.dtypes import ST_TO_DTYPE
 from anyshard.format.manifest import read_manifest
 from anyshard.geometry.boxes import Box, Piece, full_box
-from anyshard.reshard.fill import Fill, fill_regions
+from anyshard.reshard.fill import execute_fills, match_fills
 from anyshard.reshard.stored import stored_shards
 
 __all__ = ["BaseView", "CheckpointView", "StoredShard", "TensorMetadata", "TensorSlice"]
@@ -170,15 +170,12 @@ class CheckpointView(BaseView):
         """The logical region ``box`` of tensor ``name``, reading only the bytes it needs."""
         entry = self._entry(name)
         shape = tuple(hi - lo for lo, hi in box)
-        out = torch.empty(shape, dtype=ST_TO_DTYPE[entry.dtype])
         piece = Piece(0, shape, full_box(shape), tuple(box))
-        fill_regions(
-            self.path,
-            self.manifest,
-            [Fill(name, out, (piece,))],
-            headers=self._headers,
-            threads=self._threads,
-        )
+        # the stored shards are checked against the data files' headers before the region is
+        # allocated: a manifest's shape is not trusted with memory
+        matched = match_fills(self.path, self.manifest, [(name, (piece,))], headers=self._headers)
+        out = torch.empty(shape, dtype=ST_TO_DTYPE[entry.dtype])
+        execute_fills(matched, [out], threads=self._threads)
         return out
 
     def data_file(self, rank: int) -> str:

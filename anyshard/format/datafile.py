@@ -18,7 +18,7 @@ import crc32c
 import torch
 
 from anyshard.errors import CorruptCheckpointError, FormatVersionError
-from anyshard.format import storage
+from anyshard.format import storage, strict_json
 from anyshard.format.dtypes import DTYPE_TO_ST, ST_TO_DTYPE
 from anyshard.format.manifest import Manifest
 from anyshard.format.pool import io_pool
@@ -132,8 +132,8 @@ def read_header(path: str) -> DataFileHeader:
             "incompletely. Restore the file or load an earlier step"
         ) from None
     try:
-        header = json.loads(raw)
-        meta = json.loads(header.pop("__metadata__")["anyshard"])
+        header = strict_json.loads(bytes(raw))
+        meta = strict_json.loads(header.pop("__metadata__")["anyshard"])
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CorruptCheckpointError(
             f"{path}: not an anyshard data file (bad header: {type(e).__name__}: {e})"

@@ -19,11 +19,21 @@ from anyshard.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     FormatVersionError,
+    MappingError,
     StorageError,
     UCLError,
 )
-from anyshard.format import storage
+from anyshard.format import storage, strict_json
 from anyshard.format.dtypes import ST_TO_DTYPE
+from anyshard.format.strict_json import (
+    FieldError,
+    field_dict,
+    field_int,
+    field_list,
+    field_name,
+    field_str,
+)
+from anyshard.ucl.lowering import compile_mapping
 from anyshard.ucl.mapping import Mapping, parse_mapping
 from anyshard.ucl.ranks import RankTensors, compile_every_rank, written_parts
 
@@ -42,6 +52,7 @@ FORMAT_NAME = "anyshard-checkpoint"
 FORMAT_VERSION = 2  # the newest; a checkpoint without a spec is written as version 1
 MANIFEST_NAME = "manifest.json"
 KNOWN_VERSIONS = (1, 2)
+MAX_WORLD_SIZE = 1 << 24  # ranks a manifest may name: 16 Mi, a thousand times today's largest jobs
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -138,13 +149,32 @@ class MeshEntry:
 
     @classmethod
     def from_json(cls, j: MappingType[str, Any]) -> MeshEntry:
-        return cls(
-            dims=tuple(j["dims"]),
-            sizes=tuple(j["sizes"]),
-            offset=j.get("offset", 0),
-            strides=tuple(j["strides"]) if "strides" in j else None,
-            ranks=tuple(j["ranks"]) if "ranks" in j else None,
-        )
+        """From its JSON, every field checked (`FieldError`)."""
+        j = field_dict(j, "a mesh")
+        dims = tuple(field_name(d, "a mesh dim") for d in field_list(j["dims"], "mesh dims"))
+        sizes = tuple(field_int(n, "a mesh size", 1) for n in field_list(j["sizes"], "mesh sizes"))
+        strides = ranks = None
+        if "strides" in j:
+            strides = tuple(
+                field_int(x, "a mesh stride", lo=-(2**62))
+                for x in field_list(j["strides"], "mesh strides")
+            )
+        if "ranks" in j:
+            ranks = tuple(field_int(r, "a mesh rank") for r in field_list(j["ranks"], "mesh ranks"))
+        offset = field_int(j.get("offset", 0), "the mesh offset")
+        try:
+            return cls(dims=dims, sizes=sizes, offset=offset, strides=strides, ranks=ranks)
+        except ValueError as e:
+            raise FieldError(str(e)) from None
+
+    def rank_range(self) -> tuple[int, int]:
+        """The lowest and highest global rank of the mesh."""
+        if self.ranks is not None:
+            return min(self.ranks), max(self.ranks)
+        lo = hi = self.offset
+        for n, s in zip(self.sizes, self.strides, strict=True):
+            lo, hi = lo + (n - 1) * min(s, 0), hi + (n - 1) * max(s, 0)
+        return lo, hi
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -182,8 +212,14 @@ class TensorEntry:
 
     @classmethod
     def from_json(cls, j: MappingType[str, Any]) -> TensorEntry:
+        """From its JSON, every field checked (`FieldError`)."""
+        j = field_dict(j, "a tensor entry")
+        mapping = j["mapping"]
         return cls(
-            dtype=j["dtype"], shape=tuple(j["shape"]), mesh=int(j["mesh"]), mapping=j["mapping"]
+            dtype=field_str(j["dtype"], "the dtype"),
+            shape=tuple(field_int(n, "a size") for n in field_list(j["shape"], "the shape")),
+            mesh=field_int(j["mesh"], "the mesh number"),
+            mapping=None if mapping is None else field_str(mapping, "the mapping"),
         )
 
 
@@ -204,10 +240,17 @@ class SpecEntry:
 
     @classmethod
     def from_json(cls, j: MappingType[str, Any]) -> SpecEntry:
-        layout = {str(k): int(v) for k, v in j["layout"].items()}
-        if not isinstance(j["text"], str):
-            raise TypeError("spec text is not a string")
-        return cls(text=j["text"], layout=layout, mesh=int(j["mesh"]))
+        """From its JSON, every field checked (`FieldError`)."""
+        j = field_dict(j, "the spec")
+        layout = {
+            field_name(k, "a layout name"): field_int(v, f"layout {k}")
+            for k, v in field_dict(j["layout"], "the spec's layout").items()
+        }
+        return cls(
+            text=field_str(j["text"], "the spec text"),
+            layout=layout,
+            mesh=field_int(j["mesh"], "the spec's mesh number"),
+        )
 
 
 def _check_relative(name: str, where: str) -> str:
@@ -297,18 +340,21 @@ class Manifest:
 
     @classmethod
     def loads(cls, data: bytes, where: str) -> Manifest:
+        """The manifest ``data`` read from ``where``, checked completely before anything is
+        enumerated or allocated from it: `CorruptCheckpointError` (or `FormatVersionError`)
+        naming what is wrong."""
         try:
-            j = json.loads(data)
-        except ValueError as e:
+            j = strict_json.loads(data)
+        except FieldError as e:
             raise CorruptCheckpointError(f"{where}: manifest is not valid JSON ({e})") from None
         if not isinstance(j, dict) or j.get("format") != FORMAT_NAME:
             raise CorruptCheckpointError(
-                f"{where}: not an anyshard manifest (format={j.get('format') if isinstance(j, dict) else None!r})"
+                f"{where}: not an anyshard manifest (format={j.get('format') if isinstance(j, dict) else None!r:.60})"
             )
         version = j.get("format_version")
         if type(version) is not int:  # bool is an int to Python, not to JSON
             raise CorruptCheckpointError(
-                f"{where}: format_version {version!r} is not an integer; the manifest is corrupt"
+                f"{where}: format_version {version!r:.60} is not an integer; the manifest is corrupt"
             )
         if version not in KNOWN_VERSIONS:
             raise FormatVersionError(
@@ -316,25 +362,49 @@ class Manifest:
                 f"({', '.join(map(str, KNOWN_VERSIONS))}); upgrade anyshard to read it"
             )
         try:
-            files = {int(r): _check_relative(f, where) for r, f in j["files"].items()}
-            manifest = cls(
-                world_size=int(j["world_size"]),
-                meshes=tuple(MeshEntry.from_json(m) for m in j["meshes"]),
-                files=files,
-                tensors={k: TensorEntry.from_json(v) for k, v in j["tensors"].items()},
-                values=j.get("values", {}),
-                metadata=j.get("metadata", {}),
-                library=j.get("library", ""),
-                spec=SpecEntry.from_json(j["spec"]) if j.get("spec") is not None else None,
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            if isinstance(e, CorruptCheckpointError):
-                raise
+            manifest = cls._from_json(j, where)
+        except KeyError as e:
             raise CorruptCheckpointError(
-                f"{where}: manifest is malformed ({type(e).__name__}: {e})"
+                f"{where}: manifest is malformed (the field {e.args[0]!r:.60} is missing)"
             ) from None
+        except FieldError as e:
+            raise CorruptCheckpointError(f"{where}: manifest is malformed: {e}") from None
         _check_tensors(manifest, where)
         return manifest
+
+    @classmethod
+    def _from_json(cls, j: dict, where: str) -> Manifest:
+        world = field_int(j["world_size"], "world_size", 1, MAX_WORLD_SIZE)
+        files = {}
+        for r, f in field_dict(j["files"], "files").items():
+            if not (r.isascii() and r.isdigit()):
+                raise FieldError(f"files: {r!r:.40} is not a rank")
+            files[field_int(int(r), "a rank of files", 0, world - 1)] = _check_relative(
+                field_name(f, f"the file of rank {r}"), where
+            )
+        meshes = tuple(MeshEntry.from_json(m) for m in field_list(j["meshes"], "meshes"))
+        for i, m in enumerate(meshes):
+            lo, hi = m.rank_range()
+            if math.prod(m.sizes) > world or lo < 0 or hi >= world:
+                raise FieldError(
+                    f"mesh {i} ({dict(zip(m.dims, m.sizes, strict=True))}) has ranks "
+                    f"{lo}..{hi}, not {math.prod(m.sizes)} distinct ranks of the world of {world}"
+                )
+        tensors = {
+            field_name(k, "a tensor name"): TensorEntry.from_json(v)
+            for k, v in field_dict(j["tensors"], "tensors").items()
+        }
+        spec = j.get("spec")
+        return cls(
+            world_size=world,
+            meshes=meshes,
+            files=files,
+            tensors=tensors,
+            values=field_dict(j.get("values", {}), "values"),
+            metadata=field_dict(j.get("metadata", {}), "metadata"),
+            library=field_str(j.get("library", ""), "library"),
+            spec=SpecEntry.from_json(spec) if spec is not None else None,
+        )
 
 
 def _check_tensors(manifest: Manifest, where: str) -> None:
@@ -344,6 +414,13 @@ def _check_tensors(manifest: Manifest, where: str) -> None:
         if not 0 <= manifest.spec.mesh < len(manifest.meshes):
             raise CorruptCheckpointError(
                 f"{where}: the spec's mesh {manifest.spec.mesh} does not exist"
+            )
+        mesh = manifest.meshes[manifest.spec.mesh]
+        wrong = {d: n for d, n in mesh.axis_sizes.items() if manifest.spec.layout.get(d) != n}
+        if wrong:  # else the spec would be compiled for a mesh the manifest does not bound
+            raise CorruptCheckpointError(
+                f"{where}: the spec's layout {manifest.spec.layout} does not give its mesh "
+                f"dims the sizes of the spec's mesh {mesh.axis_sizes}; the manifest is corrupt"
             )
         try:
             spec_stored = written_parts(manifest.spec_ranks())
@@ -370,18 +447,31 @@ def _check_tensors(manifest: Manifest, where: str) -> None:
         elif not 0 <= t.mesh < len(manifest.meshes):
             why = f"mesh {t.mesh} does not exist (the manifest lists {len(manifest.meshes)})"
         else:
-            try:
-                extra = set(t.parsed.axes) - set(manifest.meshes[t.mesh].dims)
-            except (ValueError, TypeError) as e:  # MappingSyntaxError is a ValueError
-                why = f"mapping {t.mapping!r} does not parse ({e})"
-            else:
-                if not extra:
-                    continue
-                why = f"mapping {t.mapping!r} names mesh dim(s) {sorted(extra)} that its mesh lacks"
+            why = _mapping_problem(t, manifest.meshes[t.mesh])
+            if why is None:
+                continue
         raise CorruptCheckpointError(
             f"{where}: the entry of tensor {fqn!r} is malformed: {why}; the manifest is corrupt "
             "or was written by an incompatible tool"
         )
+
+
+def _mapping_problem(t: TensorEntry, mesh: MeshEntry) -> str | None:
+    """Why ``t``'s mapping cannot describe its stored shards over ``mesh``, or None: it parses,
+    names only the mesh's dims, and lowers for the tensor's shape (at the first coordinate:
+    what fits there fits everywhere)."""
+    try:
+        parsed = t.parsed
+    except (ValueError, TypeError) as e:  # MappingSyntaxError is a ValueError
+        return f"mapping {t.mapping!r} does not parse ({e})"
+    extra = set(parsed.axes) - set(mesh.dims)
+    if extra:
+        return f"mapping {t.mapping!r} names mesh dim(s) {sorted(extra)} that its mesh lacks"
+    try:
+        compile_mapping(parsed, t.shape, mesh.axis_sizes, dict.fromkeys(mesh.dims, 0))
+    except MappingError as e:
+        return f"mapping {t.mapping!r} does not fit the shape {list(t.shape)} ({e})"
+    return None
 
 
 def read_manifest(path: str) -> Manifest:

@@ -18,7 +18,7 @@ from anyshard.reshard.executor import execute_plan
 from anyshard.reshard.planner import ReadPlan, StoredShardInfo, Transfer, match_sources, plan_reads
 from anyshard.reshard.stored import describe_spec, stored_shards
 
-__all__ = ["Fill", "fill_regions"]
+__all__ = ["Fill", "MatchedFills", "execute_fills", "fill_regions", "match_fills"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,26 +30,40 @@ class Fill:
     pieces: tuple[Piece, ...]
 
 
-def fill_regions(
+@dataclass(frozen=True, slots=True)
+class MatchedFills:
+    """The transfers that fill some regions, and the stored shards they read, checked against
+    the data files' headers: nothing is allocated or read yet."""
+
+    path: str
+    manifest: Manifest
+    fqns: tuple[str, ...]
+    transfers: list[Transfer]
+    info: dict[tuple[int, str], StoredShardInfo]
+    dtypes: dict[tuple[int, str], torch.dtype]
+
+
+def match_fills(
     path: str,
     manifest: Manifest,
-    fills: Sequence[Fill],
+    needs: Sequence[tuple[str, tuple[Piece, ...]]],
     *,
     headers: dict[int, DataFileHeader] | None = None,
-    threads: int = 8,
-) -> ReadPlan:
-    """Read what ``fills`` need, only that, and write it into their tensors."""
+) -> MatchedFills:
+    """Where the regions ``needs`` (logical tensor, target pieces) are stored, checked against
+    the data files' headers (read once into ``headers``): `CorruptCheckpointError` when the
+    stored shards do not cover them exactly once or do not match the headers."""
     transfers: list[Transfer] = []
     shapes: dict[tuple[int, str], tuple[int, ...]] = {}  # stored shards used: (rank, key)
     stored_dtype: dict[tuple[int, str], str] = {}
-    for i, f in enumerate(fills):
-        entry = manifest.tensors[f.fqn]
+    for i, (fqn, pieces) in enumerate(needs):
+        entry = manifest.tensors[fqn]
         used: dict[tuple[int, str], tuple[int, ...]] = {}
         transfers += match_sources(
-            f.fqn,
+            fqn,
             i,
-            f.pieces,
-            lambda needed, fqn=f.fqn: (
+            pieces,
+            lambda needed, fqn=fqn: (
                 (s.rank, s.key, s.shard) for s in stored_shards(manifest, fqn, needed)
             ),
             used,
@@ -79,16 +93,38 @@ def fill_regions(
             stored.start, stored.stop, dtype.itemsize, stored.crc32c
         )
         dtypes[(rank, key)] = dtype
+    fqns = tuple(fqn for fqn, _ in needs)
+    return MatchedFills(path, manifest, fqns, transfers, info, dtypes)
+
+
+def execute_fills(
+    matched: MatchedFills, dests: Sequence[torch.Tensor], *, threads: int = 8
+) -> ReadPlan:
+    """Read what ``matched`` needs, only that, into ``dests`` (one per need, in order)."""
+    path, manifest = matched.path, matched.manifest
     direct_ok = [
-        f.dest.device.type == "cpu"
-        and f.dest.is_contiguous()
-        and f.dest.dtype == ST_TO_DTYPE[manifest.tensors[f.fqn].dtype]
-        for f in fills
+        d.device.type == "cpu"
+        and d.is_contiguous()
+        and d.dtype == ST_TO_DTYPE[manifest.tensors[fqn].dtype]
+        for fqn, d in zip(matched.fqns, dests, strict=True)
     ]
     # Object stores: fewer, longer reads (each a GET streamed into the targets); locally,
     # 64 MiB parts that threads read in parallel.
     remote = {"max_part": 128 << 20, "max_request": 128 << 20} if storage.is_url(path) else {}
-    plan = plan_reads(transfers, info, direct_ok, **remote)
+    plan = plan_reads(matched.transfers, matched.info, direct_ok, **remote)
     paths = {r: data_path(path, manifest, r) for r in {t.rank for t in plan.transfers}}
-    execute_plan(plan, [f.dest for f in fills], dtypes, paths, threads=threads)
+    execute_plan(plan, list(dests), matched.dtypes, paths, threads=threads)
     return plan
+
+
+def fill_regions(
+    path: str,
+    manifest: Manifest,
+    fills: Sequence[Fill],
+    *,
+    headers: dict[int, DataFileHeader] | None = None,
+    threads: int = 8,
+) -> ReadPlan:
+    """Read what ``fills`` need, only that, and write it into their tensors."""
+    matched = match_fills(path, manifest, [(f.fqn, f.pieces) for f in fills], headers=headers)
+    return execute_fills(matched, [f.dest for f in fills], threads=threads)
