@@ -1,7 +1,8 @@
 """The ``anyshard`` command: inspect, verify, convert and diff checkpoints, list and clean
 checkpoint roots, check and explain UCL specs.
 
-Exit codes: 0 ok, 1 a problem or difference found (verify, diff), 2 bad usage or input.
+Exit codes: 0 ok, 1 a problem or difference found (verify, diff), 2 bad usage or input (one
+line on stderr), 3 an internal error: a bug in anyshard, printed with its traceback to report.
 Run: ``anyshard --help``, ``anyshard ls /ckpt``.
 """
 
@@ -171,7 +172,7 @@ def _inspect(args) -> int:
         if args.json:
             out = {
                 "format": "anyshard",
-                "format_version": 1,
+                "format_version": m.format_version,
                 "world_size": m.world_size,
                 "meshes": [x.to_json() for x in m.meshes],
                 "values": m.values,
@@ -622,6 +623,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+INTERNAL_ERROR = 3
 _BUILTIN = ("convert", "diff", "gc", "inspect", "ls", "ucl", "verify")
 
 
@@ -642,6 +644,16 @@ def main(argv: list[str] | None = None) -> int:
     except (AnyshardError, _Usage) as e:
         print(f"anyshard {args.command}: {e}", file=sys.stderr)
         return 2
+    except Exception:  # not an input anyshard understood: a bug, shown in full
+        import traceback
+
+        traceback.print_exc()
+        print(
+            f"anyshard {args.command}: internal error (exit code {INTERNAL_ERROR}); the traceback "
+            "above is a bug in anyshard: please report it with the command that raised it",
+            file=sys.stderr,
+        )
+        return INTERNAL_ERROR
 
 
 if __name__ == "__main__":

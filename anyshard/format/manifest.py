@@ -281,10 +281,16 @@ class Manifest:
     library: str = ""
     spec: SpecEntry | None = None
 
+    @property
+    def format_version(self) -> int:
+        """The version this manifest is written as: 2 with a spec, else 1 (readable by every
+        anyshard that reads version 1)."""
+        return FORMAT_VERSION if self.spec is not None else 1
+
     def to_json(self) -> dict[str, Any]:
         out = {
             "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION if self.spec is not None else 1,
+            "format_version": self.format_version,
             "library": self.library,
             "world_size": self.world_size,
             "meshes": [m.to_json() for m in self.meshes],
