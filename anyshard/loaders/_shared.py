@@ -53,6 +53,7 @@ def check_file_name(name: object, where: str) -> str:
         and "://" not in name
         and not name.startswith("/")
         and "\\" not in name
+        and not any(ord(ch) < 32 or ord(ch) == 127 for ch in name)
         and all(p not in ("", ".", "..") for p in name.split("/"))
     )
     if not ok:

@@ -27,7 +27,7 @@ from anyshard.errors import CheckpointNotFoundError, CorruptCheckpointError
 from anyshard.format import storage
 from anyshard.format.dtypes import DTYPE_TO_ST
 from anyshard.geometry.boxes import Box, box_runs, box_shape, intersect
-from anyshard.loaders._shared import checked_region
+from anyshard.loaders._shared import check_file_name, checked_region
 
 __all__ = ["DCPCheckpointView", "DCPTensorMetadata", "looks_like_dcp"]
 
@@ -101,6 +101,19 @@ class _MetadataUnpickler(pickle.Unpickler):
             f"{self.where}: the DCP metadata names {module}.{name}, which is not part of DCP's "
             "metadata; refusing to load it (it could run code)"
         )
+
+
+def _where_stored(info, where: str, what: str) -> tuple[str, int, int]:
+    """The file, offset and length of DCP's storage info ``info``: a file inside the checkpoint,
+    whole non-negative numbers (`CorruptCheckpointError` otherwise)."""
+    file = check_file_name(getattr(info, "relative_path", None), f"{where}: the {what}")
+    offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+    if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
+        raise CorruptCheckpointError(
+            f"{where}: the {what} is stored at offset {offset!r:.40}, length {length!r:.40}; "
+            "not whole numbers >= 0"
+        )
+    return file, offset, length
 
 
 def looks_like_dcp(path: str) -> bool:
@@ -227,6 +240,7 @@ class DCPCheckpointView(BaseView):
         self._lock = threading.Lock()
         self._cache: tuple[tuple[str, int], torch.Tensor] | None = None
         self._layouts: dict[tuple[str, int], _Layout] = {}
+        self._sizes: dict[str, int] = {}
 
     def _index(self, md, where: str) -> None:
         storage_data = md.storage_data
@@ -245,7 +259,7 @@ class DCPCheckpointView(BaseView):
                 info = info_of(None)
                 if info is None:
                     raise CorruptCheckpointError(f"{where}: no storage for value {fqn!r}")
-                self._values[fqn] = (info.relative_path, int(info.offset), int(info.length))
+                self._values[fqn] = _where_stored(info, where, f"value {fqn!r}")
                 continue
             shape = tuple(int(n) for n in meta.size)
             chunks = []
@@ -261,9 +275,7 @@ class DCPCheckpointView(BaseView):
                     raise CorruptCheckpointError(
                         f"{where}: chunk {list(box)} of {fqn!r} is outside {list(shape)}"
                     )
-                chunks.append(
-                    _Chunk(box, str(info.relative_path), int(info.offset), int(info.length))
-                )
+                chunks.append(_Chunk(box, *_where_stored(info, where, f"chunk of {fqn!r}")))
             self._tensors[fqn] = _Tensor(shape, meta.properties.dtype, tuple(chunks))
 
     def close(self) -> None:
@@ -298,8 +310,14 @@ class DCPCheckpointView(BaseView):
 
     def _read(self, file: str, offset: int, length: int) -> bytes:
         path = storage.join(self.path, *file.split("/"))
-        buf = bytearray(length)
         try:
+            size = self._file_size(file)
+            if offset + length > size:  # before allocating what the metadata says
+                raise CorruptCheckpointError(
+                    f"{path}: the DCP metadata places {length} bytes at offset {offset}, past the "
+                    f"end of the file ({size} bytes); the metadata is corrupt or hostile"
+                )
+            buf = bytearray(length)
             with storage.FileReader(path) as reader:
                 reader.read_into(offset, memoryview(buf))
         except FileNotFoundError:
@@ -310,6 +328,21 @@ class DCPCheckpointView(BaseView):
 
     def _data_path(self, file: str) -> str:
         return storage.join(self.path, *file.split("/"))
+
+    def _file_size(self, file: str) -> int:
+        """The size of data file ``file`` (asked once per file)."""
+        with self._lock:
+            if file in self._sizes:
+                return self._sizes[file]
+        try:
+            size = storage.size(self._data_path(file))
+        except FileNotFoundError:
+            raise CorruptCheckpointError(
+                f"{self._data_path(file)}: DCP data file is missing"
+            ) from None
+        with self._lock:
+            self._sizes[file] = size
+        return size
 
     def _load_chunk(self, name: str, c: _Chunk, *, meta: bool) -> Any:
         """``torch.load(weights_only=True)`` of chunk ``c``'s archive, read through a window on
@@ -347,6 +380,13 @@ class DCPCheckpointView(BaseView):
         with self._lock:
             if key in self._layouts:
                 return self._layouts[key]
+        size = self._file_size(c.file)
+        if c.offset + c.length > size:
+            raise CorruptCheckpointError(
+                f"{self._data_path(c.file)}: the DCP metadata places chunk {list(c.box)} of "
+                f"{name!r} at bytes {c.offset}..{c.offset + c.length}, past the end of the file "
+                f"({size} bytes); the metadata is corrupt or hostile"
+            )
         m = self._checked(name, c, t, self._load_chunk(name, c, meta=True))
         record = getattr(m.untyped_storage(), "_checkpoint_offset", None)
         dense = m.is_contiguous() and isinstance(record, int)
@@ -395,19 +435,22 @@ class DCPCheckpointView(BaseView):
         """The region ``box`` of tensor ``name``, reading the chunks it overlaps."""
         t = self._entry(name)
         box = checked_region(name, box, t.shape)
-        dest = torch.empty(box_shape(box), dtype=t.torch_dtype) if out is None else out
-        if dest.numel() == 0:
-            return dest
-        covered = 0
+        if math.prod(box_shape(box)) == 0:
+            return torch.empty(box_shape(box), dtype=t.torch_dtype) if out is None else out
+        # where each overlapping chunk's bytes lie, checked against its file's real size, before
+        # the region is allocated: the metadata's shapes are not trusted with memory
+        parts = []
         for c in t.chunks:
             x = intersect(c.box, box) if t.shape else ()
-            if x is None:
-                continue
+            if x is not None:
+                parts.append((c, x, self._layout(name, c, t)))
+        dest = torch.empty(box_shape(box), dtype=t.torch_dtype) if out is None else out
+        covered = 0
+        for c, x, layout in parts:
             local = tuple((lo - clo, hi - clo) for (lo, hi), (clo, _) in zip(x, c.box, strict=True))
             target = dest[
                 tuple(slice(lo - blo, hi - blo) for (lo, hi), (blo, _) in zip(x, box, strict=True))
             ]
-            layout = self._layout(name, c, t)
             if layout.start is None:  # stored with other strides: the whole chunk, then a copy
                 target.copy_(self._chunk(name, c, t)[tuple(slice(lo, hi) for lo, hi in local)])
             elif target.is_contiguous():

@@ -13,7 +13,6 @@ Run: ``python -m pytest tests/unit/test_loaders_hf.py -q``
 
 from __future__ import annotations
 
-import json
 import math
 import struct
 import threading
@@ -24,7 +23,7 @@ import torch
 
 from anyshard.api.views import BaseView, StoredShard
 from anyshard.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
-from anyshard.format import storage
+from anyshard.format import storage, strict_json
 from anyshard.format.datafile import tensor_bytes
 from anyshard.format.dtypes import ST_TO_DTYPE
 from anyshard.geometry.boxes import Box, box_runs, box_shape, full_box
@@ -173,7 +172,7 @@ class HFCheckpointView(BaseView):
     def _read_index(self, root: str, name: str) -> tuple[list[str], dict[str, str]]:
         where = storage.join(root, name)
         try:
-            doc = json.loads(storage.read_bytes(where))
+            doc = strict_json.loads(storage.read_bytes(where))
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"{where}: no such index file") from None
         except ValueError as e:
@@ -402,7 +401,7 @@ def _read_header(path: str, file: str, reader: storage.FileReader) -> _Header:
             f"{path}: the file is truncated inside its header ({e})"
         ) from None
     try:
-        header = json.loads(raw.decode("utf-8"))
+        header = strict_json.loads(raw.decode("utf-8"))
         if not isinstance(header, dict):
             raise TypeError(f"the header is a JSON {type(header).__name__}, not an object")
     except (ValueError, TypeError) as e:

@@ -32,7 +32,6 @@ Run: ``python -m pytest tests/unit/test_loaders_megatron_dist.py -q``
 
 from __future__ import annotations
 
-import json
 import math
 import warnings
 from dataclasses import dataclass
@@ -43,7 +42,7 @@ import torch
 from anyshard.api.state import is_json_value, json_roundtrip
 from anyshard.api.views import StoredShard
 from anyshard.errors import AnyshardError, CheckpointNotFoundError, CorruptCheckpointError
-from anyshard.format import storage
+from anyshard.format import storage, strict_json
 from anyshard.geometry.boxes import Box, box_numel, box_shape, full_box, intersect
 from anyshard.loaders._shared import checked_region
 from anyshard.loaders.dcp import METADATA, DCPCheckpointView, DCPTensorMetadata, _Chunk, _Tensor
@@ -61,7 +60,7 @@ def looks_like_megatron_dist(path: str) -> bool:
     """Whether ``path`` (a checkpoint directory, or a run's root with
     ``latest_checkpointed_iteration.txt``) has Megatron-core's ``metadata.json``."""
     try:
-        doc = json.loads(storage.read_bytes(storage.join(_checkpoint_dir(path), CONFIG)))
+        doc = strict_json.loads(storage.read_bytes(storage.join(_checkpoint_dir(path), CONFIG)))
     except Exception:
         return False
     return isinstance(doc, dict) and "sharded_backend" in doc
@@ -74,7 +73,7 @@ def _checkpoint_dir(path: str) -> str:
 def _read_config(ckpt: str) -> dict[str, Any]:
     where = storage.join(ckpt, CONFIG)
     try:
-        doc = json.loads(storage.read_bytes(where))
+        doc = strict_json.loads(storage.read_bytes(where))
     except FileNotFoundError:
         raise CheckpointNotFoundError(
             f"{ckpt}: no Megatron-core distributed checkpoint ({CONFIG} missing)"

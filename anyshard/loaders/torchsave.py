@@ -23,7 +23,6 @@ Run: ``python -m pytest tests/unit/test_loaders_torchsave.py -q``
 from __future__ import annotations
 
 import io
-import json
 import re
 import threading
 import warnings
@@ -35,7 +34,7 @@ import torch
 from anyshard.api.state import has_tensor, is_json_value, json_roundtrip
 from anyshard.api.views import BaseView
 from anyshard.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
-from anyshard.format import storage
+from anyshard.format import storage, strict_json
 from anyshard.format.dtypes import DTYPE_TO_ST
 from anyshard.geometry.boxes import Box, box_shape
 from anyshard.loaders._shared import check_file_name, checked_region, split_path
@@ -265,7 +264,7 @@ class TorchSaveView(BaseView):
     def _read_index(self, root: str, name: str) -> tuple[list[str], dict[str, str]]:
         where = storage.join(root, name) if root else name
         try:
-            doc = json.loads(storage.read_bytes(where))
+            doc = strict_json.loads(storage.read_bytes(where))
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"{where}: no such index file") from None
         except ValueError as e:

@@ -34,7 +34,7 @@ import torch
 
 from anyshard.api.views import BaseView, StoredShard
 from anyshard.errors import AnyshardError, CheckpointNotFoundError, CorruptCheckpointError
-from anyshard.format import storage
+from anyshard.format import storage, strict_json
 from anyshard.format.dtypes import DTYPE_TO_ST
 from anyshard.geometry.boxes import Box, box_shape, full_box
 from anyshard.loaders._shared import (
@@ -265,7 +265,7 @@ def write_zarr(
 def looks_like_zarr(path: str) -> bool:
     """A directory whose ``zarr.json`` is a zarr v3 group."""
     try:
-        meta = json.loads(storage.read_bytes(storage.join(path, ZARR_JSON)))
+        meta = strict_json.loads(storage.read_bytes(storage.join(path, ZARR_JSON)))
     except (FileNotFoundError, NotADirectoryError, ValueError, OSError):
         return False
     return isinstance(meta, dict) and meta.get("node_type") == "group"
@@ -304,7 +304,7 @@ class ZarrView(BaseView):
         self.path = path
         where = storage.join(path, ZARR_JSON)
         try:
-            group = json.loads(storage.read_bytes(where))
+            group = strict_json.loads(storage.read_bytes(where))
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"{path}: no zarr store ({ZARR_JSON} missing)") from None
         except ValueError as e:
@@ -318,7 +318,7 @@ class ZarrView(BaseView):
             if name == ZARR_JSON:
                 continue
             try:
-                meta = json.loads(storage.read_bytes(storage.join(path, name, ZARR_JSON)))
+                meta = strict_json.loads(storage.read_bytes(storage.join(path, name, ZARR_JSON)))
             except (FileNotFoundError, NotADirectoryError):
                 continue
             except ValueError as e:
