@@ -470,6 +470,12 @@ def _ls(args) -> int:
         state = "committed" if s.committed else "uncommitted"
         print(f"{s.step:>12}  {state:11}  {_human(s.bytes):>10}  {s.path}")
     num_committed = sum(s.committed for s in listed)
+    if not listed:
+        print(
+            f"{args.root}: no step directories here; ls lists directories named step-<number> "
+            "(step-000001000, step-1000), such as anyshard's Checkpointer writes",
+            file=sys.stderr,
+        )
     print(
         f"{len(listed)} steps ({num_committed} committed, {len(listed) - num_committed} uncommitted), "
         f"{_human(sum(s.bytes for s in listed))}"

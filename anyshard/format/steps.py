@@ -1,6 +1,7 @@
 """Step directories under a checkpoint root: list them, find the newest commit, clear debris.
 
-A root holds one directory per saved step, named ``step-{step:09d}`` (so names sort like steps).
+A root holds one directory per saved step, named ``step-{step:09d}`` (so names sort like steps);
+any ``step-<digits>`` directory counts (``step-001000`` as the README names them, ``step-5``).
 A step is committed when its ``manifest.json`` exists: the manifest is written last, so a step
 without one is either a save still in progress or debris from an interrupted one. Nothing here can
 tell those apart, so debris is only ever removed below the newest committed step: a save in
@@ -28,7 +29,7 @@ __all__ = [
     "step_dir_name",
 ]
 
-_STEP_RE = re.compile(r"^step-(\d{9,})$")
+_STEP_RE = re.compile(r"^step-(\d+)$")
 # The one subdirectory a checkpoint has (anyshard.api.save writes ``data/rank-NNNNN.safetensors``);
 # object stores have no directory entries, so the layout, not a stat, says what to descend into.
 _SUBDIRS = ("data",)

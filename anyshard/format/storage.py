@@ -100,8 +100,22 @@ def size(path: str) -> int:
 
 
 def makedirs(path: str) -> None:
+    """Create ``path`` and its missing parents; locally, durably: the parent of every directory
+    created is synced, so that a crash cannot lose the directory under files written into it."""
     if not is_url(path):
-        os.makedirs(_local(path), exist_ok=True)
+        local = os.path.abspath(_local(path))
+        missing = []
+        while not os.path.isdir(local):
+            missing.append(local)
+            parent = os.path.dirname(local)
+            if parent == local:
+                break
+            local = parent
+        if not missing:
+            return
+        os.makedirs(missing[0], exist_ok=True)
+        for d in reversed(missing):
+            _fsync_dir(os.path.dirname(d))
         return
     fs, p = _fs(path)
     protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
@@ -238,6 +252,8 @@ def open_writer(path: str, *, fsync: bool = True) -> Iterator[BinaryIO]:
                 f.flush()
                 if fsync:
                     os.fsync(f.fileno())
+            if fsync:  # the new file's directory entry, too
+                _fsync_dir(os.path.dirname(_local(path)) or ".")
             return
         fs, p = _fs(path)
         if not hasattr(fs, "call_s3"):

@@ -275,3 +275,23 @@ def test_an_async_checkpointer_stages_then_commits_and_keeps_the_newest(tmp_path
     fresh = {"model": {"w": torch.empty(1 << 16)}}
     assert Checkpointer(root).restore_latest(fresh) == 4
     assert (fresh["model"]["w"] == 4).all()
+
+
+def test_ls_and_gc_take_step_directories_of_any_width_and_say_when_there_are_none(tmp_path, capsys):
+    root = tmp_path / "root"
+    for name in ("step-001000", "step-5"):  # as the README names them, and unpadded
+        anyshard.save(str(root / name), {"w": torch.ones(2)})
+    (root / "step-000000003").mkdir()  # interrupted: older than the newest commit
+    assert [(s.step, s.committed) for s in steps.list_steps(str(root))] == [
+        (3, False),
+        (5, True),
+        (1000, True),
+    ]
+    assert main(["gc", str(root)]) == 0
+    assert not (root / "step-000000003").exists() and (root / "step-5").is_dir()
+    capsys.readouterr()
+    empty = tmp_path / "empty"
+    (empty / "checkpoint-7").mkdir(parents=True)
+    assert main(["ls", str(empty)]) == 0
+    out = capsys.readouterr()
+    assert "0 steps" in out.out and "no step directories here" in out.err
