@@ -164,7 +164,8 @@ def test_list_steps_reports_sizes_and_ignores_other_names(tmp_path):
     anyshard.save(storage.join(root, "step-000000007"), {"w": torch.zeros(256)})
     _crash_debris(root, 9)
     (tmp_path / "notes.txt").write_text("hi")
-    (tmp_path / "step-7").mkdir()  # not the step-{step:09d} form
+    for other in ("step-7b", "step-", "checkpoint-8", "step-+8"):  # not step-<digits>
+        (tmp_path / other).mkdir()
     listed = steps.list_steps(root)
     assert [(s.step, s.committed) for s in listed] == [(7, True), (9, False)]
     assert listed[0].bytes > 1024 and listed[1].bytes == 100
