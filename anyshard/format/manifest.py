@@ -34,7 +34,7 @@ from anyshard.format.strict_json import (
     field_str,
 )
 from anyshard.ucl.lowering import compile_mapping
-from anyshard.ucl.mapping import Mapping, parse_mapping
+from anyshard.ucl.mapping import Chunk, Mapping, On, Split, parse_mapping
 from anyshard.ucl.ranks import RankTensors, compile_every_rank, written_parts
 
 __all__ = [
@@ -303,11 +303,16 @@ class Manifest:
             out["spec"] = self.spec.to_json()
         return out
 
-    def spec_ranks(self) -> tuple[RankTensors, ...]:
-        """The spec compiled for every coordinate of its mesh (cached by text and layout)."""
+    def spec_ranks(self, *, saved: bool = False) -> tuple[RankTensors, ...]:
+        """The spec compiled for every coordinate of its mesh (cached by text and layout); with
+        ``saved``, only for the ranks that have a data file: what a reader can need, so that
+        reading costs what the files hold, never what a layout in the manifest says."""
         if self.spec is None:
             raise ValueError("the manifest has no spec")
-        return compile_every_rank(self.spec.text, tuple(sorted(self.spec.layout.items())))
+        layout = tuple(sorted(self.spec.layout.items()))
+        return compile_every_rank(
+            self.spec.text, layout, tuple(sorted(self.files)) if saved else None
+        )
 
     def shards_per_rank(self) -> np.ndarray:
         """How many stored shards each rank's data file must hold, in O(tensors + ranks x
@@ -423,13 +428,13 @@ def _check_tensors(manifest: Manifest, where: str) -> None:
             )
         mesh = manifest.meshes[manifest.spec.mesh]
         wrong = {d: n for d, n in mesh.axis_sizes.items() if manifest.spec.layout.get(d) != n}
-        if wrong:  # else the spec would be compiled for a mesh the manifest does not bound
+        if wrong or mesh != MeshEntry.row_major(mesh.axis_sizes):
             raise CorruptCheckpointError(
-                f"{where}: the spec's layout {manifest.spec.layout} does not give its mesh "
-                f"dims the sizes of the spec's mesh {mesh.axis_sizes}; the manifest is corrupt"
+                f"{where}: the spec's mesh {mesh.to_json()} is not its layout's "
+                f"{manifest.spec.layout} in row-major rank order; the manifest is corrupt"
             )
         try:
-            spec_stored = written_parts(manifest.spec_ranks())
+            spec_stored = written_parts(manifest.spec_ranks(saved=True))
         except (UCLError, ValueError) as e:
             raise CorruptCheckpointError(
                 f"{where}: the manifest's spec does not compile for its layout ({e})"
@@ -453,7 +458,7 @@ def _check_tensors(manifest: Manifest, where: str) -> None:
         elif not 0 <= t.mesh < len(manifest.meshes):
             why = f"mesh {t.mesh} does not exist (the manifest lists {len(manifest.meshes)})"
         else:
-            why = _mapping_problem(t, manifest.meshes[t.mesh])
+            why = _mapping_problem(t, manifest.meshes[t.mesh], manifest.files)
             if why is None:
                 continue
         raise CorruptCheckpointError(
@@ -462,7 +467,7 @@ def _check_tensors(manifest: Manifest, where: str) -> None:
         )
 
 
-def _mapping_problem(t: TensorEntry, mesh: MeshEntry) -> str | None:
+def _mapping_problem(t: TensorEntry, mesh: MeshEntry, files: MappingType[int, str]) -> str | None:
     """Why ``t``'s mapping cannot describe its stored shards over ``mesh``, or None: it parses,
     names only the mesh's dims, and lowers for the tensor's shape (at the first coordinate:
     what fits there fits everywhere)."""
@@ -473,6 +478,23 @@ def _mapping_problem(t: TensorEntry, mesh: MeshEntry) -> str | None:
     extra = set(parsed.axes) - set(mesh.dims)
     if extra:
         return f"mapping {t.mapping!r} names mesh dim(s) {sorted(extra)} that its mesh lacks"
+    pinned = {op.axis for op in parsed.ops if isinstance(op, On)}
+    split = {op.axis_name for op in parsed.ops if isinstance(op, (Chunk, Split)) and op.axis_name}
+    free = [d for d in mesh.dims if d in split and d not in pinned]
+    shards = math.prod(mesh.axis_sizes[d] for d in free)
+    if shards > len(files):  # every stored shard, even an empty one, is in a data file
+        base = {op.axis: op.index for op in parsed.ops if isinstance(op, On)}
+        for i in range(len(files) + 1):  # one of the first len(files) + 1 holders has no file
+            coords = dict(base)
+            for d in reversed(free):
+                i, coords[d] = divmod(i, mesh.axis_sizes[d])
+            if mesh.rank(coords) not in files:
+                break
+        return (
+            f"mapping {t.mapping!r} stores {shards} shards in the data files of as many ranks, "
+            f"but the manifest names {len(files)} data file(s): no data file for rank "
+            f"{mesh.rank(coords)}, which holds one"
+        )
     try:
         compile_mapping(parsed, t.shape, mesh.axis_sizes, dict.fromkeys(mesh.dims, 0))
     except MappingError as e:

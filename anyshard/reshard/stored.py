@@ -49,9 +49,15 @@ class SpecIndex:
 
 
 @functools.lru_cache(maxsize=16)
-def index_spec(text: str, layout: tuple[tuple[str, int], ...], mesh: MeshEntry) -> SpecIndex:
-    """The spec ``text`` under ``layout`` (sorted items), its ranks numbered by ``mesh``."""
-    ranks = compile_every_rank(text, layout)
+def index_spec(
+    text: str,
+    layout: tuple[tuple[str, int], ...],
+    mesh: MeshEntry,
+    saved: tuple[int, ...] | None = None,
+) -> SpecIndex:
+    """The spec ``text`` under ``layout`` (sorted items), its ranks numbered by ``mesh``
+    (row-major); for the ranks ``saved`` only, when given (those with a data file)."""
+    ranks = compile_every_rank(text, layout, saved)
     written: dict[int, dict[str, LocalTensor]] = {}
     for r in ranks:
         mine = {name: t for name, t in r.tensors.items() if t.written}
@@ -69,7 +75,8 @@ def spec_index(manifest: Manifest) -> SpecIndex:
     s = manifest.spec
     if s is None:
         raise ValueError("the manifest has no spec")
-    return index_spec(s.text, tuple(sorted(s.layout.items())), manifest.meshes[s.mesh])
+    layout = tuple(sorted(s.layout.items()))
+    return index_spec(s.text, layout, manifest.meshes[s.mesh], tuple(sorted(manifest.files)))
 
 
 def stored_shards(manifest: Manifest, fqn: str, needed: Box | None = None) -> Iterator[ShardSource]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from anyshard.geometry.boxes import box_numel, intersect
 from anyshard.geometry.shards import Shard
-from anyshard.ucl.evaluate import LocalTensor, all_coords, compile, layout_for
+from anyshard.ucl.evaluate import LocalTensor, all_coords, compile, coords_of_rank, layout_for
 from anyshard.ucl.library import parse
 
 __all__ = [
@@ -46,13 +46,20 @@ class WrittenPart:
 
 
 @functools.lru_cache(maxsize=16)
-def compile_every_rank(text: str, layout: tuple[tuple[str, int], ...]) -> tuple[RankTensors, ...]:
+def compile_every_rank(
+    text: str, layout: tuple[tuple[str, int], ...], ranks: tuple[int, ...] | None = None
+) -> tuple[RankTensors, ...]:
     """The spec ``text`` compiled for every coordinate of its mesh under ``layout`` (sorted
-    items of mesh sizes and params), in row-major order; cached, as a manifest's spec is
-    compiled by every reader of it."""
+    items of mesh sizes and params), in row-major order; or only for the row-major ``ranks``
+    given (those outside the mesh are skipped). Cached, as a manifest's spec is compiled by
+    every reader of it."""
     spec = parse(text)
     lay = layout_for(spec, dict(layout))
-    return tuple(RankTensors(c, compile(spec, lay, c)) for c in all_coords(lay.sizes))
+    if ranks is None:
+        coords = list(all_coords(lay.sizes))
+    else:
+        coords = [coords_of_rank(lay.sizes, r) for r in ranks if 0 <= r < lay.world_size]
+    return tuple(RankTensors(c, compile(spec, lay, c)) for c in coords)
 
 
 def written_parts(ranks: tuple[RankTensors, ...]) -> dict[str, list[WrittenPart]]:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import anyshard
+from anyshard import ucl
 from anyshard.cli import main as cli
 from anyshard.errors import AnyshardError, CorruptCheckpointError
 from anyshard.reshard.verify import verify_checkpoint
@@ -144,3 +145,47 @@ def test_a_deeply_nested_data_file_header_is_refused(ckpt):
         anyshard.open(ckpt).get_tensor("w")
     with pytest.raises(CorruptCheckpointError):
         verify_checkpoint(ckpt)
+
+
+def test_a_huge_mesh_in_a_tiny_manifest_costs_what_its_files_hold(ckpt, capsys):
+    """world_size and mesh of 10**7 with one data file: refused at once (each stored shard,
+    even an empty one, is in a data file), not enumerated."""
+
+    def huge(m):
+        m["world_size"] = 10**7
+        m["meshes"][0].update(sizes=[10**7], strides=[1], offset=0)
+        m["tensors"]["w"].update(mapping="chunk(0, world)")
+
+    edit_manifest(ckpt, huge)
+    start = time.monotonic()
+    with pytest.raises(CorruptCheckpointError, match="no data file for rank 1"):
+        anyshard.open(ckpt)
+    every_entry_point(ckpt, capsys)
+    assert time.monotonic() - start < 5
+
+
+def test_a_spec_layout_of_a_million_ranks_is_compiled_only_for_the_ranks_with_files(
+    tmp_path, capsys
+):
+    path = str(tmp_path / "spec")
+    spec = 'mesh tp; "w" -> "w" [4] : chunk(0, tp);'
+    ucl.save_local_states(
+        path, {0: {"w": torch.ones(2)}, 1: {"w": torch.ones(2)}}, spec=spec, layout={"tp": 2}
+    )
+
+    def huge(m):
+        m["world_size"] = 10**6
+        m["spec"]["layout"]["tp"] = 10**6
+        m["meshes"][m["spec"]["mesh"]].update(sizes=[10**6], strides=[1], offset=0)
+
+    edit_manifest(path, huge)
+    start = time.monotonic()
+    with anyshard.open(path) as view:
+        assert view.keys() == ["w"]
+        view.metadata("w")
+        with pytest.raises(CorruptCheckpointError):
+            view.get_tensor("w")  # the files hold 2 of the 4 elements under this layout
+    with pytest.raises(AnyshardError):
+        verify_checkpoint(path)
+    assert cli(["inspect", path]) in (0, 2)
+    assert time.monotonic() - start < 5
