@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +17,7 @@ from anyshard.api.state import Leaf, flatten_state, json_roundtrip
 from anyshard.api.tensor_layout import TensorLayout, layout_of
 from anyshard.errors import AnyshardError, SaveError
 from anyshard.format import storage
+from anyshard.format.checksum import crc32c
 from anyshard.format.commit import (
     DATA_DIR,
     ReportedSpec,
@@ -26,7 +28,7 @@ from anyshard.format.commit import (
     data_file_name,
     refuse_committed,
 )
-from anyshard.format.datafile import write_datafile
+from anyshard.format.datafile import tensor_bytes, write_datafile
 from anyshard.format.dtypes import DTYPE_TO_ST
 from anyshard.format.manifest import MeshEntry
 from anyshard.ucl.evaluate import compile, coords_of_rank, layout_for
@@ -92,28 +94,64 @@ def _plan_spec(state_dict, spec, layout, coords, group) -> _LocalPlan:
     return _LocalPlan(writes, tensors, values, ReportedSpec.of(parsed, lay))
 
 
-def _plain_holders(flat: dict, group) -> dict[str, list[int]]:
+def _plain_tensor_crc(t: torch.Tensor) -> int:
+    """crc32c of a plain tensor's bytes as this rank holds them (from host memory)."""
+    host = t.detach()
+    if host.device.type != "cpu":
+        host = host.to("cpu")
+    return crc32c(tensor_bytes(host.contiguous()))
+
+
+def _plain_holders(flat: dict, group, *, check_replicas: bool) -> tuple[dict[str, list[int]], str]:
     """The ranks holding each plain tensor that not every rank holds (the tensors of one
-    pipeline stage, say). One 32-byte all-gather when every rank holds the same names."""
+    pipeline stage, say), and, with ``check_replicas``, the plain tensors whose copies differ
+    between the ranks holding them (a message naming them; empty when they all agree). One
+    32-byte all-gather when every rank holds the same names and the same bytes."""
     from torch.distributed.tensor import DTensor
 
-    names = sorted(
-        k
-        for k, leaf in flat.items()
+    plain = {
+        k: leaf.value
+        for k, leaf in sorted(flat.items())
         if isinstance(leaf.value, torch.Tensor) and not isinstance(leaf.value, DTensor)
-    )
-    digest = hashlib.sha256("\n".join(names).encode()).digest()
+    }
+    crcs = {k: _plain_tensor_crc(t) for k, t in plain.items()} if check_replicas else {}
+    digest = hashlib.sha256(json.dumps([list(plain), crcs]).encode()).digest()
     if coll.all_equal(digest, group):
-        return {}
-    lists = coll.gather_json(names, group)
-    partial = None
-    if lists is not None:
+        return {}, ""
+    reports = coll.gather_json([list(plain), crcs], group)
+    outcome = None
+    if reports is not None:
         held: dict[str, list[int]] = {}
-        for r, ns in enumerate(lists):
-            for n in ns:
+        for r, (names, _) in enumerate(reports):
+            for n in names:
                 held.setdefault(n, []).append(r)
-        partial = {n: rs for n, rs in held.items() if len(rs) < len(lists)}
-    return coll.broadcast_json(partial, group)
+        partial = {n: rs for n, rs in held.items() if len(rs) < len(reports)}
+        outcome = [partial, _divergence(held, reports)]
+    partial, divergent = coll.broadcast_json(outcome, group)
+    return partial, divergent
+
+
+def _divergence(held: dict[str, list[int]], reports: list) -> str:
+    """A message naming the plain tensors whose holders hold different bytes, or ''."""
+    lines = []
+    for name, ranks in sorted(held.items()):
+        groups: dict[int, list[int]] = {}
+        for r in ranks:
+            crc = reports[r][1].get(name)
+            if crc is not None:
+                groups.setdefault(crc, []).append(r)
+        if len(groups) > 1:
+            seen = "; ".join(f"ranks {rs}" for rs in sorted(groups.values()))
+            lines.append(f"{name}: {len(groups)} different values ({seen} agree)")
+    if not lines:
+        return ""
+    return (
+        f"{len(lines)} plain tensor(s) differ between the ranks that hold them, and a plain "
+        "tensor is saved as one replicated value:\n  "
+        + "\n  ".join(lines[:16])
+        + "\nGive per-rank state per-rank names (or make it a DTensor), or pass "
+        "check_replicas=False to save one copy anyway"
+    )
 
 
 def _error_text(e: BaseException) -> str:
@@ -129,6 +167,7 @@ def save(
     spec=None,
     layout: dict[str, int] | None = None,
     coords: dict[str, int] | None = None,
+    check_replicas: bool = True,
 ):
     """Save ``state_dict`` to ``path`` (a directory or URL), collectively over ``process_group``.
 
@@ -141,6 +180,10 @@ def save(
     locally numbered); each rank writes them as they are and the manifest records the spec. The
     rank's mesh coordinates come from its rank in row-major order of the spec's mesh dims, or
     from ``coords``.
+
+    A plain tensor (not a DTensor) is one value replicated over the ranks that hold it, saved
+    once: when its copies differ between ranks (an RNG state, a per-rank counter), the save
+    fails naming it, unless ``check_replicas=False`` (then one copy is saved).
 
     With ``async_=True`` it returns a `SaveHandle` as soon as the shards are staged in host
     memory (pinned when CUDA is used): the caller may modify its tensors right away, and the
@@ -165,7 +208,13 @@ def save(
     except Exception as e:  # reported to rank 0 so that no rank waits forever
         error = e
     # collective: every rank takes part, whatever happened to it above
-    holders = _plain_holders(flat or {}, process_group) if spec is None else {}
+    holders, divergent = (
+        _plain_holders(flat or {}, process_group, check_replicas=check_replicas and error is None)
+        if spec is None
+        else ({}, "")
+    )
+    if divergent and error is None:
+        error = SaveError(f"save to {path}: {divergent}; nothing was committed")
     plan = _LocalPlan()
     if error is None:
         try:

@@ -209,3 +209,20 @@ def stage_plain_tensors_task(path: str) -> list:
     back = {k: torch.zeros_like(v) for k, v in state.items()}
     anyshard.load(path, back, strict=False)
     return [k for k in state if torch.equal(back[k], state[k])]
+
+
+def divergent_replicas_task(ckpt: str, check: bool) -> str:
+    """A plain tensor whose copies differ between ranks fails the save on every rank, naming it
+    (and which ranks agree); with check_replicas=False one copy is saved."""
+    rank = dist.get_rank()
+    state = {
+        "same": torch.arange(6.0),
+        "big_same": torch.ones(300_000),  # >= 1 MiB: split among the replicas for writing
+        "rng": torch.tensor([0, 0, 1, 1][rank]),  # ranks {0, 1} and {2, 3} agree
+        "seen": torch.full((4,), float(rank)),  # every rank its own
+    }
+    try:
+        anyshard.save(ckpt, state, check_replicas=check)
+    except anyshard.errors.SaveError as e:
+        return str(e)
+    return "saved"

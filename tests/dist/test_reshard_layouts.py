@@ -119,3 +119,21 @@ def test_plain_tensors_held_by_some_ranks_are_saved_once_by_a_holder(pool4, tmp_
     ]
     assert torch.equal(view.get_tensor("stage1.vec"), torch.arange(5.0) + 1)
     assert verify_checkpoint(path).tensors == 5
+
+
+def test_plain_tensors_that_differ_between_ranks_fail_the_save_naming_them(pool4, tmp_path):
+    path = str(tmp_path / "d")
+    out = pool4.run(TASKS, "divergent_replicas_task", path, True)
+    assert len(set(out)) == 1, out  # every rank raises the same error
+    message = out[0]
+    assert "rng: 2 different values (ranks [0, 1]; ranks [2, 3] agree)" in message
+    assert "seen: 4 different values" in message
+    listed = [line.strip().split(":")[0] for line in message.splitlines() if line.startswith("  ")]
+    assert listed == ["rng", "seen"], message  # the tensors that agree are not named
+    assert "check_replicas=False" in message
+    assert not os.path.exists(os.path.join(path, "manifest.json"))
+    path = str(tmp_path / "opt-in")
+    assert pool4.run(TASKS, "divergent_replicas_task", path, False) == ["saved"] * 4
+    with anyshard.open(path) as view:
+        assert view.get_tensor("same").tolist() == list(range(6))
+        assert view.get_tensor("rng").item() in (0, 1)
