@@ -35,7 +35,7 @@ from anyshard.format.strict_json import (
 )
 from anyshard.ucl.lowering import compile_mapping
 from anyshard.ucl.mapping import Chunk, Mapping, On, Split, parse_mapping
-from anyshard.ucl.ranks import RankTensors, compile_every_rank, written_parts
+from anyshard.ucl.ranks import RankTensors, compile_every_rank, logical_shapes, written_parts
 
 __all__ = [
     "FORMAT_NAME",
@@ -52,6 +52,7 @@ FORMAT_NAME = "anyshard-checkpoint"
 FORMAT_VERSION = 2  # the newest; a checkpoint without a spec is written as version 1
 MANIFEST_NAME = "manifest.json"
 KNOWN_VERSIONS = (1, 2)
+MAX_BYTES = (1 << 62) - 1  # a tensor's bytes, at most: what an int64 offset addresses
 MAX_WORLD_SIZE = 1 << 24  # ranks a manifest may name: 16 Mi, a thousand times today's largest jobs
 
 
@@ -76,6 +77,8 @@ class MeshEntry:
             raise ValueError("a mesh needs exactly one of strides or ranks")
         if self.ranks is not None and len(self.ranks) != math.prod(self.sizes):
             raise ValueError(f"mesh of sizes {self.sizes} lists {len(self.ranks)} ranks")
+        if self.strides is not None and len(self.strides) != len(self.sizes):
+            raise ValueError(f"mesh of sizes {self.sizes} has strides {self.strides}")
 
     @classmethod
     def from_rank_grid(
@@ -217,7 +220,9 @@ class TensorEntry:
         mapping = j["mapping"]
         return cls(
             dtype=field_str(j["dtype"], "the dtype"),
-            shape=tuple(field_int(n, "a size") for n in field_list(j["shape"], "the shape")),
+            shape=tuple(
+                field_int(n, "a size", 0, MAX_BYTES) for n in field_list(j["shape"], "the shape")
+            ),
             mesh=field_int(j["mesh"], "the mesh number"),
             mapping=None if mapping is None else field_str(mapping, "the mapping"),
         )
@@ -421,6 +426,7 @@ class Manifest:
 def _check_tensors(manifest: Manifest, where: str) -> None:
     """Each tensor entry names a known dtype, an existing mesh, and a mapping over that mesh."""
     spec_stored: dict = {}  # logical name -> the spec's written parts holding it
+    spec_shapes: dict = {}  # logical name -> its shape under the spec
     if manifest.spec is not None:
         if not 0 <= manifest.spec.mesh < len(manifest.meshes):
             raise CorruptCheckpointError(
@@ -434,17 +440,29 @@ def _check_tensors(manifest: Manifest, where: str) -> None:
                 f"{manifest.spec.layout} in row-major rank order; the manifest is corrupt"
             )
         try:
-            spec_stored = written_parts(manifest.spec_ranks(saved=True))
+            saved = manifest.spec_ranks(saved=True)
+            spec_stored = written_parts(saved)
+            spec_shapes = logical_shapes(saved)
         except (UCLError, ValueError) as e:
             raise CorruptCheckpointError(
                 f"{where}: the manifest's spec does not compile for its layout ({e})"
             ) from None
     for fqn, t in manifest.tensors.items():
+        if (
+            t.dtype in ST_TO_DTYPE
+            and math.prod(t.shape) * ST_TO_DTYPE[t.dtype].itemsize > MAX_BYTES
+        ):
+            raise CorruptCheckpointError(
+                f"{where}: the entry of tensor {fqn!r} is malformed: shape {list(t.shape)} holds "
+                "more than 2**62 bytes; the manifest is corrupt or was crafted"
+            )
         if t.mapping is None:
             if manifest.spec is None:
                 why = "it has no mapping and the manifest has no spec"
             elif fqn not in spec_stored:
                 why = "the spec stores no shard of it"
+            elif spec_shapes.get(fqn) != t.shape:
+                why = f"shape {list(t.shape)}, but the spec gives {list(spec_shapes[fqn])}"
             elif t.dtype not in ST_TO_DTYPE:
                 why = f"dtype {t.dtype!r} is not one of {', '.join(sorted(ST_TO_DTYPE))}"
             else:

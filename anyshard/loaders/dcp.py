@@ -291,7 +291,14 @@ class DCPCheckpointView(BaseView):
         if name not in self._values:
             raise KeyError(f"{self.path}: no value named {name!r}")
         file, offset, length = self._values[name]
-        return torch.load(io.BytesIO(self._read(file, offset, length)), weights_only=True)
+        data = self._read(file, offset, length)
+        try:
+            return torch.load(io.BytesIO(data), weights_only=True)
+        except Exception as e:  # a damaged or hostile record: never more than a refusal
+            raise CorruptCheckpointError(
+                f"{self._data_path(file)}: value {name!r} is unreadable ({type(e).__name__}: "
+                f"{str(e)[:200]})"
+            ) from None
 
     @property
     def values(self) -> dict[str, Any]:

@@ -24,7 +24,7 @@ import os
 import re
 import struct
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -68,12 +68,12 @@ def _blocks(view, item: ExportItem) -> Iterator[torch.Tensor]:
     shape = item.shape
     row = math.prod(shape[1:]) * item.src_dtype.itemsize if shape else 0
     if not shape or row * shape[0] <= _BLOCK:
-        blocks = [full_box(shape)]
-    else:
+        boxes: Iterable = [full_box(shape)]
+    else:  # lazily: a shape is not trusted to size a list
         step = max(1, _BLOCK // max(row, 1))
         rest = full_box(shape[1:])
-        blocks = [((lo, min(lo + step, shape[0])),) + rest for lo in range(0, shape[0], step)]
-    for box in blocks:
+        boxes = (((lo, min(lo + step, shape[0])),) + rest for lo in range(0, shape[0], step))
+    for box in boxes:
         t = view.read_region(item.source, box).to(item.dtype).contiguous()
         yield t
         del t

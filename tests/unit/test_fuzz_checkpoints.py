@@ -1,0 +1,37 @@
+"""A seeded subset of the mutation fuzzer (tools/fuzz_checkpoints.py) runs with the suite:
+damaged and hostile checkpoints through every entry point raise only AnyshardError, each call
+returns within 5 s, and a flipped data bit never comes back in a whole-tensor read.
+
+Run: python -m pytest tests/unit/test_fuzz_checkpoints.py -q
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+TOOL = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "fuzz_checkpoints.py")
+
+
+@pytest.fixture(scope="module")
+def fuzz():
+    spec = importlib.util.spec_from_file_location("fuzz_checkpoints", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_thousand_mutations_raise_only_anyshard_errors_promptly(fuzz, tmp_path, seed):
+    f = fuzz.fuzz(1000, seed, str(tmp_path), progress=False)
+    assert f.mutations == 1000 and f.calls > 5000
+    assert f.refused > 1000  # the mutations do damage: most are refused
+    assert not f.internal, "\n".join(map(str, f.internal[:10]))
+    assert not f.slow, f.slow[:10]
+    assert not f.rss, f.rss[:10]
+    assert f.flips > 50 and f.flips_returned_full > 50
+    assert not f.flips_undetected_full, f.flips_undetected_full[:10]
