@@ -33,6 +33,7 @@ from torch.distributed.tensor import Replicate, Shard  # noqa: E402
 from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
 
 from anyshard.api.tensor_layout import hold_mapping, stored_mapping  # noqa: E402
+from anyshard.format.datafile import block_size  # noqa: E402
 from anyshard.format.manifest import Manifest, MeshEntry, TensorEntry  # noqa: E402
 from anyshard.geometry.boxes import box_numel  # noqa: E402
 from anyshard.geometry.runs import piece_offsets, unit_length_dim  # noqa: E402
@@ -186,7 +187,10 @@ def file_layout(
         if shard is None:
             continue
         n = math.prod(shard.shape) * ITEMSIZE
-        out[t.name] = StoredShardInfo(offset, offset + n, ITEMSIZE, 0)
+        block = block_size(tuple(shard.shape), ITEMSIZE)  # the checksum blocks a save writes
+        out[t.name] = StoredShardInfo(
+            offset, offset + n, ITEMSIZE, block=block, crcs=(0,) * max(1, -(-n // block))
+        )
         offset += n
     return out
 

@@ -43,6 +43,7 @@ def load(
     spec=None,
     layout: dict[str, int] | None = None,
     coords: dict[str, int] | None = None,
+    verify: bool = True,
 ) -> None:
     """Fill ``state_dict`` in place from the checkpoint at ``path``.
 
@@ -54,6 +55,10 @@ def load(
     tensors as the spec describes them under ``layout``, whatever layout (or spec, or none) the
     checkpoint was saved with; ``coords`` gives the rank's mesh coordinates (default: from its
     rank in the process group, row-major over the spec's mesh dims).
+
+    Every byte filled in is verified: it lies in a checksum block of its data file that was
+    read whole and checked (a `ChecksumError` names the file otherwise); a read of part of a
+    block widens to the whole block. ``verify=False`` reads only the needed bytes, unchecked.
 
     >>> import torch, anyshard, tempfile
     >>> d = tempfile.mkdtemp() + "/ckpt"
@@ -67,7 +72,17 @@ def load(
     flat = flatten_state(state_dict)
     if spec is not None:
         _load_spec(
-            path, manifest, flat, spec, layout or {}, coords, process_group, strict, cast, threads
+            path,
+            manifest,
+            flat,
+            spec,
+            layout or {},
+            coords,
+            process_group,
+            strict,
+            cast,
+            threads,
+            verify,
         )
         return
     problems = _key_problems(flat, manifest) if strict else []
@@ -104,13 +119,15 @@ def load(
         raise StateDictMismatchError(
             f"{path}: the state dict does not match the checkpoint:\n  " + "\n  ".join(problems)
         )
-    fill_regions(path, manifest, fills, threads=threads)
+    fill_regions(path, manifest, fills, threads=threads, verify=verify)
     for fqn, leaf in flat.items():
         if fqn in manifest.values:
             leaf.replace(manifest.values[fqn])
 
 
-def _load_spec(path, manifest, flat, spec, layout, coords, group, strict, cast, threads) -> None:
+def _load_spec(
+    path, manifest, flat, spec, layout, coords, group, strict, cast, threads, verify
+) -> None:
     parsed = load_spec(spec)
     fills, problems, value_keys = spec_fills(
         manifest, flat, parsed, layout, coords, group, strict=strict, cast=cast
@@ -122,7 +139,7 @@ def _load_spec(path, manifest, flat, spec, layout, coords, group, strict, cast, 
         raise StateDictMismatchError(
             f"{path}: the state dict does not match the checkpoint:\n  " + "\n  ".join(problems)
         )
-    fill_regions(path, manifest, fills, threads=threads)
+    fill_regions(path, manifest, fills, threads=threads, verify=verify)
     for k in value_keys:
         if k in manifest.values:
             flat[k].replace(manifest.values[k])

@@ -38,7 +38,7 @@ def register_format(fmt: Format) -> None:
         _FORMATS.append(fmt)
 
 
-def open_checkpoint(path: str, *, threads: int = 8):
+def open_checkpoint(path: str, *, threads: int = 8, verify: bool = True):
     """Open the checkpoint at ``path`` (a directory, file or URL) for lazy reading.
 
     The format is detected: a directory with ``manifest.json`` is an anyshard checkpoint
@@ -56,6 +56,10 @@ def open_checkpoint(path: str, *, threads: int = 8):
     ``torch.load(weights_only=True)``. Anything else
     raises as for an anyshard checkpoint.
 
+    An anyshard checkpoint's reads are verified: every byte returned lies in a checksum block
+    that was read whole and checked (a `ChecksumError` otherwise). ``verify=False`` reads only
+    the needed bytes, unchecked.
+
     The foreign formats are registered by `anyshard.loaders` (`register_format`), in the order
     in which they are tried.
     """
@@ -63,7 +67,7 @@ def open_checkpoint(path: str, *, threads: int = 8):
         if fmt.by_name and fmt.detect(path):
             return fmt.view(path)
     try:
-        return CheckpointView(path, threads=threads)
+        return CheckpointView(path, threads=threads, verify=verify)
     except CheckpointNotFoundError:
         for fmt in _FORMATS:
             if not fmt.by_name and fmt.detect(path):

@@ -122,11 +122,12 @@ class CheckpointView(BaseView):
     ['emb'] tensor([3., 6.]) 0.1
     """
 
-    def __init__(self, path: str, *, threads: int = 8):
+    def __init__(self, path: str, *, threads: int = 8, verify: bool = True):
         self.path = path
         self.manifest = read_manifest(path)
         self._headers: dict[int, DataFileHeader] = {}
         self._threads = threads
+        self.verify = verify
 
     def close(self) -> None:
         self._headers.clear()
@@ -175,7 +176,7 @@ class CheckpointView(BaseView):
         # allocated: a manifest's shape is not trusted with memory
         matched = match_fills(self.path, self.manifest, [(name, (piece,))], headers=self._headers)
         out = torch.empty(shape, dtype=ST_TO_DTYPE[entry.dtype])
-        execute_fills(matched, [out], threads=self._threads)
+        execute_fills(matched, [out], threads=self._threads, verify=self.verify)
         return out
 
     def data_file(self, rank: int) -> str:

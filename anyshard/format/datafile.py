@@ -1,9 +1,12 @@
-"""Data files: plain safetensors files, one per writing rank, with per-shard crc32c checksums.
+"""Data files: plain safetensors files, one per writing rank, with crc32c checksums of every
+block of every shard.
 
 The file is written straight from tensor memory (no serialised copy of the tensors is built):
 an 8-byte little-endian header size, the JSON header padded with spaces to a multiple of 8,
 then each shard's bytes back to back. The header's ``__metadata__["anyshard"]`` is a JSON
-string holding the format version and the crc32c of every shard.
+string holding the format version and, for each shard, its checksum block size and the crc32c
+of each block (`block_size`): a read of part of a shard reads whole blocks and verifies them.
+Version 1 files hold one crc32c per shard, and stay readable.
 """
 
 from __future__ import annotations
@@ -24,9 +27,13 @@ from anyshard.format.manifest import Manifest
 from anyshard.format.pool import io_pool
 
 __all__ = [
+    "BLOCK_BYTES",
     "DATAFILE_VERSION",
     "DataFileHeader",
     "ShardEntry",
+    "block_crcs",
+    "block_size",
+    "header_bytes",
     "data_path",
     "read_headers",
     "read_header",
@@ -34,20 +41,50 @@ __all__ = [
     "write_datafile",
 ]
 
-DATAFILE_VERSION = 1
+DATAFILE_VERSION = 2  # 1: one crc32c per shard; 2: one per block of each shard
+KNOWN_DATAFILE_VERSIONS = (1, 2)
+BLOCK_BYTES = 256 << 10  # a checksum block's bytes, at most (unless one row is longer)
+WHOLE_BELOW = 64 << 10  # a shard smaller than this is one block
 _FIRST_READ = 64 * 1024
 _MAX_HEADER = 100 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
 class ShardEntry:
-    """Where one stored shard's bytes lie in a data file (absolute byte offsets)."""
+    """Where one stored shard's bytes lie in a data file (absolute byte offsets), and the
+    crc32c of each of its checksum blocks: bytes ``[start + k * block, ...)``, ``block`` bytes
+    each, the last one possibly shorter (a version-1 file has one block, the whole shard)."""
 
     dtype: str
     shape: tuple[int, ...]
     start: int
     stop: int
-    crc32c: int
+    block: int
+    crcs: tuple[int, ...]
+
+    def block_span(self, k: int) -> tuple[int, int]:
+        """Absolute bytes ``[a, b)`` of block ``k``."""
+        a = self.start + k * self.block
+        return a, min(a + self.block, self.stop)
+
+
+def block_size(shape: Sequence[int], itemsize: int) -> int:
+    """The checksum block of a shard of ``shape``: bands of whole rows (dim 0), a power of two
+    of them that divides an eighth of the rows, so that splits of dim 0 up to 8 ways read whole
+    blocks; at most `BLOCK_BYTES` unless one row is longer. A small shard is one block."""
+    nbytes = math.prod(shape) * itemsize
+    if not shape or nbytes <= WHOLE_BELOW:
+        return max(nbytes, 1)
+    row = nbytes // shape[0]
+    rows = max(1, min(BLOCK_BYTES // row, shape[0] // 8))
+    return (1 << (rows.bit_length() - 1)) * row
+
+
+def block_crcs(data: memoryview, block: int) -> list[int]:
+    """The crc32c of every ``block`` bytes of ``data`` (one, of nothing, when it is empty)."""
+    if not data.nbytes:
+        return [0]
+    return [crc32c.crc32c(data[a : a + block]) for a in range(0, data.nbytes, block)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,8 +105,29 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.numpy()).cast("B")
 
 
-def _checksum(mv: memoryview) -> int:
-    return crc32c.crc32c(mv)
+def header_bytes(
+    shards: Sequence[tuple[str, str, tuple[int, ...]]], crcs: dict[str, list[int]]
+) -> bytes:
+    """The JSON header of a data file holding ``shards`` (name, safetensors dtype, shape), back
+    to back in that order, with ``crcs[name]`` the crc32c of each checksum block of each."""
+    header: dict[str, object] = {}
+    offset = 0
+    blocks = {}
+    for name, code, shape in shards:
+        nbytes = math.prod(shape) * ST_TO_DTYPE[code].itemsize
+        header[name] = {
+            "dtype": code,
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+        blocks[name] = {
+            "bytes": block_size(shape, ST_TO_DTYPE[code].itemsize),
+            "crc32c": crcs[name],
+        }
+    meta = {"format_version": DATAFILE_VERSION, "blocks": blocks}
+    header["__metadata__"] = {"format": "pt", "anyshard": json.dumps(meta, separators=(",", ":"))}
+    return json.dumps(header, separators=(",", ":")).encode()
 
 
 def write_datafile(
@@ -77,23 +135,12 @@ def write_datafile(
 ) -> int:
     """Write ``shards`` (contiguous CPU tensors) into a new safetensors file; returns its size."""
     views = [tensor_bytes(t) for _, t in shards]
+    blocks = [block_size(tuple(t.shape), t.element_size()) for _, t in shards]
     pool = io_pool(threads)
-    crcs = list(pool.map(_checksum, views))
-    header: dict[str, object] = {}
-    offset = 0
-    for (name, t), mv in zip(shards, views, strict=True):
-        header[name] = {
-            "dtype": DTYPE_TO_ST[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + mv.nbytes],
-        }
-        offset += mv.nbytes
-    meta = {
-        "format_version": DATAFILE_VERSION,
-        "crc32c": {name: c for (name, _), c in zip(shards, crcs, strict=True)},
-    }
-    header["__metadata__"] = {"format": "pt", "anyshard": json.dumps(meta, separators=(",", ":"))}
-    raw = json.dumps(header, separators=(",", ":")).encode()
+    crcs = list(pool.map(block_crcs, views, blocks))
+    layout = [(name, DTYPE_TO_ST[t.dtype], tuple(t.shape)) for name, t in shards]
+    raw = header_bytes(layout, dict(zip((n for n, _ in shards), crcs, strict=True)))
+    offset = sum(mv.nbytes for mv in views)
     raw += b" " * (-len(raw) % 8)
     with storage.open_writer(path) as f:
         f.write(struct.pack("<Q", len(raw)))
@@ -139,28 +186,42 @@ def read_header(path: str) -> DataFileHeader:
             f"{path}: not an anyshard data file (bad header: {type(e).__name__}: {e})"
         ) from None
     version = meta.get("format_version") if isinstance(meta, dict) else None
-    if version != DATAFILE_VERSION:
+    if version not in KNOWN_DATAFILE_VERSIONS or type(version) is not int:
         if type(version) is int:
             raise FormatVersionError(
                 f"{path}: data file format_version {version} is not one this anyshard reads "
-                f"({DATAFILE_VERSION}); upgrade anyshard to read it"
+                f"({', '.join(map(str, KNOWN_DATAFILE_VERSIONS))}); upgrade anyshard to read it"
             )
         raise CorruptCheckpointError(
             f"{path}: not an anyshard data file (format_version {version!r})"
         )
-    return DataFileHeader(path=path, shards=_shard_entries(path, header, meta, 8 + n))
+    return DataFileHeader(path=path, shards=_shard_entries(path, header, meta, 8 + n, version))
 
 
-def _shard_entries(path: str, header: dict, meta: dict, base: int) -> dict[str, ShardEntry]:
-    """The header's tensor entries, checked: known dtype, whole sizes, bytes that fit the shape."""
+def _blocks_of(meta: dict, name: str, version: int, nbytes: int) -> tuple[int, tuple[int, ...]]:
+    """The block size and block checksums of shard ``name`` (checked by the caller)."""
+    if version == 1:
+        return max(nbytes, 1), (meta["crc32c"][name],)
+    entry = meta["blocks"][name]
+    return entry["bytes"], tuple(entry["crc32c"])
+
+
+def _shard_entries(
+    path: str, header: dict, meta: dict, base: int, version: int
+) -> dict[str, ShardEntry]:
+    """The header's tensor entries, checked: known dtype, whole sizes, bytes that fit the shape,
+    one checksum per block."""
     shards: dict[str, ShardEntry] = {}
     for name, e in header.items():
         try:
             dtype, shape, (begin, end) = e["dtype"], tuple(e["shape"]), e["data_offsets"]
-            crc = meta["crc32c"][name]
+            block, crcs = _blocks_of(meta, name, version, end - begin)
             ok = (
                 dtype in ST_TO_DTYPE
-                and all(type(x) is int and x >= 0 for x in (*shape, begin, end, crc))
+                and all(type(x) is int and x >= 0 for x in (*shape, begin, end, block))
+                and all(type(x) is int and 0 <= x < 1 << 32 for x in crcs)
+                and block >= 1
+                and len(crcs) == max(1, -(-(end - begin) // block))
                 and end - begin == math.prod(shape) * ST_TO_DTYPE[dtype].itemsize
             )
         except (KeyError, TypeError, ValueError) as ex:
@@ -174,7 +235,7 @@ def _shard_entries(path: str, header: dict, meta: dict, base: int) -> dict[str, 
                 f"{list(shape)}, data_offsets {[begin, end]}); the file is corrupt"
             )
         shards[name] = ShardEntry(
-            dtype=dtype, shape=shape, start=base + begin, stop=base + end, crc32c=crc
+            dtype=dtype, shape=shape, start=base + begin, stop=base + end, block=block, crcs=crcs
         )
     return shards
 

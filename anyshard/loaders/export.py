@@ -31,7 +31,6 @@ import torch
 
 from anyshard.errors import AnyshardError, SaveError, StateDictMismatchError
 from anyshard.format import storage
-from anyshard.format.checksum import crc32c
 from anyshard.format.commit import (
     ReportedSpec,
     ReportedTensor,
@@ -41,7 +40,7 @@ from anyshard.format.commit import (
     data_file_name,
     refuse_committed,
 )
-from anyshard.format.datafile import DATAFILE_VERSION, tensor_bytes
+from anyshard.format.datafile import block_crcs, block_size, header_bytes, tensor_bytes
 from anyshard.format.dtypes import DTYPE_TO_ST, ST_TO_DTYPE
 from anyshard.format.manifest import MeshEntry
 from anyshard.geometry.boxes import Piece, box_shape, full_box
@@ -363,7 +362,11 @@ def _build_local(view, w: _LocalWrite) -> torch.Tensor:
         ):
             # the reshard planner reads straight into the pieces, coalescing their byte ranges
             fill_regions(
-                view.path, view.manifest, [Fill(source, out, tuple(pieces))], headers=view._headers
+                view.path,
+                view.manifest,
+                [Fill(source, out, tuple(pieces))],
+                headers=view._headers,
+                verify=view.verify,
             )
             continue
         for p in pieces:
@@ -386,34 +389,27 @@ def _reads_into(view) -> bool:
         return False
 
 
-def _datafile_header(writes: list[_LocalWrite], crcs: dict[str, int]) -> bytes:
-    header: dict[str, object] = {}
-    offset = 0
-    for w in writes:
-        header[w.name] = {
-            "dtype": DTYPE_TO_ST[w.dtype],
-            "shape": list(w.shape),
-            "data_offsets": [offset, offset + w.nbytes],
-        }
-        offset += w.nbytes
-    meta = {"format_version": DATAFILE_VERSION, "crc32c": crcs}
-    header["__metadata__"] = {"format": "pt", "anyshard": json.dumps(meta, separators=(",", ":"))}
-    return json.dumps(header, separators=(",", ":")).encode()
+def _datafile_header(writes: list[_LocalWrite], crcs: dict[str, list[int]]) -> bytes:
+    return header_bytes([(w.name, DTYPE_TO_ST[w.dtype], w.shape) for w in writes], crcs)
 
 
 def _write_datafile_local(path: str, view, writes: list[_LocalWrite], on_tensor) -> None:
     """An anyshard data file, one tensor in memory at a time: the header's space is reserved
     for the widest checksums, the data streamed, then the header written in place (padded with
     spaces, which JSON and safetensors allow)."""
-    reserved = len(_datafile_header(writes, dict.fromkeys((w.name for w in writes), 2**32 - 1)))
+    widest = {
+        w.name: [2**32 - 1] * max(1, -(-w.nbytes // block_size(w.shape, w.dtype.itemsize)))
+        for w in writes
+    }
+    reserved = len(_datafile_header(writes, widest))
     reserved += -reserved % 8
-    crcs: dict[str, int] = {}
+    crcs: dict[str, list[int]] = {}
     with storage.open_writer(path) as f:
         f.write(b"\0" * (8 + reserved))
         for w in writes:
             t = _build_local(view, w)
             mv = tensor_bytes(t)
-            crcs[w.name] = crc32c(mv)
+            crcs[w.name] = block_crcs(mv, block_size(w.shape, w.dtype.itemsize))
             if mv.nbytes:
                 f.write(mv)
             del t, mv

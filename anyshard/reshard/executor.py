@@ -197,8 +197,7 @@ def _run_task(
                 else:
                     buffers.append(staging[i][offset : offset + n])
             _read(state.reader(r.rank), r, buffers)
-            for c in r.checks:
-                crc = _crc_range(buffers, c.start, c.stop)
+            for c, crc in zip(r.checks, _crc_ranges(buffers, r.checks), strict=True):
                 out.append((c.shard, r.offset + c.start, c.stop - c.start, crc))
     finally:
         state.close()
@@ -297,18 +296,26 @@ def _read(reader: storage.FileReader, r: Request, buffers: list[memoryview], at:
         ) from e
 
 
-def _crc_range(buffers: list[memoryview], start: int, stop: int) -> int:
-    """crc32c of bytes ``[start, stop)`` of the concatenation of ``buffers``."""
-    crc, pos = 0, 0
-    for b in buffers:
-        n = len(b)
-        a, z = max(start - pos, 0), min(stop - pos, n)
-        if a < z:
-            crc = crc32c(b[a:z], crc)
-        pos += n
-        if pos >= stop:
-            break
-    return crc
+def _crc_ranges(buffers: list[memoryview], checks) -> list[int]:
+    """crc32c of bytes ``[c.start, c.stop)`` of the concatenation of ``buffers``, for each of
+    ``checks`` (sorted by start, not overlapping): one sweep over the buffers."""
+    out = []
+    i, pos = 0, 0  # buffers[i] starts at byte pos of the concatenation
+    for c in checks:
+        while i < len(buffers) and pos + len(buffers[i]) <= c.start:
+            pos += len(buffers[i])
+            i += 1
+        crc, j, at = 0, i, pos
+        while j < len(buffers) and at < c.stop:
+            b = buffers[j]
+            n = len(b)
+            lo, hi = max(c.start - at, 0), min(c.stop - at, n)
+            if lo < hi:
+                crc = crc32c(b[lo:hi], crc)
+            at += n
+            j += 1
+        out.append(crc)
+    return out
 
 
 def _finish(plan: ReadPlan, i: int, mem: memoryview, targets, src_dtypes) -> None:
@@ -318,22 +325,40 @@ def _finish(plan: ReadPlan, i: int, mem: memoryview, targets, src_dtypes) -> Non
         torch.frombuffer(mem, dtype=torch.uint8) if len(mem) else torch.empty(0, dtype=torch.uint8)
     )
     src = src.view(dtype).reshape(box_shape(t.src.logical_box))
+    if t.window is not None:  # whole checksum blocks were read: the needed piece of them
+        w = t.window
+        strides, step = [], 1
+        for n in reversed(w.array_shape):
+            strides.append(step)
+            step *= n
+        strides.reverse()
+        offset = w.base + sum(lo * s for (lo, _), s in zip(w.array_box, strides, strict=True))
+        src = src.as_strided(box_shape(w.array_box), strides, src.storage_offset() + offset)
     piece_view(targets[t.target], t.dst).copy_(src)
 
 
 def _verify(plan: ReadPlan, parts: dict[int, list[tuple[int, int, int]]], paths) -> None:
+    """Every checksum block that requests read part of: read whole, and its crc32c (combined
+    from the parts) the header's."""
     for shard, got in parts.items():
         rank, fqn, start, stop, expected = plan.shards[shard]
         got.sort()
         pos, crc = start, 0
         for offset, length, part_crc in got:
-            if offset != pos:
+            if offset > pos:
                 break
+            if offset < pos:  # read twice (two transfers widened into one block)
+                continue
             crc = crc32c_combine(crc, part_crc, length)
             pos += length
-        if pos == stop and crc != expected:
+        if pos != stop:
+            raise CorruptCheckpointError(
+                f"{paths[rank]}: bytes {start}..{stop} of the stored shard of {fqn!r} were read "
+                f"only in part ({pos - start} bytes from the start); they cannot be verified"
+            )
+        if crc != expected:
             raise ChecksumError(
-                f"{paths[rank]}: checksum mismatch in the stored shard of {fqn!r} "
-                f"(crc32c {crc:#010x}, header says {expected:#010x}); the file is corrupt. "
-                "Restore it from a replica or load an earlier step"
+                f"{paths[rank]}: checksum mismatch in the stored shard of {fqn!r} (bytes "
+                f"{start}..{stop}: crc32c {crc:#010x}, header says {expected:#010x}); the file "
+                "is corrupt. Restore it from a replica or load an earlier step"
             )

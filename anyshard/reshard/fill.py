@@ -90,7 +90,7 @@ def match_fills(
             )
         dtype = ST_TO_DTYPE[stored.dtype]
         info[(rank, key)] = StoredShardInfo(
-            stored.start, stored.stop, dtype.itemsize, stored.crc32c
+            stored.start, stored.stop, dtype.itemsize, block=stored.block, crcs=stored.crcs
         )
         dtypes[(rank, key)] = dtype
     fqns = tuple(fqn for fqn, _ in needs)
@@ -98,9 +98,14 @@ def match_fills(
 
 
 def execute_fills(
-    matched: MatchedFills, dests: Sequence[torch.Tensor], *, threads: int = 8
+    matched: MatchedFills,
+    dests: Sequence[torch.Tensor],
+    *,
+    threads: int = 8,
+    verify: bool = True,
 ) -> ReadPlan:
-    """Read what ``matched`` needs, only that, into ``dests`` (one per need, in order)."""
+    """Read what ``matched`` needs into ``dests`` (one per need, in order); with ``verify``,
+    every byte read is in a checksum block that is read whole and checked (`plan_reads`)."""
     path, manifest = matched.path, matched.manifest
     direct_ok = [
         d.device.type == "cpu"
@@ -111,7 +116,7 @@ def execute_fills(
     # Object stores: fewer, longer reads (each a GET streamed into the targets); locally,
     # 64 MiB parts that threads read in parallel.
     remote = {"max_part": 128 << 20, "max_request": 128 << 20} if storage.is_url(path) else {}
-    plan = plan_reads(matched.transfers, matched.info, direct_ok, **remote)
+    plan = plan_reads(matched.transfers, matched.info, direct_ok, verify=verify, **remote)
     paths = {r: data_path(path, manifest, r) for r in {t.rank for t in plan.transfers}}
     execute_plan(plan, list(dests), matched.dtypes, paths, threads=threads)
     return plan
@@ -124,7 +129,8 @@ def fill_regions(
     *,
     headers: dict[int, DataFileHeader] | None = None,
     threads: int = 8,
+    verify: bool = True,
 ) -> ReadPlan:
-    """Read what ``fills`` need, only that, and write it into their tensors."""
+    """Read what ``fills`` need and write it into their tensors, verified (see `execute_fills`)."""
     matched = match_fills(path, manifest, [(f.fqn, f.pieces) for f in fills], headers=headers)
-    return execute_fills(matched, [f.dest for f in fills], threads=threads)
+    return execute_fills(matched, [f.dest for f in fills], threads=threads, verify=verify)

@@ -50,6 +50,9 @@ class Transfer:
     rank: int
     src: Piece
     dst: Piece
+    # Set when the read was widened to whole checksum blocks: ``src`` is then the run of whole
+    # blocks read (a flat piece), staged, and ``window`` the needed piece within that run.
+    window: Piece | None = None
 
     @property
     def numel(self) -> int:
@@ -58,12 +61,24 @@ class Transfer:
 
 @dataclass(frozen=True, slots=True)
 class StoredShardInfo:
-    """A stored shard's bytes in its file, as the file's header gives them."""
+    """A stored shard's bytes in its file and the crc32c of each of its checksum blocks of
+    ``block`` bytes (the last one possibly shorter), as the file's header gives them; without
+    ``block``, the whole shard is one block whose crc32c is ``crc32c``."""
 
     start: int
     stop: int
     itemsize: int
-    crc32c: int
+    crc32c: int = 0
+    block: int | None = None
+    crcs: tuple[int, ...] | None = None
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block if self.block is not None else max(self.stop - self.start, 1)
+
+    @property
+    def block_crcs(self) -> tuple[int, ...]:
+        return self.crcs if self.crcs is not None else (self.crc32c,)
 
 
 class ShardCheck(NamedTuple):
@@ -219,6 +234,7 @@ def plan_reads(
     slack: float = 0.05,
     max_request: int = 64 * MiB,
     max_spans: int = 1024,
+    verify: bool = True,
 ) -> ReadPlan:
     """Coalesced reads for ``transfers``.
 
@@ -229,16 +245,26 @@ def plan_reads(
     runs of one stored shard are read together when the gap between them is at most ``slack``
     times the run before it (and at most ``max_gap``): at most ``slack`` more bytes are read
     than needed, and never bytes outside the needed shards.
+
+    With ``verify``, every byte read is covered by a checksum that the executor checks: a
+    transfer that needs part of a checksum block reads the whole blocks it touches into staging
+    (`Transfer.window`), and every request carries the checks of the blocks it reads.
     """
     final: list[Transfer] = []
     direct: list[bool] = []
+    fully = _fully_read(transfers, shard_info)
     for t in transfers:
         info = shard_info[(t.rank, t.fqn)]
-        if direct_ok[t.target]:
+        per = max(1, max_staging // info.itemsize)
+        if verify and (t.rank, t.fqn) not in fully and not _whole_blocks(t.src, info):
+            parts = [_widened(p, info) for p in _split_transfer(t, per)]
+            final.extend(parts)
+            direct.extend([False] * len(parts))
+        elif direct_ok[t.target]:
             final.append(t)
             direct.append(True)
         else:
-            parts = _split_transfer(t, max(1, max_staging // info.itemsize))
+            parts = _split_transfer(t, per)
             final.extend(parts)
             direct.extend([False] * len(parts))
     batches: list[list[int]] = [[]]
@@ -251,10 +277,10 @@ def plan_reads(
         batches[-1].append(i)
         staged += nbytes
     plan = ReadPlan(transfers=final, direct=direct, batches=[])
-    # Shards get an id when a request reads part of them, and the executor verifies those it
-    # reads in full. A shard needed only in part is read in full only through gaps, which
-    # join requests, so its single-unit reads may be repeated requests that carry no checks.
-    shard_ids = _ShardIds(plan, shard_info, _fully_read(final, shard_info))
+    # Checksum blocks get an id when a request reads part of them; the executor verifies each
+    # from the parts the requests read. Without verification, single-unit reads may become
+    # repeated requests that carry no checks.
+    shard_ids = _ShardIds(plan, shard_info, verify)
     limits = (max_part, max_gap, slack, max_request, max_spans)
     for batch in batches:
         units = [_units(i, final[i], direct[i], shard_info, max_part) for i in batch]
@@ -262,19 +288,75 @@ def plan_reads(
     return plan
 
 
+def _flat_range(p: Piece) -> tuple[int, int]:
+    """Elements ``[first, last + 1)`` of the shard's flat data that piece ``p`` spans."""
+    strides = [1] * len(p.array_shape)
+    for d in range(len(p.array_shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * p.array_shape[d + 1]
+    if box_numel(p.array_box) == 0:
+        return p.base, p.base
+    first = sum(lo * s for (lo, _), s in zip(p.array_box, strides, strict=True))
+    last = sum((hi - 1) * s for (_, hi), s in zip(p.array_box, strides, strict=True))
+    return p.base + first, p.base + last + 1
+
+
+def _contiguous(p: Piece) -> bool:
+    """Whether ``p``'s box is one run of the flat data: the dims after the first partial one
+    (counting from the innermost) are whole, and those before it have extent one."""
+    shape, box = p.array_shape, p.array_box
+    partial = [d for d, ((lo, hi), n) in enumerate(zip(box, shape, strict=True)) if hi - lo != n]
+    if not partial:
+        return True
+    last = partial[-1]
+    return all(hi - lo <= 1 for lo, hi in box[:last])
+
+
+def _whole_blocks(p: Piece, info: StoredShardInfo) -> bool:
+    """Whether piece ``p`` of a stored shard is whole checksum blocks, read as they are."""
+    if not _contiguous(p):
+        return False
+    a, b = _flat_range(p)
+    start, stop = a * info.itemsize, b * info.itemsize
+    size = info.stop - info.start
+    return start % info.block_bytes == 0 and (stop % info.block_bytes == 0 or stop == size)
+
+
+def _widened(t: Transfer, info: StoredShardInfo) -> Transfer:
+    """``t`` reading the whole checksum blocks its source touches (staged), the needed piece
+    taken from them (`Transfer.window`)."""
+    a, b = _flat_range(t.src)
+    block, item = info.block_bytes, info.itemsize
+    size = info.stop - info.start
+    lo = (a * item) // block * block
+    hi = min(size, -(-(b * item) // block) * block)
+    first, n = lo // item, (hi - lo) // item
+    run = ((0, n),)
+    src = Piece(base=first, array_shape=(n,), array_box=run, logical_box=run)
+    window = Piece(
+        base=t.src.base - first,
+        array_shape=t.src.array_shape,
+        array_box=t.src.array_box,
+        logical_box=t.src.logical_box,
+    )
+    return Transfer(t.fqn, t.target, t.rank, src, t.dst, window)
+
+
 class _ShardIds:
-    """Numbers stored shards in the order requests first read them, listing them in the plan."""
+    """Numbers checksum blocks in the order requests first read them, listing them in the plan
+    as ``(rank, stored key, start, stop, crc32c)``."""
 
-    def __init__(self, plan: ReadPlan, shard_info, fully_needed: set[tuple[int, str]]):
+    def __init__(self, plan: ReadPlan, shard_info, verify: bool):
         self._plan, self._info, self._ids = plan, shard_info, {}
-        self.fully_needed = fully_needed
+        self.verify = verify
 
-    def get(self, key: tuple[int, str]) -> int:
-        n = self._ids.get(key)
+    def get(self, key: tuple[int, str], k: int) -> int:
+        n = self._ids.get((key, k))
         if n is None:
             info = self._info[key]
-            n = self._ids[key] = len(self._plan.shards)
-            self._plan.shards.append((key[0], key[1], info.start, info.stop, info.crc32c))
+            a = info.start + k * info.block_bytes
+            b = min(a + info.block_bytes, info.stop)
+            n = self._ids[(key, k)] = len(self._plan.shards)
+            self._plan.shards.append((key[0], key[1], a, b, info.block_crcs[k]))
         return n
 
 
@@ -387,7 +469,7 @@ def _requests(
     starts, ids, src, dst, size, gap, transfers, direct, shard_info, shard_ids
 ) -> list[Request]:
     kinds = [TARGET if d else STAGING for d in direct]
-    checked = [(t.rank, t.fqn) in shard_ids.fully_needed for t in transfers]
+    checked = [shard_ids.verify] * len(transfers)
     out: list[Request] = []
     run: list = []  # a pending repeated read: [transfer, size, src, dst, count, src stride, dst stride]
 
@@ -434,13 +516,21 @@ def _requests(
 
 
 def _checks(transfers, spans, start, end, shard_info, shard_ids) -> tuple[ShardCheck, ...]:
-    """The parts of fully read stored shards that a request reads, to verify their checksums."""
+    """The parts of checksum blocks that a request reads, in file order, to verify them."""
+    if not shard_ids.verify:
+        return ()
     checks = []
     for key in dict.fromkeys(
         (transfers[i].rank, transfers[i].fqn) for kind, i, _, _ in spans if kind != GAP
     ):
         info = shard_info[key]
         a, b = max(start, info.start), min(end, info.stop)
-        if a < b:
-            checks.append(ShardCheck(shard_ids.get(key), a - start, b - start))
+        if a >= b:
+            continue
+        block = info.block_bytes
+        for k in range((a - info.start) // block, (b - 1 - info.start) // block + 1):
+            lo = max(a, info.start + k * block)
+            hi = min(b, info.start + (k + 1) * block)
+            checks.append(ShardCheck(shard_ids.get(key, k), lo - start, hi - start))
+    checks.sort(key=lambda c: c.start)
     return tuple(checks)

@@ -48,6 +48,28 @@ def _coverage(manifest, fqn: str, entry) -> Iterator[tuple[int, str, tuple[int, 
         )
 
 
+def _check_blocks(reader: storage.FileReader, s, file: str, fqn: str) -> int:
+    """Read shard ``s`` in parts of about `_BLOCK` bytes (whole checksum blocks) and check the
+    crc32c of each of its blocks; the bytes read."""
+    per = max(1, _BLOCK // s.block) * s.block
+    k = 0
+    for a in range(s.start, s.stop, per):
+        buf = memoryview(bytearray(min(per, s.stop - a)))
+        try:
+            reader.read_into(a, buf)
+        except EOFError as e:
+            raise CorruptCheckpointError(f"{file}: data file is truncated ({e})") from None
+        for b in range(0, len(buf), s.block):
+            if crc32c(buf[b : b + s.block]) != s.crcs[k]:
+                lo, hi = s.block_span(k)
+                raise ChecksumError(
+                    f"{file}: checksum mismatch in the stored shard of {fqn!r} (bytes {lo}..{hi} "
+                    "of the file); the file is corrupt. Restore it or load an earlier step"
+                )
+            k += 1
+    return s.stop - s.start
+
+
 def verify_checkpoint(
     path: str, progress: Callable[[int, int], None] | None = None
 ) -> VerifyReport:
@@ -72,23 +94,9 @@ def verify_checkpoint(
                     raise CorruptCheckpointError(
                         f"{file}: the shard of {fqn!r} is missing or has the wrong shape/dtype"
                     )
-                crc = 0
-                for a in range(s.start, s.stop, _BLOCK):
-                    buf = bytearray(min(_BLOCK, s.stop - a))
-                    try:
-                        reader.read_into(a, memoryview(buf))
-                    except EOFError as e:
-                        raise CorruptCheckpointError(
-                            f"{file}: data file is truncated ({e})"
-                        ) from None
-                    crc = crc32c(buf, crc)
-                    done += len(buf)
-                    if progress:
-                        progress(done, total)
-                if crc != s.crc32c:
-                    raise ChecksumError(
-                        f"{file}: checksum mismatch in the stored shard of {fqn!r}; the file is corrupt"
-                    )
+                done += _check_blocks(reader, s, file, fqn)
+                if progress:
+                    progress(done, total)
                 shards += 1
     return VerifyReport(
         tensors=len(manifest.tensors), shards=shards, files=len(headers), bytes_checked=done

@@ -1,15 +1,9 @@
-"""Regenerate the version-1 golden checkpoint (only when the format changes on purpose):
-
-python tests/golden/make_v1.py
+"""The state of the golden checkpoints. Version 1 (tests/golden/v1, data files with one crc32c
+per shard) was written by anyshard before data files became version 2 and is kept as it is;
+tests/golden/make_v2.py writes the newest.
 """
 
-import os
-import shutil
-import sys
-
 import torch
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def golden_state() -> dict:
@@ -24,13 +18,3 @@ def golden_state() -> dict:
         "step": 42,
         "config": {"lr": 0.5, "name": "golden"},
     }
-
-
-if __name__ == "__main__":
-    sys.path.insert(0, os.path.join(HERE, "..", ".."))
-    import anyshard
-
-    out = os.path.join(HERE, "v1")
-    shutil.rmtree(out, ignore_errors=True)
-    anyshard.save(out, golden_state())
-    print("wrote", out)

@@ -348,8 +348,8 @@ class CountingReads:
         return sum(n for _, n in self.calls)
 
 
-def test_get_slice_reads_only_the_rows_it_needs(full_ckpt, monkeypatch):
-    with anyshard.open(full_ckpt) as view:
+def test_get_slice_reads_only_the_rows_it_needs_when_unverified(full_ckpt, monkeypatch):
+    with anyshard.open(full_ckpt, verify=False) as view:
         view.get_tensor("pad")  # reads and caches the file header
         reads = CountingReads(monkeypatch)
         got = view.get_slice("full")[1:3]
@@ -358,12 +358,28 @@ def test_get_slice_reads_only_the_rows_it_needs(full_ckpt, monkeypatch):
     assert reads.total < FULL.numel() * 4
 
 
-def test_get_slice_of_one_element_reads_four_bytes(full_ckpt, monkeypatch):
-    with anyshard.open(full_ckpt) as view:
+def test_get_slice_of_one_element_reads_four_bytes_when_unverified(full_ckpt, monkeypatch):
+    with anyshard.open(full_ckpt, verify=False) as view:
         view.get_tensor("pad")
         reads = CountingReads(monkeypatch)
         assert view.get_slice("full")[2, 3, 4].item() == FULL[2, 3, 4].item()
     assert reads.calls and reads.total == 4
+
+
+def test_a_verified_slice_reads_the_whole_checksum_blocks_it_touches(tmp_path, monkeypatch):
+    w = torch.arange(1024 * 256, dtype=torch.float32).reshape(1024, 256)  # 1 KiB rows
+    path = str(tmp_path / "big")
+    anyshard.save(path, {"w": w})
+    with anyshard.open(path) as view:
+        view.get_slice("w")[0]  # reads the data file's header
+        block = next(iter(view._headers.values())).shards["w"].block
+        assert block == 128 * 1024  # 128 rows: a power of two that divides an eighth of them
+        reads = CountingReads(monkeypatch)
+        assert_bit_exact(view.get_slice("w")[130:140, 5:9], w[130:140, 5:9].contiguous())
+        assert reads.total == block  # rows 128..255: one block, not the whole tensor
+        reads.calls.clear()
+        assert_bit_exact(view.get_slice("w")[256:512], w[256:512].contiguous())
+        assert reads.total == 256 * 1024  # aligned rows: exactly what is needed
 
 
 def test_metadata_describes_shape_dtype_and_the_one_stored_shard(full_ckpt):
@@ -404,7 +420,10 @@ def test_data_file_opens_with_safetensors_and_holds_the_same_tensors_and_checksu
         for name, want in state.items():
             got = f.get_tensor(name)
             assert_bit_exact(got, want.contiguous())
-            assert meta["crc32c"][name] == crc32c.crc32c(raw_bytes(want))
+            raw = raw_bytes(want)
+            block = meta["blocks"][name]["bytes"]
+            crcs = [crc32c.crc32c(raw[a : a + block]) for a in range(0, len(raw), block)] or [0]
+            assert meta["blocks"][name]["crc32c"] == crcs
 
 
 # --- strictness, shapes and dtypes --------------------------------------------------------

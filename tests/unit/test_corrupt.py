@@ -363,7 +363,7 @@ def test_data_file_header_entry_that_does_not_add_up_is_corrupt(ckpt, edit):
 def test_data_file_without_a_checksum_for_a_tensor_is_corrupt(ckpt):
     header, body = split_data_file(ckpt)
     meta = json.loads(header["__metadata__"]["anyshard"])
-    del meta["crc32c"]["w"]
+    del meta["blocks"]["w"]
     header["__metadata__"]["anyshard"] = json.dumps(meta)
     write_data_file(ckpt, header, body)
     message = fails_without_touching_files(ckpt, CorruptCheckpointError)
@@ -384,12 +384,12 @@ def test_a_safetensors_file_not_written_by_anyshard_is_rejected(ckpt, header):
 def test_unknown_data_file_format_version_says_to_upgrade(ckpt):
     header, body = split_data_file(ckpt)
     meta = json.loads(header["__metadata__"]["anyshard"])
-    header["__metadata__"]["anyshard"] = json.dumps({**meta, "format_version": 2})
+    header["__metadata__"]["anyshard"] = json.dumps({**meta, "format_version": 3})
     write_data_file(ckpt, header, body)
     message = fails_without_touching_files(ckpt, FormatVersionError)
     assert (
         os.path.join(ckpt, DATA_FILE) in message
-        and "format_version 2" in message
+        and "format_version 3" in message
         and "upgrade" in message
     )
 

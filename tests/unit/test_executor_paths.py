@@ -19,18 +19,19 @@ def ckpt(tmp_path):
     return path
 
 
-def fill_columns(path, rows):
+def fill_columns(path, rows, verify=True):
     """Load stored ``w`` (64 x 4) into columns 2..6 of a (64, 8) tensor: the file is read as one
     run, the destination is ``rows`` strided rows."""
     dest = torch.full((64, 8), -1.0)
     piece = Piece(0, (64, 8), ((0, rows), (2, 6)), ((0, rows), (0, 4)))
-    plan = fill_regions(path, read_manifest(path), [Fill("w", dest, (piece,))])
+    plan = fill_regions(path, read_manifest(path), [Fill("w", dest, (piece,))], verify=verify)
     return dest, plan
 
 
 @pytest.mark.parametrize("rows", [3, 64])  # few rows: iovecs; many rows: bounce buffer and one copy
 def test_a_contiguous_run_scattered_over_strided_rows_lands_exactly(ckpt, rows):
-    dest, plan = fill_columns(ckpt, rows)
+    # unverified, so that 3 rows (part of the shard's one checksum block) are read as they are
+    dest, plan = fill_columns(ckpt, rows, verify=False)
     full = torch.arange(64 * 4, dtype=torch.float32).reshape(64, 4)
     assert torch.equal(dest[:rows, 2:6], full[:rows])
     assert (

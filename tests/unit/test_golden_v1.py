@@ -1,7 +1,6 @@
-"""Format version 1 is pinned by a golden checkpoint (tests/golden/v1, made by make_v1.py).
-
-Reading it must keep working in every later version; writing the same state must keep producing
-the same bytes until the format version changes.
+"""Format version 1 is pinned by a golden checkpoint (tests/golden/v1): data files with one
+crc32c per shard. Reading it must keep working in every later version (writers now emit version
+2: tests/unit/test_golden_v2.py).
 """
 
 import json
@@ -43,17 +42,24 @@ def test_the_v1_data_file_is_plain_safetensors_with_checksums():
         )
 
 
-def test_writing_the_golden_state_reproduces_the_v1_bytes(tmp_path):
-    out = str(tmp_path / "again")
-    anyshard.save(out, golden_state())
-    with (
-        open(os.path.join(V1, "data", "rank-00000.safetensors"), "rb") as a,
-        open(os.path.join(out, "data", "rank-00000.safetensors"), "rb") as b,
-    ):
-        assert a.read() == b.read()
-    old, new = (json.load(open(os.path.join(p, "manifest.json"))) for p in (V1, out))
-    old.pop("library"), new.pop("library")
-    assert old == new
+def test_a_read_of_part_of_a_v1_shard_is_verified_by_reading_the_whole_shard(tmp_path):
+    import shutil
+    import struct
+
+    path = tmp_path / "v1"
+    shutil.copytree(V1, path)
+    with anyshard.open(str(path)) as view:
+        assert torch.equal(view.get_slice("model.w")[1:2], golden_state()["model"]["w"][1:2])
+    name = path / "data" / "rank-00000.safetensors"
+    data = bytearray(name.read_bytes())
+    (n,) = struct.unpack("<Q", data[:8])
+    start = json.loads(data[8 : 8 + n])["model.w"]["data_offsets"][0]
+    data[8 + n + start + 2 * 16] ^= 1  # row 2 of w: outside the row read below
+    name.write_bytes(bytes(data))
+    with anyshard.open(str(path)) as view, pytest.raises(anyshard.errors.ChecksumError):
+        view.get_slice("model.w")[1:2]
+    with anyshard.open(str(path), verify=False) as view:
+        assert torch.equal(view.get_slice("model.w")[1:2], golden_state()["model"]["w"][1:2])
 
 
 @pytest.mark.parametrize("version", [0, 3, "1"])

@@ -137,6 +137,15 @@ def execute(plan, files, targets):
             continue
         assert (count == 1).all(), "every byte of a staged transfer arrives exactly once"
         src = buf.view("<i4").reshape(box_shape(t.src.logical_box))
+        if t.window is not None:  # whole blocks were read: the needed piece of them
+            flat = src.reshape(-1)
+            whole = np.arange(int(np.prod(t.window.array_shape))) + t.window.base
+            keep = (whole >= 0) & (whole < flat.size)
+            full = np.full(int(np.prod(t.window.array_shape)), -9, dtype=np.int32)
+            full[keep] = flat[whole[keep]]
+            full = full.reshape(t.window.array_shape)
+            src = full[tuple(slice(lo, hi) for lo, hi in t.window.array_box)]
+            assert (src != -9).all(), "the window lies in the blocks read"
         target_view(targets[t.target], t.dst)[...] = src
         target_view(writes[t.target], t.dst)[...] += 1
     return writes
@@ -241,8 +250,27 @@ def test_executing_the_plan_fills_the_target_exactly_once_reading_little_more_th
     for key, shape in used.items():
         assert tuple(shape) == ckpt.shapes[key], "shard_shapes reports the stored shard's shape"
     direct_ok = data.draw(st.lists(st.booleans(), min_size=len(tensors), max_size=len(tensors)))
-    plan = plan_reads(transfers, ckpt.info, direct_ok, **knobs)
+    # Unverified: only the needed bytes (and small gaps) are read, within the staging budget.
+    plan = plan_reads(transfers, ckpt.info, direct_ok, **knobs, verify=False)
+    assert_fills_exactly(plan, ckpt, expected, targets)
+    assert plan.bytes_needed == sum(t.numel for t in plan.transfers) * ITEMSIZE
+    assert plan.bytes_read <= (1 + knobs.get("slack", 0.05)) * plan.bytes_needed
+    assert_reads_stay_in_needed_shards(plan, ckpt)
+    assert not any(r.checks for r in plan.requests)
+    assert_batches_fit_the_staging_budget(plan, direct_ok, knobs)
 
+    # Verified: every byte read lies in a checksum block (here a whole shard) read whole and
+    # checked, and the targets are filled the same.
+    targets = [np.full(t.shape, -7, dtype=np.int32) for t in targets]
+    plan = plan_reads(transfers, ckpt.info, direct_ok, **knobs)
+    assert_fills_exactly(plan, ckpt, expected, targets)
+    assert_reads_stay_in_needed_shards(plan, ckpt)
+    assert_checks_match_the_bytes_read(plan, ckpt)
+    assert_shards_read_in_full_are_checked_in_full(plan, ckpt)
+    assert_every_byte_read_is_checked(plan, ckpt)
+
+
+def assert_fills_exactly(plan, ckpt, expected, targets):
     writes = execute(plan, ckpt.files, targets)
     for want, got, count in zip(expected, targets, writes, strict=True):
         padding = want == PAD
@@ -250,12 +278,17 @@ def test_executing_the_plan_fills_the_target_exactly_once_reading_little_more_th
         assert (count[~padding] == 1).all(), "every target element is written exactly once"
         assert (count[padding] == 0).all(), "padding of the target is not written"
 
-    assert plan.bytes_needed == sum(t.numel for t in plan.transfers) * ITEMSIZE
-    assert plan.bytes_read <= (1 + knobs.get("slack", 0.05)) * plan.bytes_needed
-    assert_reads_stay_in_needed_shards(plan, ckpt)
-    assert_checks_match_the_bytes_read(plan, ckpt)
-    assert_shards_read_in_full_are_checked_in_full(plan, ckpt)
-    assert_batches_fit_the_staging_budget(plan, direct_ok, knobs)
+
+def assert_every_byte_read_is_checked(plan, ckpt):
+    """Each byte a request reads of a needed shard lies in a check, and a shard with any byte
+    read is read (and checked) whole: its one checksum block."""
+    for r in expand_repeats(plan.requests):
+        assert r.repeat is None, "verified reads are not repeated reads without checks"
+        spans = sorted((r.offset + c.start, r.offset + c.stop) for c in r.checks)
+        for key, info in ckpt.info.items():
+            a, b = max(r.offset, info.start), min(r.offset + r.length, info.stop)
+            if key[0] == r.rank and a < b and key in {(t.rank, t.fqn) for t in plan.transfers}:
+                assert covers(spans, a, b), (key, r)
 
 
 def assert_reads_stay_in_needed_shards(plan, ckpt):
@@ -302,7 +335,8 @@ def assert_shards_read_in_full_are_checked_in_full(plan, ckpt):
     for key, spans in read.items():
         info = ckpt.info[key]
         if covers(spans, info.start, info.stop):
-            parts = sorted(checked.get(key, []))
+            # (two transfers widened into one block each read it whole: the same part twice)
+            parts = sorted(set(checked.get(key, [])))
             assert [a for a, _ in parts] == [info.start] + [b for _, b in parts[:-1]], (key, parts)
             assert parts[-1][1] == info.stop, (key, parts)
 
@@ -344,13 +378,13 @@ INFO = {(0, "w"): StoredShardInfo(16, 16 + 300 * ITEMSIZE, ITEMSIZE, 0)}
 
 
 def test_a_gap_of_five_percent_of_the_run_before_it_is_read_through():
-    plan = plan_reads(one_file_transfers([(0, 100), (105, 200)]), INFO, [False])
+    plan = plan_reads(one_file_transfers([(0, 100), (105, 200)]), INFO, [False], verify=False)
     assert [(r.offset, r.length) for r in plan.requests] == [(16, 200 * ITEMSIZE)]
     assert plan.bytes_read == plan.bytes_needed + 5 * ITEMSIZE
 
 
 def test_a_gap_over_five_percent_of_the_run_before_it_splits_the_read():
-    plan = plan_reads(one_file_transfers([(0, 100), (106, 200)]), INFO, [False])
+    plan = plan_reads(one_file_transfers([(0, 100), (106, 200)]), INFO, [False], verify=False)
     assert [(r.offset, r.length) for r in plan.requests] == [(16, 400), (16 + 424, 376)]
     assert plan.bytes_read == plan.bytes_needed
 
@@ -362,7 +396,7 @@ def test_requests_from_different_files_never_merge_even_at_the_same_offsets():
     transfers = match_shards(
         "w", 0, full, parse_mapping("chunk(0, a)"), shape, sizes, lambda c: c["a"]
     )
-    plan = plan_reads(transfers, info, [True])
+    plan = plan_reads(transfers, info, [True], verify=False)
     assert sorted((r.rank, r.offset, r.length) for r in plan.requests) == [(0, 0, 16), (1, 0, 16)]
 
 
@@ -396,7 +430,7 @@ def test_a_small_unneeded_shard_between_two_needed_ones_is_not_read():
         Transfer(f, i, 0, Piece(0, (100,), box, box), Piece(0, (100,), box, box))
         for i, f in enumerate("wy")
     ]
-    plan = plan_reads(transfers, info, [True, True])
+    plan = plan_reads(transfers, info, [True, True], verify=False)
     assert sorted((r.offset, r.length) for r in plan.requests) == [(0, 400), (404, 400)]
 
 
@@ -415,6 +449,7 @@ def test_staged_transfers_are_cut_and_batched_within_the_staging_budget(max_stag
         [False],
         max_staging=max_staging,
         batch_bytes=batch_bytes,
+        verify=False,
     )
     assert not any(plan.direct)
     assert sum(t.numel for t in plan.transfers) == 30
@@ -437,7 +472,7 @@ def test_a_stored_shard_shorter_in_its_file_than_its_mapping_is_a_corrupt_checkp
     transfers = match_shards("w", 0, full, Mapping(), shape, {}, lambda c: 0)
     info = {(0, "w"): StoredShardInfo(0, 9 * ITEMSIZE, ITEMSIZE, 0)}
     with pytest.raises(CorruptCheckpointError, match="shorter than its mapping says"):
-        plan_reads(transfers, info, [False])
+        plan_reads(transfers, info, [False], verify=False)
 
 
 def test_zero_size_and_0d_targets_plan_only_what_holds_data():
@@ -450,7 +485,9 @@ def test_zero_size_and_0d_targets_plan_only_what_holds_data():
     transfers = match_shards(
         "s", 0, scalar, parse_mapping("on(a, 1)"), (), {"a": 2}, lambda c: c["a"]
     )
-    plan = plan_reads(transfers, {(1, "s"): StoredShardInfo(8, 12, ITEMSIZE, 0)}, [True])
+    plan = plan_reads(
+        transfers, {(1, "s"): StoredShardInfo(8, 12, ITEMSIZE, 0)}, [True], verify=False
+    )
     assert [(r.rank, r.offset, r.length) for r in plan.requests] == [(1, 8, 4)]
     assert plan.direct == [True]
 
@@ -464,7 +501,10 @@ def test_loading_the_fsdp2_over_tp_layout_into_dtensor_order_reads_each_row_once
     for coords in all_coords(sizes):
         target = compile_mapping(dst, shape, sizes, coords)
         plan = plan_reads(
-            match_shards("w", 0, target.pieces, src, shape, sizes, ckpt.rank_of), ckpt.info, [True]
+            match_shards("w", 0, target.pieces, src, shape, sizes, ckpt.rank_of),
+            ckpt.info,
+            [True],
+            verify=False,
         )
         got = np.full(target.shape, -7, dtype=np.int32)
         execute(plan, ckpt.files, [got])

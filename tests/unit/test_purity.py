@@ -145,7 +145,7 @@ PROBE = textwrap.dedent(
     used = {{}}
     transfers = match_shards("w", 0, target.pieces, src, shape, src_sizes, rank_of, used)
     info = {{k: StoredShardInfo(0, 4 * s[0] * s[1], 4, 0) for k, s in used.items()}}
-    plan = plan_reads(transfers, info, [True])
+    plan = plan_reads(transfers, info, [True], verify=False)
     assert plan.bytes_needed == 4 * 10 * 2, plan.bytes_needed
     spec = parse('mesh tp; param h; "w" -> "w" [h, 4] : chunk(0, tp);')
     assert compile(spec, {{"tp": 2, "h": 6}}, {{"tp": 1}})["w"].shape == (3, 4)
