@@ -490,7 +490,9 @@ def worker(rank: int, cfg: dict, store_path: str, out_path: str) -> None:
                     "floor": partial(
                         floor_load, floor_file, [targets[t][n].to_local() for n, _, _ in spec]
                     ),
-                    "anyshard": partial(anyshard.load, paths["anyshard"], targets[t]),
+                    "anyshard": partial(
+                        anyshard.load, paths["anyshard"], targets[t], verify=cfg["verify"]
+                    ),
                     "dcp": partial(_dcp_load, dcp, targets[t], paths["dcp"]),
                 }
                 for t in TARGETS
@@ -969,6 +971,11 @@ def main(argv: list[str] | None = None) -> int:
         help="skip the untimed warm-up round (small tensors, every system) before measuring",
     )
     p.add_argument("--json", default=None, help="also write the raw measurements to this JSON file")
+    p.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="load with anyshard.load(verify=False): only the needed bytes, unchecked",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.gib, args.reps = 0.1, 1
@@ -1015,6 +1022,7 @@ def main(argv: list[str] | None = None) -> int:
         "profile_rank": args.profile_rank,
         "profile_dir": args.profile_dir,
         "warmup": args.warmup,
+        "verify": not args.no_verify,
     }
     t0 = time.time()
     cpu0 = _busy_cpu_s()

@@ -1,6 +1,7 @@
 """A seeded subset of the mutation fuzzer (tools/fuzz_checkpoints.py) runs with the suite:
 damaged and hostile checkpoints through every entry point raise only AnyshardError, each call
-returns within 5 s, and a flipped data bit never comes back in a whole-tensor read.
+returns within 5 s, and a flipped data bit never comes back in a read of a whole tensor or of
+part of one.
 
 Run: python -m pytest tests/unit/test_fuzz_checkpoints.py -q
 """
@@ -35,3 +36,4 @@ def test_a_thousand_mutations_raise_only_anyshard_errors_promptly(fuzz, tmp_path
     assert not f.rss, f.rss[:10]
     assert f.flips > 50 and f.flips_returned_full > 50
     assert not f.flips_undetected_full, f.flips_undetected_full[:10]
+    assert f.flips_returned_part > 50 and f.flips_undetected_part == 0  # reads of part, too
