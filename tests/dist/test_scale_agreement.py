@@ -59,7 +59,9 @@ def test_each_loading_rank_reads_what_the_simulator_predicts(run, sim):
         real = (len(got["headers"]), got["reads"], got["bytes_read"], got["bytes_needed"])
         predicted = (want.headers, want.reads, want.bytes_read, want.bytes_needed)
         assert real == predicted, f"rank {r}: (headers, reads, bytes read, bytes needed)"
-        assert want.bytes_needed == want.target_bytes  # every byte read lands in the target
+        # every byte the target holds is read; verification widens reads of part of a shard to
+        # its whole checksum blocks (these shards are small: one block each)
+        assert want.bytes_needed >= want.target_bytes
 
 
 def test_planning_reads_only_the_headers_of_files_holding_needed_shards(run):
