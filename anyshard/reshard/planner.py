@@ -257,7 +257,9 @@ def plan_reads(
         info = shard_info[(t.rank, t.fqn)]
         per = max(1, max_staging // info.itemsize)
         if verify and (t.rank, t.fqn) not in fully and not _whole_blocks(t.src, info):
-            parts = [_widened(p, info) for p in _split_transfer(t, per)]
+            parts = [
+                _widened(p, info) for p in _split_transfer(t, _widened_budget(t, info, max_staging))
+            ]
             final.extend(parts)
             direct.extend([False] * len(parts))
         elif direct_ok[t.target]:
@@ -319,6 +321,18 @@ def _whole_blocks(p: Piece, info: StoredShardInfo) -> bool:
     start, stop = a * info.itemsize, b * info.itemsize
     size = info.stop - info.start
     return start % info.block_bytes == 0 and (stop % info.block_bytes == 0 or stop == size)
+
+
+def _widened_budget(t: Transfer, info: StoredShardInfo, max_staging: int) -> int:
+    """Elements of ``t`` per part, so that each part, widened to whole rows and blocks, stages
+    about ``max_staging`` bytes (a shard that is one block, as in version-1 files, is staged
+    whole: cutting it would read it once per part)."""
+    if info.block_bytes >= info.stop - info.start:
+        return max(1, t.numel)
+    shape = box_shape(t.src.array_box)
+    full_row = math.prod(t.src.array_shape[1:]) * info.itemsize if shape else info.itemsize
+    needed_row = math.prod(shape[1:]) if shape else 1
+    return max(1, max_staging // max(full_row, 1)) * max(needed_row, 1)
 
 
 def _widened(t: Transfer, info: StoredShardInfo) -> Transfer:

@@ -511,3 +511,23 @@ def test_loading_the_fsdp2_over_tp_layout_into_dtensor_order_reads_each_row_once
         want = materialise(dst, logical, sizes, coords)
         assert torch.equal(torch.from_numpy(got).long(), want)
         assert plan.bytes_read == want.numel() * ITEMSIZE
+
+
+def test_a_verified_column_read_widens_to_whole_blocks_within_the_staging_budget():
+    rows, cols, block = 1024, 256, 16 * 256 * ITEMSIZE  # blocks of 16 whole rows
+    size = rows * cols * ITEMSIZE
+    info = {(0, "w"): StoredShardInfo(0, size, ITEMSIZE, block=block, crcs=(0,) * (rows // 16))}
+    src = Piece(0, (rows, cols), ((0, rows), (0, cols // 4)), ((0, rows), (0, cols // 4)))
+    dst = Piece(0, (rows, cols // 4), ((0, rows), (0, cols // 4)), ((0, rows), (0, cols // 4)))
+    budget = 64 << 10
+    plan = plan_reads([Transfer("w", 0, 0, src, dst)], info, [True], max_staging=budget)
+    assert all(t.window is not None for t in plan.transfers)  # staged, the needed piece kept
+    assert not any(plan.direct)
+    assert all(t.numel * ITEMSIZE <= budget + 2 * block for t in plan.transfers)
+    assert plan.bytes_read == size  # every block, once: the quarter columns of every row
+    checked = sorted(
+        (plan.shards[c.shard][2], plan.shards[c.shard][3]) for r in plan.requests for c in r.checks
+    )
+    assert checked == [(k * block, (k + 1) * block) for k in range(rows // 16)]
+    unverified = plan_reads([Transfer("w", 0, 0, src, dst)], info, [True], verify=False)
+    assert unverified.bytes_read == size // 4 and not any(r.checks for r in unverified.requests)
