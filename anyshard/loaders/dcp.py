@@ -168,7 +168,12 @@ class _Window(io.RawIOBase):
     def readinto(self, b) -> int:
         n = max(0, min(len(b), self._length - self._pos))
         if n:
-            self._reader.read_into(self._offset + self._pos, memoryview(b).cast("B")[:n])
+            # through a buffer of our own: a failed read must not leave a view of the caller's
+            # buffer in a traceback that outlives it
+            data = bytearray(n)
+            self._reader.read_into(self._offset + self._pos, memoryview(data))
+            with memoryview(b) as view, view.cast("B") as flat:
+                flat[:n] = data
             self._pos += n
         return n
 
