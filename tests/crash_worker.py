@@ -3,13 +3,15 @@
 ``python tests/crash_worker.py`` runs a zygote: it imports torch and anyshard once, prints
 ``ready``, then reads JSON commands on stdin, one a line, and answers each with one JSON line:
 
-- ``{"cmd": "spawn", "root": ROOT, "store": FILE, "log": PREFIX}`` forks a process group of
+- ``{"cmd": "spawn", "root": ROOT, "store": FILE, "log": PREFIX, "mode": M, "local": DIR}``
+  forks a process group of
   `WORLD` ranks (one POSIX process group, led by rank 0, so ``os.killpg`` kills them all). Each
   rank joins a gloo group through a FileStore at ``FILE`` (a fresh name per spawn), restores the
   newest committed step under ``ROOT`` with `Checkpointer.restore_latest`, checks it bit-exact
   against `expected_state`, and then saves steps restored+1, restored+2, ... with a
   ``Checkpointer(ROOT, every_steps=1, keep_last=KEEP_LAST)`` until it is killed (a job under
-  ``torchrun --max-restarts``). Output goes to ``PREFIX-rank<r>.log``. Answer: ``{"pids": [...]}``.
+  ``torchrun --max-restarts``). ``mode`` "async" saves with ``async_=True``; "tiered" saves
+  to ``DIR`` (the node's local disk) first and uploads to ``ROOT`` in the background. Output goes to ``PREFIX-rank<r>.log``. Answer: ``{"pids": [...]}``.
 - ``{"cmd": "reap"}`` waits for the ranks of the last spawn; answer ``{"status": [...]}``
   (``os.waitpid`` statuses).
 - ``{"cmd": "quit"}``.
@@ -83,7 +85,9 @@ def _check_restored(state: dict, step: int, rank: int) -> None:
         raise AssertionError(f"rank {rank}: restored step {step}: extra {state['extra']}")
 
 
-def rank_main(rank: int, root: str, store_path: str) -> None:
+def rank_main(
+    rank: int, root: str, store_path: str, mode: str = "sync", local: str | None = None
+) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -93,7 +97,13 @@ def rank_main(rank: int, root: str, store_path: str) -> None:
         "gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD
     )
     mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
-    ckpt = Checkpointer(root, every_steps=1, keep_last=KEEP_LAST)
+    ckpt = Checkpointer(
+        root,
+        every_steps=1,
+        keep_last=KEEP_LAST,
+        async_=mode == "async",
+        local_dir=local if mode == "tiered" else None,
+    )
     state = _sharded_state(0, mesh)  # a template under this run's layout
     restored = ckpt.restore_latest(state) or 0
     print(f"rank {rank}: restored step {restored}", flush=True)
@@ -115,7 +125,7 @@ def _fork_rank(rank: int, pgid: int, msg: dict) -> int:
             os.dup2(null, 0)
             os.dup2(log, 1)
             os.dup2(log, 2)
-            rank_main(rank, msg["root"], msg["store"])
+            rank_main(rank, msg["root"], msg["store"], msg.get("mode", "sync"), msg.get("local"))
             code = 0
         except BaseException:
             traceback.print_exc()
