@@ -4,6 +4,10 @@ Run (the full benchmark, a few minutes on 2 cores; writes the table into docs/be
 
     python tools/bench_reshard.py --write-docs
 
+The loads verify every byte by default (anyshard.load's verify=True); the cost of that:
+
+    python tools/bench_reshard.py --regimes tmpfs --reps 3 --no-verify
+
 Smoke test (0.1 GiB, 1 repetition, well under a minute):
 
     python tools/bench_reshard.py --quick
