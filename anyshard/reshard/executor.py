@@ -337,24 +337,36 @@ def _finish(plan: ReadPlan, i: int, mem: memoryview, targets, src_dtypes) -> Non
     piece_view(targets[t.target], t.dst).copy_(src)
 
 
+def _chain(start: int, stop: int, got: list[tuple[int, int, int]]) -> int | None:
+    """The crc32c of bytes ``[start, stop)`` from parts ``(offset, length, crc)`` that follow
+    one another from ``start`` to ``stop`` (parts may repeat or overlap: two transfers widened
+    into one block read it twice, cut differently); None when no parts chain through."""
+    after: dict[int, list[tuple[int, int]]] = {}
+    for offset, length, crc in got:
+        after.setdefault(offset, []).append((length, crc))
+    todo, seen = [(start, 0)], {start}
+    while todo:
+        pos, crc = todo.pop()
+        if pos == stop:
+            return crc
+        for length, part in after.get(pos, ()):
+            nxt = pos + length
+            if nxt not in seen and nxt <= stop:
+                seen.add(nxt)
+                todo.append((nxt, crc32c_combine(crc, part, length)))
+    return None
+
+
 def _verify(plan: ReadPlan, parts: dict[int, list[tuple[int, int, int]]], paths) -> None:
     """Every checksum block that requests read part of: read whole, and its crc32c (combined
     from the parts) the header's."""
     for shard, got in parts.items():
         rank, fqn, start, stop, expected = plan.shards[shard]
-        got.sort()
-        pos, crc = start, 0
-        for offset, length, part_crc in got:
-            if offset > pos:
-                break
-            if offset < pos:  # read twice (two transfers widened into one block)
-                continue
-            crc = crc32c_combine(crc, part_crc, length)
-            pos += length
-        if pos != stop:
+        crc = _chain(start, stop, got)
+        if crc is None:
             raise CorruptCheckpointError(
                 f"{paths[rank]}: bytes {start}..{stop} of the stored shard of {fqn!r} were read "
-                f"only in part ({pos - start} bytes from the start); they cannot be verified"
+                "only in part; they cannot be verified"
             )
         if crc != expected:
             raise ChecksumError(
