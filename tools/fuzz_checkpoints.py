@@ -14,7 +14,10 @@ damages the copy in one structured way, and calls every entry point on it:
 * ``anyshard.open`` with ``keys``, ``metadata``, ``values``, ``get_tensor`` of every tensor and
   ``get_slice`` of part of every tensor;
 * ``anyshard.load`` in this process into a state dict of the pristine checkpoint's shapes
-  (anyshard checkpoints);
+  (anyshard checkpoints), and in 4 gloo processes (``--procs``, kept alive across mutations;
+  every ``--procs-every``-th anyshard mutation):
+  DTensors sharded over a 1-D mesh of 4 for the plain checkpoint (uneven and empty shards
+  included), each rank's local tensors under the spec at tp=4 for the spec checkpoint;
 * ``verify_checkpoint`` (anyshard checkpoints);
 * ``anyshard inspect`` (text and ``--json``) and ``anyshard convert --to hf``, through the CLI's
   ``main``.
@@ -498,8 +501,160 @@ def _scratch_copy(work: str, pristine: str) -> str:
     return path
 
 
+# --------------------------------------------------------------------------- 4-process loads
+
+
+def _pool_state(corpus: str, pristine: dict, rank: int, world: int):
+    """The state a rank of ``world`` loads: DTensors on a 1-D mesh, or spec-local tensors."""
+    if corpus == "anyshard-spec":
+        from anyshard.geometry.shards import chunk_bounds
+
+        state = {}
+        for k in ("w", "b"):  # torch.chunk's parts: the last ranks may hold none
+            lo, hi = chunk_bounds(pristine[k].shape[0], world, rank)
+            state[k] = torch.zeros_like(pristine[k][lo:hi])
+        state["norm"] = torch.zeros_like(pristine["norm"])
+        return state, lambda path, st: anyshard.load(
+            path, st, spec=SPEC, layout={"tp": world}, coords={"tp": rank}
+        )
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    state = {
+        k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(0) if v.dim() else Replicate()])
+        for k, v in pristine.items()
+    }
+    state.update(step=0, cfg={})
+    return state, lambda path, st: anyshard.load(path, st)
+
+
+def _pool_worker(rank: int, world: int, store_path: str, corpora: dict, inbox, outbox) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    signal.signal(signal.SIGALRM, _alarm)
+    pristine = {k: snapshot(p) for k, p in corpora.items()}
+    expected = {}
+    for name in corpora:
+        # the pristine values, laid out as this rank holds them
+        st, load = _pool_state(name, pristine[name], rank, world)
+        load(corpora[name], st)
+        expected[name] = {
+            k: (v.to_local() if hasattr(v, "to_local") else v).clone()
+            for k, v in st.items()
+            if isinstance(v, torch.Tensor)
+        }
+    outbox.put((rank, "ready", "", 0, 0))
+    while True:
+        job = inbox.get()
+        if job is None:
+            break
+        corpus, path = job
+        state, load = _pool_state(corpus, pristine[corpus], rank, world)
+        signal.setitimer(signal.ITIMER_REAL, KILL_S)
+        start = time.monotonic()
+        returned = wrong = 0
+        try:
+            load(path, state)
+            status, detail = "ok", ""
+            for k, want in expected[corpus].items():
+                got = state[k].to_local() if hasattr(state[k], "to_local") else state[k]
+                returned += 1
+                wrong += not _same_bytes(got, want)
+        except AnyshardError:
+            status, detail = "refused", ""
+        except _Timeout:
+            status, detail = "slow", f"{KILL_S} s"
+        except Exception as e:  # noqa: BLE001 - what the fuzzer is looking for
+            tb = traceback.extract_tb(e.__traceback__)[-1]
+            status = "internal"
+            detail = (
+                f"{type(e).__name__}: {str(e)[:160]} ({tb.filename.split('/')[-1]}:{tb.lineno})"
+            )
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        took = time.monotonic() - start
+        if status == "ok" and took > SLOW_S:
+            status, detail = "slow", f"{took:.2f} s"
+        outbox.put((rank, status, detail, returned, wrong))
+    dist.destroy_process_group()
+
+
+class LoadPool:
+    """``world`` gloo processes that load each damaged anyshard checkpoint, as a job's ranks do."""
+
+    def __init__(self, world: int, corpora: dict, work: str) -> None:
+        self.world, self.corpora, self.work = world, corpora, work
+        self._start()
+
+    def _start(self) -> None:
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        store = tempfile.mktemp(prefix="store-", dir=self.work)
+        self.outbox = ctx.Queue()
+        self.inboxes = [ctx.Queue() for _ in range(self.world)]
+        self.procs = [
+            ctx.Process(
+                target=_pool_worker,
+                args=(r, self.world, store, self.corpora, self.inboxes[r], self.outbox),
+                daemon=True,
+            )
+            for r in range(self.world)
+        ]
+        for proc in self.procs:
+            proc.start()
+        for _ in range(self.world):
+            self.outbox.get(timeout=120)
+
+    def close(self) -> None:
+        for q in self.inboxes:
+            q.put(None)
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+
+    def load(self, f: Findings, label: str, corpus: str, path: str, flipped: bool) -> None:
+        import queue
+
+        f.calls += 1
+        for q in self.inboxes:
+            q.put((corpus, path))
+        results = []
+        try:
+            for _ in range(self.world):
+                results.append(self.outbox.get(timeout=KILL_S + 30))
+        except queue.Empty:
+            f.slow.append((label, f"load in {self.world} processes", KILL_S))
+            for proc in self.procs:
+                proc.kill()
+            self._start()
+            return
+        entry = f"load in {self.world} processes"
+        statuses = {status for _, status, *_ in results}
+        if statuses == {"refused"} or ("refused" in statuses and statuses <= {"refused", "ok"}):
+            f.refused += 1
+        for rank, status, detail, returned, wrong in results:
+            if status == "internal":
+                f.internal.append((label, f"{entry}, rank {rank}", detail))
+            elif status == "slow":
+                f.slow.append((label, f"{entry}, rank {rank}", detail))
+            elif status == "ok" and flipped:
+                f.flips_returned_part += returned
+                f.flips_undetected_part += wrong
+
+
 def fuzz(
-    mutations: int, seed: int, work: str, progress: bool = True, only: int | None = None
+    mutations: int,
+    seed: int,
+    work: str,
+    progress: bool = True,
+    only: int | None = None,
+    procs: int = 0,
+    procs_every: int = 1,
 ) -> Findings:
     signal.signal(signal.SIGALRM, _alarm)
     corpus = make_corpus(os.path.join(work, "pristine"))
@@ -507,6 +662,23 @@ def fuzz(
     f = Findings()
     rng = random.Random(seed)
     names = sorted(corpus)
+    pool = None
+    if procs:
+        anyshard_corpora = {k: p for k, p in corpus.items() if k.startswith("anyshard")}
+        pool = LoadPool(procs, anyshard_corpora, work)
+    try:
+        _fuzz_loop(
+            f, corpus, pristine, names, rng, mutations, work, progress, only, pool, procs_every
+        )
+    finally:
+        if pool is not None:
+            pool.close()
+    return f
+
+
+def _fuzz_loop(
+    f, corpus, pristine, names, rng, mutations, work, progress, only, pool, procs_every
+) -> None:
     start = time.monotonic()
     for i in range(mutations):
         name = names[i % len(names)]
@@ -520,6 +692,12 @@ def fuzz(
         f.flips += m.flipped is not None
         label = f"#{i} {name} {m.kind} {m.detail}".strip()
         run_entry_points(f, m, label, path, pristine[name], work)
+        if (
+            pool is not None
+            and name.startswith("anyshard")
+            and i % (procs_every * len(names)) < len(names)
+        ):
+            pool.load(f, label, name, path, m.flipped is not None)
         if progress and (i + 1) % 500 == 0:
             rate = (i + 1) / (time.monotonic() - start)
             print(
@@ -527,7 +705,6 @@ def fuzz(
                 f"{len(f.slow)} slow, {rate:.0f}/s",
                 flush=True,
             )
-    return f
 
 
 def summary(f: Findings) -> list[str]:
@@ -558,11 +735,30 @@ def main() -> int:
     p.add_argument("--mutations", type=int, default=2000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", type=int, default=None, help="run mutation number N alone")
+    p.add_argument(
+        "--procs",
+        type=int,
+        default=4,
+        help="also load every damaged anyshard checkpoint in this many gloo processes (0: none)",
+    )
+    p.add_argument(
+        "--procs-every",
+        type=int,
+        default=10,
+        help="load every N-th round of mutations in the processes too (1: every one)",
+    )
     p.add_argument("--write-docs", nargs="?", const="docs/benchmarks.md", default=None)
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="anyshard-fuzz-") as work:
         start = time.monotonic()
-        f = fuzz(args.mutations, args.seed, work, only=args.only)
+        f = fuzz(
+            args.mutations,
+            args.seed,
+            work,
+            only=args.only,
+            procs=args.procs,
+            procs_every=args.procs_every,
+        )
         took = time.monotonic() - start
     lines = summary(f)
     print("\n".join(lines))
@@ -570,7 +766,10 @@ def main() -> int:
     if args.write_docs:
         from markdown_section import replace_section
 
-        command = f"python tools/fuzz_checkpoints.py --mutations {args.mutations} --seed {args.seed} --write-docs"
+        command = (
+            f"python tools/fuzz_checkpoints.py --mutations {args.mutations} --seed {args.seed} "
+            f"--procs {args.procs} --procs-every {args.procs_every} --write-docs"
+        )
         replace_section(
             args.write_docs,
             "<!-- fuzz:begin -->",

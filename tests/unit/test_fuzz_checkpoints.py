@@ -1,7 +1,7 @@
 """A seeded subset of the mutation fuzzer (tools/fuzz_checkpoints.py) runs with the suite:
 damaged and hostile checkpoints through every entry point raise only AnyshardError, each call
 returns within 5 s, and a flipped data bit never comes back in a read of a whole tensor or of
-part of one.
+part of one. A smaller run also loads every damaged anyshard checkpoint in 4 gloo processes.
 
 Run: python -m pytest tests/unit/test_fuzz_checkpoints.py -q
 """
@@ -22,6 +22,9 @@ def fuzz():
     spec = importlib.util.spec_from_file_location("fuzz_checkpoints", TOOL)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up there
+    tools = os.path.dirname(os.path.abspath(TOOL))
+    if tools not in sys.path:  # spawned load processes import the tool by name
+        sys.path.append(tools)
     spec.loader.exec_module(module)
     return module
 
@@ -37,3 +40,11 @@ def test_a_thousand_mutations_raise_only_anyshard_errors_promptly(fuzz, tmp_path
     assert f.flips > 50 and f.flips_returned_full > 50
     assert not f.flips_undetected_full, f.flips_undetected_full[:10]
     assert f.flips_returned_part > 50 and f.flips_undetected_part == 0  # reads of part, too
+
+
+def test_loads_in_four_processes_raise_only_anyshard_errors(fuzz, tmp_path):
+    f = fuzz.fuzz(200, 2, str(tmp_path), progress=False, procs=4, procs_every=1)
+    assert f.mutations == 200
+    assert not f.internal, "\n".join(map(str, f.internal[:10]))
+    assert not f.slow, f.slow[:10]
+    assert f.flips > 10 and f.flips_returned_part > 50 and f.flips_undetected_part == 0
