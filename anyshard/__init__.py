@@ -8,6 +8,7 @@ from anyshard._version import __version__
 from anyshard.api.async_save import SaveHandle
 from anyshard.api.load import load
 from anyshard.api.open import open_checkpoint as open
+from anyshard.api.redistribute import redistribute
 from anyshard.api.save import save
 from anyshard.api.views import CheckpointView, TensorMetadata, TensorSlice
 from anyshard.errors import AnyshardError
@@ -22,6 +23,7 @@ __all__ = [
     "errors",
     "load",
     "open",
+    "redistribute",
     "save",
     "ucl",
 ]

@@ -8,7 +8,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["active", "all_equal", "broadcast_json", "gather_json", "rank", "world_size"]
+__all__ = [
+    "active",
+    "all_equal",
+    "all_gather_json",
+    "broadcast_json",
+    "device",
+    "gather_json",
+    "rank",
+    "world_size",
+]
 
 
 def active(group=None) -> bool:
@@ -23,7 +32,8 @@ def world_size(group=None) -> int:
     return dist.get_world_size(group) if active(group) else 1
 
 
-def _device(group) -> torch.device:
+def device(group) -> torch.device:
+    """The device collectives of ``group`` take their tensors on (CUDA for NCCL)."""
     backend = dist.get_backend(group)
     if "nccl" in str(backend) and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
@@ -47,20 +57,20 @@ def gather_json(obj: Any, group=None, dst: int = 0) -> list[Any] | None:
     """Every rank's ``obj`` on group rank ``dst`` (None elsewhere)."""
     if not active(group):
         return [obj]
-    device = _device(group)
-    payload = _encode(obj, device)
+    dev = device(group)
+    payload = _encode(obj, dev)
     n = world_size(group)
-    lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(n)]
+    lengths = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(n)]
     dist.all_gather(
-        lengths, torch.tensor([payload.numel()], dtype=torch.int64, device=device), group=group
+        lengths, torch.tensor([payload.numel()], dtype=torch.int64, device=dev), group=group
     )
     sizes = [int(x.item()) for x in lengths]
     longest = max(sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=dev)
     padded[: payload.numel()] = payload
     me = rank(group)
     outs = (
-        [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(n)]
+        [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in range(n)]
         if me == dst
         else None
     )
@@ -75,17 +85,17 @@ def broadcast_json(obj: Any, group=None, src: int = 0) -> Any:
     """``obj`` of group rank ``src`` on every rank."""
     if not active(group):
         return obj
-    device = _device(group)
+    dev = device(group)
     src_global = dist.get_global_rank(group, src) if group is not None else src
-    payload = _encode(obj, device) if rank(group) == src else None
+    payload = _encode(obj, dev) if rank(group) == src else None
     length = torch.tensor(
-        [payload.numel() if payload is not None else 0], dtype=torch.int64, device=device
+        [payload.numel() if payload is not None else 0], dtype=torch.int64, device=dev
     )
     dist.broadcast(length, src=src_global, group=group)
     buf = (
         payload
         if payload is not None
-        else torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+        else torch.empty(int(length.item()), dtype=torch.uint8, device=dev)
     )
     if int(length.item()):
         dist.broadcast(buf, src=src_global, group=group)
@@ -96,9 +106,34 @@ def all_equal(digest: bytes, group=None) -> bool:
     """Whether every rank passes the same ``digest`` (at most 32 bytes): one small all-gather."""
     if not active(group) or world_size(group) == 1:
         return True
-    device = _device(group)
-    mine = torch.zeros(32, dtype=torch.uint8, device=device)
-    mine[: len(digest)] = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(device)
-    outs = [torch.empty(32, dtype=torch.uint8, device=device) for _ in range(world_size(group))]
+    dev = device(group)
+    mine = torch.zeros(32, dtype=torch.uint8, device=dev)
+    mine[: len(digest)] = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(dev)
+    outs = [torch.empty(32, dtype=torch.uint8, device=dev) for _ in range(world_size(group))]
     dist.all_gather(outs, mine, group=group)
     return all(torch.equal(o, outs[0]) for o in outs)
+
+
+def all_gather_json(obj: Any, group=None) -> list[Any]:
+    """Every rank's ``obj`` on every rank, in rank order. Each distinct object crosses the
+    network once: ranks all-gather 32-byte digests, then the lowest rank holding each distinct
+    object broadcasts it (ranks that share a layout describe it once)."""
+    if not active(group) or world_size(group) == 1:
+        return [obj]
+    import hashlib
+
+    dev = device(group)
+    data = json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
+    mine = torch.frombuffer(bytearray(hashlib.sha256(data).digest()), dtype=torch.uint8).to(dev)
+    n = world_size(group)
+    digests = [torch.empty(32, dtype=torch.uint8, device=dev) for _ in range(n)]
+    dist.all_gather(digests, mine, group=group)
+    keys = [bytes(d.cpu().numpy()) for d in digests]
+    first: dict[bytes, int] = {}
+    for r, k in enumerate(keys):
+        first.setdefault(k, r)
+    me = rank(group)
+    known: dict[bytes, Any] = {}
+    for k, r in first.items():
+        known[k] = broadcast_json(obj if r == me else None, group, src=r)
+    return [known[k] for k in keys]

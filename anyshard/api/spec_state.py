@@ -28,7 +28,7 @@ from anyshard.ucl.evaluate import (
 from anyshard.ucl.ranks import compile_every_rank
 from anyshard.ucl.syntax import Combine, Group, Part, Spec
 
-__all__ = ["axis_group", "rank_coords", "spec_fills", "spec_writes"]
+__all__ = ["axis_group", "match_locals", "rank_coords", "spec_fills", "spec_writes"]
 
 
 def rank_coords(
@@ -62,7 +62,7 @@ def _suggest(name: str, value: torch.Tensor, locals_: dict[str, LocalTensor]) ->
     )
 
 
-def _match(
+def match_locals(
     flat: dict[str, Leaf], locals_: dict[str, LocalTensor], strict: bool
 ) -> tuple[list[tuple[str, torch.Tensor, LocalTensor]], dict[str, Leaf], list[str]]:
     """Pair the state's tensors with the spec's local tensors; JSON values pass through."""
@@ -166,7 +166,7 @@ def spec_writes(
     if distributed:  # collective (group creation): before anything that may fail on one rank
         for axis in _average_axes(spec, lay):
             axis_group(lay, axis, coords, group)
-    pairs, values, problems = _match(state_flat, locals_, strict=True)
+    pairs, values, problems = match_locals(state_flat, locals_, strict=True)
     if problems:
         raise StateDictMismatchError(
             "the state dict does not match the spec:\n  " + "\n  ".join(problems)
@@ -221,7 +221,7 @@ def spec_fills(
     lay = layout_for(spec, layout)
     me = rank_coords(lay, coords, group)
     locals_ = compile(spec, lay, me)
-    pairs, values, problems = _match(flat, locals_, strict)
+    pairs, values, problems = match_locals(flat, locals_, strict)
     fills: list[Fill] = []
     for name, value, t in pairs:
         if not value.is_contiguous():

@@ -1,0 +1,376 @@
+"""Live resharding: move a state from one layout to another over the network, no storage.
+
+Every rank describes the layouts of its source and destination state (DTensor meshes and
+placements, plain tensors, a UCL spec and layout), the ranks exchange those descriptions (each
+distinct one once), and every rank computes the same plan from them (`anyshard.reshard.exchange`):
+local copies for what a rank already holds, point-to-point messages for the rest, in rounds of
+bounded size. Nothing is pickled; only JSON descriptions and raw tensor bytes cross ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from anyshard.api import collectives as coll
+from anyshard.api.spec_state import match_locals
+from anyshard.api.state import flatten_state, json_roundtrip
+from anyshard.api.tensor_layout import layout_of
+from anyshard.errors import AnyshardError, LayoutError, StateDictMismatchError
+from anyshard.format.dtypes import DTYPE_TO_ST, ST_TO_DTYPE
+from anyshard.format.manifest import MeshEntry
+from anyshard.geometry.boxes import Box, Piece, full_box, intersect
+from anyshard.reshard.exchange import Move, Plan, TensorSides, plan_moves, schedule
+from anyshard.ucl.evaluate import compile, coords_of_rank, layout_for
+from anyshard.ucl.library import load_spec
+from anyshard.ucl.lowering import compile_mapping
+from anyshard.ucl.mapping import parse_mapping
+
+__all__ = ["DEFAULT_MAX_INFLIGHT_BYTES", "plan_redistribution", "redistribute"]
+
+DEFAULT_MAX_INFLIGHT_BYTES = 256 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class _Held:
+    """A local tensor holding ``piece`` of a logical tensor."""
+
+    tensor: torch.Tensor
+    piece: Piece
+
+
+class _Side:
+    """One state (source or destination) of this rank: its description for the other ranks,
+    and the local tensors that hold each logical tensor."""
+
+    def __init__(self) -> None:
+        self.desc: dict[str, Any] = {"tensors": {}, "values": {}}
+        self.held: dict[str, list[_Held]] = {}
+        self.leaves: dict[str, Any] = {}  # JSON value leaves (destination: replaced)
+        self.problems: list[str] = []
+
+
+def _describe_side(
+    state: Any, spec, layout: Mapping[str, int] | None, group, me: int, strict: bool, what: str
+) -> _Side:
+    side = _Side()
+    if state is None:
+        return side
+    try:
+        flat = flatten_state(state)
+    except AnyshardError as e:
+        side.problems.append(f"{what}: {e}")
+        return side
+    if spec is not None:
+        _describe_spec_side(side, flat, spec, layout or {}, me, strict, what)
+        return side
+    cache: dict = {}
+    for fqn, leaf in sorted(flat.items()):
+        value = leaf.value
+        if not isinstance(value, torch.Tensor):
+            side.desc["values"][fqn] = json_roundtrip(value)
+            side.leaves[fqn] = leaf
+            continue
+        if value.dtype not in DTYPE_TO_ST:
+            side.problems.append(f"{what} {fqn}: dtype {value.dtype} is not supported")
+            continue
+        try:
+            lay = layout_of(fqn, value, group, cache)
+        except LayoutError as e:
+            side.problems.append(f"{what} {e}")
+            continue
+        shape = list(lay.global_shape)
+        entry: dict[str, Any] = {"shape": shape, "dtype": DTYPE_TO_ST[value.dtype]}
+        if hasattr(value, "device_mesh"):
+            entry.update(mesh=lay.mesh.to_json(), map=str(lay.hold))
+            pieces = lay.shard().pieces
+        else:
+            box = full_box(shape)
+            pieces = (Piece(0, tuple(shape), box, box),)
+        side.desc["tensors"][fqn] = entry
+        side.held.setdefault(fqn, []).extend(_Held(lay.local, p) for p in pieces)
+    return side
+
+
+def _describe_spec_side(side: _Side, flat, spec, layout, me: int, strict: bool, what: str):
+    try:
+        parsed = load_spec(spec)
+        lay = layout_for(parsed, layout)
+    except AnyshardError as e:
+        side.problems.append(f"{what}: {e}")
+        return
+    if me >= lay.world_size:
+        if any(isinstance(leaf.value, torch.Tensor) for leaf in flat.values()):
+            side.problems.append(
+                f"{what}: rank {me} passes tensors, but the layout {dict(lay.sizes)} has only "
+                f"{lay.world_size} rank(s); pass an empty state on the ranks outside it"
+            )
+        return
+    locals_ = compile(parsed, lay, coords_of_rank(lay.sizes, me))
+    pairs, values, problems = match_locals(flat, locals_, strict)
+    side.problems += [f"{what} {p}" for p in problems]
+    names: dict[str, str] = {}
+    for name, value, t in pairs:
+        if t.average or t.dtype is not None:
+            side.problems.append(
+                f"{what} {name}: the rule at line {t.rule.line} averages or casts; redistribute "
+                "moves the bytes each rank holds as they are and cannot apply it"
+            )
+            continue
+        if value.dtype not in DTYPE_TO_ST:
+            side.problems.append(f"{what} {name}: dtype {value.dtype} is not supported")
+            continue
+        dest = value.transpose(*t.transpose) if t.transpose is not None else value
+        names[name] = DTYPE_TO_ST[value.dtype]
+        for part in t.parts:
+            side.held.setdefault(part.logical, []).extend(_Held(dest, p) for p in part.shard.pieces)
+    for k, leaf in values.items():
+        side.desc["values"][k] = json_roundtrip(leaf.value)
+        side.leaves[k] = leaf
+    side.desc["spec"] = {"text": parsed.text or str(parsed), "layout": dict(layout), "names": names}
+
+
+# --------------------------------------------------------------------------- remote boxes
+
+
+def _boxes_of(desc: Mapping[str, Any], rank: int, cache: dict) -> dict[str, tuple]:
+    """From one rank's description of one side: logical tensor -> (shape, dtype, boxes)."""
+    out: dict[str, tuple] = {}
+    for fqn, e in desc["tensors"].items():
+        shape = tuple(e["shape"])
+        if "mesh" not in e:
+            out[fqn] = (shape, e["dtype"], [full_box(shape)])
+            continue
+        key = ("mesh", repr(e["mesh"]), e["map"], shape, rank)
+        if key not in cache:
+            mesh = MeshEntry.from_json(e["mesh"])
+            where = (mesh.rank_grid() == rank).nonzero()
+            if not len(where[0]):
+                raise LayoutError(f"{fqn}: rank {rank} describes a mesh it is not in: {e['mesh']}")
+            coords = {d: int(w[0]) for d, w in zip(mesh.dims, where, strict=True)}
+            shard = compile_mapping(parse_mapping(e["map"]), shape, mesh.axis_sizes, coords)
+            cache[key] = [p.logical_box for p in shard.pieces] if shard is not None else []
+        out[fqn] = (shape, e["dtype"], cache[key])
+    s = desc.get("spec")
+    if s is not None:
+        key = ("spec", s["text"], repr(sorted(s["layout"].items())), rank)
+        if key not in cache:
+            lay = layout_for(load_spec(s["text"]), s["layout"])
+            cache[key] = compile(load_spec(s["text"]), lay, coords_of_rank(lay.sizes, rank))
+        locals_ = cache[key]
+        for name, dtype in s["names"].items():
+            t = locals_[name]
+            for part in t.parts:
+                shape, _, boxes = out.setdefault(part.logical, (part.logical_shape, dtype, []))
+                boxes.extend(p.logical_box for p in part.shard.pieces)
+    return out
+
+
+def _sides(descs: list[dict], strict: bool) -> tuple[dict[str, TensorSides], list[str]]:
+    """Every logical tensor's boxes on every rank, checked to agree on shape and dtype."""
+    problems: list[str] = []
+    found: dict[str, dict] = {}
+    cache: dict = {}
+    for rank, d in enumerate(descs):
+        for which in ("src", "dst"):
+            for fqn, (shape, dtype, boxes) in _boxes_of(d[which], rank, cache).items():
+                f = found.setdefault(fqn, {"shape": shape, "dtype": dtype, "src": {}, "dst": {}})
+                if (shape, dtype) != (f["shape"], f["dtype"]):
+                    problems.append(
+                        f"{fqn}: {which} of rank {rank} holds it as {dtype} {list(shape)}, other "
+                        f"ranks as {f['dtype']} {list(f['shape'])}"
+                    )
+                    continue
+                f[which].setdefault(rank, []).extend(boxes)
+    out: dict[str, TensorSides] = {}
+    for fqn, f in sorted(found.items()):
+        if f["dst"] and not f["src"]:
+            problems.append(f"{fqn}: in the destination state, but in no rank's source state")
+            continue
+        if f["src"] and not f["dst"] and strict:
+            problems.append(
+                f"{fqn}: in the source state, but in no rank's destination state "
+                "(pass strict=False to drop it)"
+            )
+            continue
+        itemsize = ST_TO_DTYPE[f["dtype"]].itemsize
+        out[fqn] = TensorSides(f["shape"], itemsize, f["src"], f["dst"])
+    return out, problems
+
+
+def plan_redistribution(
+    descs: list[dict], max_inflight_bytes: int, strict: bool = True
+) -> tuple[Plan, dict[str, TensorSides]]:
+    """The plan every rank computes from the ranks' descriptions (what `redistribute`
+    exchanges); `LayoutError` when the layouts disagree or do not cover a tensor."""
+    tensors, problems = _sides(descs, strict)
+    if problems:
+        raise LayoutError(
+            "redistribute: the source and destination states do not match:\n  "
+            + "\n  ".join(problems)
+        )
+    return plan_moves(tensors, max(1, max_inflight_bytes // 2)), tensors
+
+
+# --------------------------------------------------------------------------- moving bytes
+
+
+def _region(held: list[_Held], box: Box, fqn: str, what: str) -> list[torch.Tensor]:
+    """Views of ``box`` in every local tensor holding all of it."""
+    views = []
+    for h in held:
+        inter = intersect(h.piece.logical_box, box)
+        if inter != box:
+            continue
+        p = h.piece.restrict(box)
+        t = h.tensor
+        if p.base == 0 and tuple(p.array_shape) == tuple(t.shape):
+            arr = t
+        else:
+            try:
+                flat = t.view(-1)
+            except RuntimeError:
+                raise LayoutError(
+                    f"{fqn}: the {what} local tensor is not contiguous; pass contiguous tensors"
+                ) from None
+            n = 1
+            for s in p.array_shape:
+                n *= s
+            arr = flat[p.base : p.base + n].view(p.array_shape)
+        views.append(arr[tuple(slice(lo, hi) for lo, hi in p.array_box)])
+    if not views:  # the plan only moves regions some piece holds whole
+        raise AssertionError(f"{fqn}: no {what} piece holds {box}")
+    return views
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _pack(moves: list[Move], src: _Side, dev: torch.device) -> torch.Tensor:
+    if len(moves) == 1:
+        (view,) = _region(src.held[moves[0].fqn], moves[0].box, moves[0].fqn, "source")[:1]
+        if view.is_contiguous() and view.device == dev:
+            return _bytes_of(view)
+    buf = torch.empty(sum(m.nbytes for m in moves), dtype=torch.uint8, device=dev)
+    off = 0
+    for m in moves:
+        view = _region(src.held[m.fqn], m.box, m.fqn, "source")[0]
+        buf[off : off + m.nbytes].view(view.dtype).view(view.shape).copy_(view)
+        off += m.nbytes
+    return buf
+
+
+def _recv_buffer(moves: list[Move], dst: _Side, dev: torch.device) -> tuple[torch.Tensor, bool]:
+    """A buffer to receive into: the destination itself when one contiguous view takes it all."""
+    if len(moves) == 1:
+        views = _region(dst.held[moves[0].fqn], moves[0].box, moves[0].fqn, "destination")
+        if len(views) == 1 and views[0].is_contiguous() and views[0].device == dev:
+            return _bytes_of(views[0]), True
+    return torch.empty(sum(m.nbytes for m in moves), dtype=torch.uint8, device=dev), False
+
+
+def _unpack(moves: list[Move], buf: torch.Tensor, dst: _Side) -> None:
+    off = 0
+    for m in moves:
+        for view in _region(dst.held[m.fqn], m.box, m.fqn, "destination"):
+            view.copy_(buf[off : off + m.nbytes].view(view.dtype).view(view.shape))
+        off += m.nbytes
+
+
+def _execute(plan: Plan, src: _Side, dst: _Side, group, me: int, world: int) -> None:
+    for m in plan.local:
+        (source,) = _region(src.held[m.fqn], m.box, m.fqn, "source")[:1]
+        for view in _region(dst.held[m.fqn], m.box, m.fqn, "destination"):
+            view.copy_(source)
+    if world == 1:
+        return
+    dev = coll.device(group)
+
+    def peer(r: int) -> int:
+        return dist.get_global_rank(group, r) if group is not None else r
+
+    for rnd in schedule(plan, me, world):
+        ops = []
+        if rnd.send is not None:
+            ops.append(dist.P2POp(dist.isend, _pack(rnd.send, src, dev), peer(rnd.to), group))
+        direct = False
+        if rnd.recv is not None:
+            rbuf, direct = _recv_buffer(rnd.recv, dst, dev)
+            ops.append(dist.P2POp(dist.irecv, rbuf, peer(rnd.frm), group))
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+        if rnd.recv is not None and not direct:
+            _unpack(rnd.recv, rbuf, dst)
+
+
+def redistribute(
+    src: Any,
+    dst: Any,
+    *,
+    process_group=None,
+    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
+    src_spec=None,
+    src_layout: Mapping[str, int] | None = None,
+    dst_spec=None,
+    dst_layout: Mapping[str, int] | None = None,
+    strict: bool = True,
+) -> Plan:
+    """Fill ``dst`` (preallocated, in layout B) from ``src`` (in layout A) over the network.
+
+    Collective over ``process_group``. ``src`` and ``dst`` are state dicts as `save` and
+    `load` take them: DTensors on any mesh with any placements, plain tensors (the whole
+    tensor, on each rank that passes it), and, with ``src_spec``/``src_layout`` or
+    ``dst_spec``/``dst_layout``, plain local tensors that a UCL spec describes (ranks in
+    row-major order of the layout; ranks outside it pass an empty state). JSON values of
+    ``dst`` are replaced by those of ``src``. A rank may pass ``src`` only (``dst=None``: it is
+    leaving) or ``dst`` only (``src=None``: it is joining).
+
+    On return every ``dst`` tensor holds its region of the logical tensors, bit-exact. A rank
+    copies what it already holds; everything else it receives exactly once, from one of the
+    ranks that hold it (replicas share the sending). At most ``max_inflight_bytes`` of
+    messages are in flight per rank (one outgoing and one incoming message of up to half of
+    it each). Errors that name the tensor (missing, shape or dtype mismatch, a layout that
+    does not cover it) are raised on every rank before any byte moves. Returns this rank's
+    part of the plan.
+
+    >>> import torch, anyshard
+    >>> src = {"w": torch.arange(4.0), "step": 3}
+    >>> dst = {"w": torch.zeros(4), "step": 0}
+    >>> _ = anyshard.redistribute(src, dst)
+    >>> dst
+    {'w': tensor([0., 1., 2., 3.]), 'step': 3}
+    """
+    me, world = coll.rank(process_group), coll.world_size(process_group)
+    if max_inflight_bytes < 2:
+        raise ValueError(f"max_inflight_bytes must be at least 2, got {max_inflight_bytes}")
+    s = _describe_side(src, src_spec, src_layout, process_group, me, strict, "source")
+    d = _describe_side(dst, dst_spec, dst_layout, process_group, me, strict, "destination")
+    mine = {"src": s.desc, "dst": d.desc, "problems": s.problems + d.problems}
+    descs = coll.all_gather_json(mine, process_group)
+    problems = [f"rank {r}: {p}" for r, x in enumerate(descs) for p in x["problems"]]
+    if problems:
+        raise StateDictMismatchError(
+            "redistribute: the states do not match their layouts:\n  " + "\n  ".join(problems)
+        )
+    plan, _ = plan_redistribution(descs, max_inflight_bytes, strict)
+    values: dict[str, Any] = {}
+    for x in descs:
+        for k, v in x["src"]["values"].items():
+            values.setdefault(k, v)
+    missing = sorted(k for x in descs for k in x["dst"]["values"] if k not in values)
+    if missing and strict:
+        raise StateDictMismatchError(
+            f"redistribute: JSON values in the destination state but in no rank's source state: "
+            f"{', '.join(dict.fromkeys(missing))} (pass strict=False to keep them)"
+        )
+    mine_plan = plan.for_rank(me)
+    _execute(mine_plan, s, d, process_group, me, world)
+    for k, leaf in d.leaves.items():
+        if k in values:
+            leaf.replace(values[k])
+    return mine_plan

@@ -1,0 +1,211 @@
+"""Plans of live resharding: which rank sends which region of which logical tensor to which.
+
+Inputs are two layouts of the same logical tensors over the ranks of one process group: for
+each logical tensor, the boxes of it that each rank holds in the source state and needs in the
+destination state. The plan is a pure function of them, so every rank that computes it gets the
+same one:
+
+* a destination region that the rank already holds in its source state is copied locally;
+* every other destination element is received exactly once, from one of the ranks holding it,
+  the least loaded so far (a region replicated on several ranks is spread over its holders);
+* the moves between two ranks are cut into messages of at most ``max_message_bytes``.
+
+`schedule` orders the messages: step ``k`` (1 .. n-1) of a rank sends to rank ``r + k`` and
+receives from rank ``r - k`` (mod n), one message each way per round. Each point-to-point pair
+posts its messages in the same order on both sides, so the order is deadlock free, and a rank
+never holds more than one outgoing and one incoming message at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from anyshard.errors import LayoutError
+from anyshard.geometry.boxes import Box, box_numel, box_shape, intersect
+
+__all__ = [
+    "Move",
+    "Plan",
+    "Round",
+    "TensorSides",
+    "plan_moves",
+    "schedule",
+    "split_box",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSides:
+    """One logical tensor: its shape, element size, and the boxes each rank holds of it in the
+    source state (``src``) and needs in the destination state (``dst``)."""
+
+    shape: tuple[int, ...]
+    itemsize: int
+    src: Mapping[int, Sequence[Box]]
+    dst: Mapping[int, Sequence[Box]]
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Move:
+    """``box`` of logical tensor ``fqn`` goes from rank ``src`` to rank ``dst`` (a local copy
+    when they are the same rank)."""
+
+    src: int
+    dst: int
+    fqn: str
+    box: Box
+    nbytes: int
+
+
+@dataclass(slots=True)
+class Plan:
+    """Every move of a redistribution: local copies, and messages between ranks (lists of
+    moves, at most ``max_message_bytes`` each unless one element is larger)."""
+
+    local: list[Move] = field(default_factory=list)
+    messages: dict[tuple[int, int], list[list[Move]]] = field(default_factory=dict)
+
+    def sent_bytes(self, rank: int) -> int:
+        return sum(
+            m.nbytes for (s, _), msgs in self.messages.items() if s == rank for g in msgs for m in g
+        )
+
+    def received_bytes(self, rank: int) -> int:
+        return sum(
+            m.nbytes for (_, d), msgs in self.messages.items() if d == rank for g in msgs for m in g
+        )
+
+    def for_rank(self, rank: int) -> Plan:
+        """The part of the plan rank ``rank`` takes part in."""
+        return Plan(
+            local=[m for m in self.local if m.dst == rank],
+            messages={k: v for k, v in self.messages.items() if rank in k},
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    """One round of a rank: the message it sends to ``to`` and receives from ``frm`` (either may
+    be None)."""
+
+    to: int | None
+    send: list[Move] | None
+    frm: int | None
+    recv: list[Move] | None
+
+
+def _distinct(boxes: Mapping[int, Sequence[Box]]) -> dict[Box, list[int]]:
+    """Each distinct box, with the ranks holding it (ascending)."""
+    out: dict[Box, list[int]] = {}
+    for rank in sorted(boxes):
+        for box in dict.fromkeys(boxes[rank]):
+            out.setdefault(box, []).append(rank)
+    return out
+
+
+def _describe(box: Box) -> str:
+    return "[" + ", ".join(f"{lo}:{hi}" for lo, hi in box) + "]"
+
+
+def plan_moves(tensors: Mapping[str, TensorSides], max_message_bytes: int) -> Plan:
+    """The plan that fills every destination box from the source boxes.
+
+    `LayoutError` (naming the tensor, the rank and the region) when the source boxes leave part
+    of a needed region uncovered or cover part of it twice with different boxes.
+    """
+    plan = Plan()
+    load: dict[int, int] = {}  # bytes each rank sends so far, to spread replicated regions
+    pairs: dict[tuple[int, int], list[Move]] = {}
+    for fqn in sorted(tensors):
+        t = tensors[fqn]
+        holders = _distinct(t.src)
+        sources = sorted(holders)
+        for q in sorted(t.dst):
+            for need in dict.fromkeys(t.dst[q]):
+                covered = 0
+                for box in sources:
+                    region = intersect(need, box)
+                    if region is None:
+                        continue
+                    nbytes = box_numel(region) * t.itemsize
+                    covered += box_numel(region)
+                    ranks = holders[box]
+                    if q in ranks:
+                        plan.local.append(Move(q, q, fqn, region, nbytes))
+                        continue
+                    sender = min(ranks, key=lambda r: (load.get(r, 0), r))
+                    load[sender] = load.get(sender, 0) + nbytes
+                    pairs.setdefault((sender, q), []).append(Move(sender, q, fqn, region, nbytes))
+                want = box_numel(need)
+                if covered < want:
+                    raise LayoutError(
+                        f"{fqn}: rank {q} needs the region {_describe(need)} of the logical tensor "
+                        f"{list(t.shape)}, but the source layout holds only {covered} of its "
+                        f"{want} elements on any rank; the source state does not cover the tensor"
+                    )
+                if covered > want:
+                    raise LayoutError(
+                        f"{fqn}: the source layout holds parts of the region {_describe(need)} "
+                        "in boxes that overlap without being equal; describe the source so that "
+                        "each element is held in one box (replicas hold equal boxes)"
+                    )
+    for pair in sorted(pairs):
+        plan.messages[pair] = _cut(pairs[pair], tensors, max_message_bytes)
+    return plan
+
+
+def split_box(box: Box, itemsize: int, cap: int) -> list[Box]:
+    """``box`` cut into C-ordered boxes of at most ``cap`` bytes (single elements excepted)."""
+    if box_numel(box) * itemsize <= cap or not box:
+        return [box]
+    shape = box_shape(box)
+    d = next((i for i, n in enumerate(shape) if n > 1), None)
+    if d is None:
+        return [box]
+    inner = math.prod(shape[d + 1 :]) * itemsize
+    if inner > cap:  # one slab along d is too big: cut each slab further
+        out: list[Box] = []
+        lo = box[d][0]
+        for i in range(lo, box[d][1]):
+            slab = box[:d] + ((i, i + 1),) + box[d + 1 :]
+            out += split_box(slab, itemsize, cap)
+        return out
+    step = max(1, cap // inner)
+    lo, hi = box[d]
+    return [box[:d] + ((s, min(s + step, hi)),) + box[d + 1 :] for s in range(lo, hi, step)]
+
+
+def _cut(moves: list[Move], tensors: Mapping[str, TensorSides], cap: int) -> list[list[Move]]:
+    messages: list[list[Move]] = []
+    current: list[Move] = []
+    size = 0
+    for m in moves:
+        itemsize = tensors[m.fqn].itemsize
+        for box in split_box(m.box, itemsize, cap):
+            nbytes = box_numel(box) * itemsize
+            if current and size + nbytes > cap:
+                messages.append(current)
+                current, size = [], 0
+            current.append(Move(m.src, m.dst, m.fqn, box, nbytes))
+            size += nbytes
+    if current:
+        messages.append(current)
+    return messages
+
+
+def schedule(plan: Plan, rank: int, world: int) -> Iterator[Round]:
+    """The rounds of ``rank``: for k = 1 .. world-1, the messages to ``rank + k`` paired with
+    those from ``rank - k``, one each way per round."""
+    for k in range(1, world):
+        to, frm = (rank + k) % world, (rank - k) % world
+        out = plan.messages.get((rank, to), [])
+        inc = plan.messages.get((frm, rank), [])
+        for i in range(max(len(out), len(inc))):
+            yield Round(
+                to if i < len(out) else None,
+                out[i] if i < len(out) else None,
+                frm if i < len(inc) else None,
+                inc[i] if i < len(inc) else None,
+            )

@@ -1,0 +1,145 @@
+"""Property tests of live-resharding plans (`anyshard.reshard.exchange`): for random layouts of
+random tensors over random ranks, every destination element is received exactly once, from a
+rank that holds it, no rank is sent what it already holds, and messages respect the budget.
+
+Run: python -m pytest tests/unit/test_exchange_plan.py -q
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from anyshard.errors import LayoutError
+from anyshard.geometry.boxes import box_numel, full_box, intersect
+from anyshard.geometry.shards import chunk_bounds
+from anyshard.reshard.exchange import TensorSides, plan_moves, schedule, split_box
+
+
+@st.composite
+def layouts(draw, shape, world):
+    """A layout as DTensor makes them: each tensor dim split over some mesh dims, the rest of
+    the mesh replicating; on some ranks only (leaving and joining ranks hold nothing)."""
+    holders = sorted(draw(st.sets(st.integers(0, world - 1), min_size=1)))
+    n = len(holders)
+    # factor n into mesh dims; each shards one tensor dim or replicates
+    sizes, rest = [], n
+    for f in (2, 3, 5, 7):
+        while rest % f == 0:
+            sizes.append(f)
+            rest //= f
+    if rest > 1:
+        sizes.append(rest)
+    roles = [draw(st.sampled_from([None, *range(len(shape))])) for _ in sizes]
+    out = {}
+    for i, rank in enumerate(holders):
+        coords, flat = [], i
+        for s in reversed(sizes):
+            flat, c = divmod(flat, s)
+            coords.append(c)
+        coords.reverse()
+        box = list(full_box(shape))
+        for c, s, role in zip(coords, sizes, roles, strict=True):
+            if role is not None:  # chunk the current range of that dim
+                lo, hi = box[role]
+                a, b = chunk_bounds(hi - lo, s, c)
+                box[role] = (lo + a, lo + b)
+        box = tuple(box)
+        out[rank] = [] if box_numel(box) == 0 and shape else [box]
+    return out
+
+
+@st.composite
+def problems(draw):
+    ndim = draw(st.integers(0, 3))
+    shape = tuple(draw(st.lists(st.integers(1, 9), min_size=ndim, max_size=ndim)))
+    world = draw(st.integers(1, 8))
+    tensors = {}
+    for name in ("a", "b")[: draw(st.integers(1, 2))]:
+        src = draw(layouts(shape, world))
+        dst = draw(layouts(shape, world))
+        tensors[name] = TensorSides(shape, draw(st.sampled_from([1, 2, 4])), src, dst)
+    return tensors, world, draw(st.integers(1, 64))
+
+
+@settings(max_examples=300, deadline=None)
+@given(problems())
+def test_every_destination_element_is_received_exactly_once_from_a_holder(problem):
+    tensors, world, cap = problem
+    plan = plan_moves(tensors, cap)
+    for fqn, t in tensors.items():
+        for q, boxes in t.dst.items():
+            for need in set(boxes):
+                count = np.zeros([hi - lo for lo, hi in need], dtype=np.int64)
+                moves = [m for m in plan.local if m.fqn == fqn and m.dst == q]
+                moves += [
+                    m
+                    for (s, d), g in plan.messages.items()
+                    if d == q
+                    for msg in g
+                    for m in msg
+                    if m.fqn == fqn
+                ]
+                for m in moves:
+                    inter = intersect(m.box, need)
+                    if inter is None:
+                        continue
+                    assert inter == m.box  # a move lies inside one needed box
+                    # the sender holds it; a remote sender is not the receiver, who lacks it
+                    assert any(intersect(b, m.box) == m.box for b in t.src[m.src])
+                    if m.src != q:
+                        assert not any(intersect(b, m.box) for b in t.src.get(q, []))
+                    count[
+                        tuple(
+                            slice(lo - n0, hi - n0)
+                            for (lo, hi), (n0, _) in zip(m.box, need, strict=True)
+                        )
+                    ] += 1
+                assert (count == 1).all(), (fqn, q, need)
+
+
+@settings(max_examples=200, deadline=None)
+@given(problems())
+def test_messages_fit_the_budget_and_rounds_pair_up(problem):
+    tensors, world, cap = problem
+    plan = plan_moves(tensors, cap)
+    for (s, d), msgs in plan.messages.items():
+        assert s != d
+        for msg in msgs:
+            size = sum(m.nbytes for m in msg)
+            assert size <= cap or len(msg) == 1 and box_numel(msg[0].box) == 1
+    # what rank r sends to q in its rounds is what q receives from r in its own, in order
+    sent = {
+        r: [(rd.to, rd.send) for rd in schedule(plan, r, world) if rd.send] for r in range(world)
+    }
+    got = {
+        r: [(rd.frm, rd.recv) for rd in schedule(plan, r, world) if rd.recv] for r in range(world)
+    }
+    for r, q in itertools.product(range(world), repeat=2):
+        out = [m for to, m in sent[r] if to == q]
+        inc = [m for frm, m in got[q] if frm == r]
+        assert out == inc
+
+
+def test_replicated_regions_spread_over_their_holders():
+    box = ((0, 8),)
+    t = TensorSides((8,), 4, {0: [box], 1: [box]}, {2: [((0, 4),)], 3: [((4, 8),)]})
+    plan = plan_moves({"w": t}, 1 << 20)
+    assert {s for s, _ in plan.messages} == {0, 1}
+
+
+def test_uncovered_destination_names_the_tensor_and_region():
+    t = TensorSides((8, 2), 4, {0: [((0, 4), (0, 2))]}, {1: [((2, 6), (0, 2))]})
+    with pytest.raises(
+        LayoutError, match=r"w: rank 1 needs the region \[2:6, 0:2\].*holds only 4 of its 8"
+    ):
+        plan_moves({"w": t}, 1 << 20)
+
+
+def test_split_box_cuts_to_the_cap():
+    parts = split_box(((0, 3), (0, 5)), 4, 8)
+    assert sum(box_numel(p) for p in parts) == 15 and all(box_numel(p) * 4 <= 8 for p in parts)
