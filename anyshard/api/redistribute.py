@@ -24,11 +24,20 @@ from anyshard.errors import AnyshardError, LayoutError, StateDictMismatchError
 from anyshard.format.dtypes import DTYPE_TO_ST, ST_TO_DTYPE
 from anyshard.format.manifest import MeshEntry
 from anyshard.geometry.boxes import Box, Piece, full_box, intersect
-from anyshard.reshard.exchange import Move, Plan, TensorSides, plan_moves, schedule
+from anyshard.reshard.exchange import (
+    Move,
+    Plan,
+    Round,
+    TensorSides,
+    plan_moves,
+    rounds_of,
+    schedule,
+)
 from anyshard.ucl.evaluate import compile, coords_of_rank, layout_for
 from anyshard.ucl.library import load_spec
 from anyshard.ucl.lowering import compile_mapping
 from anyshard.ucl.mapping import parse_mapping
+from anyshard.ucl.ranks import compile_every_rank
 
 __all__ = ["DEFAULT_MAX_INFLIGHT_BYTES", "plan_redistribution", "redistribute"]
 
@@ -152,16 +161,16 @@ def _boxes_of(desc: Mapping[str, Any], rank: int, cache: dict) -> dict[str, tupl
             if not len(where[0]):
                 raise LayoutError(f"{fqn}: rank {rank} describes a mesh it is not in: {e['mesh']}")
             coords = {d: int(w[0]) for d, w in zip(mesh.dims, where, strict=True)}
-            shard = compile_mapping(parse_mapping(e["map"]), shape, mesh.axis_sizes, coords)
+            mapping = cache.get(("map", e["map"]))
+            if mapping is None:
+                mapping = cache[("map", e["map"])] = parse_mapping(e["map"])
+            shard = compile_mapping(mapping, shape, mesh.axis_sizes, coords)
             cache[key] = [p.logical_box for p in shard.pieces] if shard is not None else []
         out[fqn] = (shape, e["dtype"], cache[key])
     s = desc.get("spec")
     if s is not None:
-        key = ("spec", s["text"], repr(sorted(s["layout"].items())), rank)
-        if key not in cache:
-            lay = layout_for(load_spec(s["text"]), s["layout"])
-            cache[key] = compile(load_spec(s["text"]), lay, coords_of_rank(lay.sizes, rank))
-        locals_ = cache[key]
+        (compiled,) = compile_every_rank(s["text"], tuple(sorted(s["layout"].items())), (rank,))
+        locals_ = compiled.tensors
         for name, dtype in s["names"].items():
             t = locals_[name]
             for part in t.parts:
@@ -251,27 +260,49 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def _pack(moves: list[Move], src: _Side, dev: torch.device) -> torch.Tensor:
-    if len(moves) == 1:
-        (view,) = _region(src.held[moves[0].fqn], moves[0].box, moves[0].fqn, "source")[:1]
-        if view.is_contiguous() and view.device == dev:
-            return _bytes_of(view)
-    buf = torch.empty(sum(m.nbytes for m in moves), dtype=torch.uint8, device=dev)
-    off = 0
+# Moves of at least this many bytes travel as their own message, straight from and into the
+# local tensors where those are contiguous; smaller ones are packed into one message per peer.
+DIRECT_MIN_BYTES = 256 << 10
+
+
+def _outgoing(moves: list[Move], src: _Side, dev: torch.device) -> list[torch.Tensor]:
+    """The tensors to send for one message: the small moves packed, then each large one."""
+    out = []
+    small = [m for m in moves if m.nbytes < DIRECT_MIN_BYTES]
+    if small:
+        buf = torch.empty(sum(m.nbytes for m in small), dtype=torch.uint8, device=dev)
+        off = 0
+        for m in small:
+            view = _region(src.held[m.fqn], m.box, m.fqn, "source")[0]
+            buf[off : off + m.nbytes].view(view.dtype).view(view.shape).copy_(view)
+            off += m.nbytes
+        out.append(buf)
     for m in moves:
-        view = _region(src.held[m.fqn], m.box, m.fqn, "source")[0]
-        buf[off : off + m.nbytes].view(view.dtype).view(view.shape).copy_(view)
-        off += m.nbytes
-    return buf
+        if m.nbytes >= DIRECT_MIN_BYTES:
+            view = _region(src.held[m.fqn], m.box, m.fqn, "source")[0]
+            if not (view.is_contiguous() and view.device == dev):
+                view = view.to(dev, memory_format=torch.contiguous_format, copy=True)
+            out.append(_bytes_of(view))
+    return out
 
 
-def _recv_buffer(moves: list[Move], dst: _Side, dev: torch.device) -> tuple[torch.Tensor, bool]:
-    """A buffer to receive into: the destination itself when one contiguous view takes it all."""
-    if len(moves) == 1:
-        views = _region(dst.held[moves[0].fqn], moves[0].box, moves[0].fqn, "destination")
-        if len(views) == 1 and views[0].is_contiguous() and views[0].device == dev:
-            return _bytes_of(views[0]), True
-    return torch.empty(sum(m.nbytes for m in moves), dtype=torch.uint8, device=dev), False
+def _incoming(moves: list[Move], dst: _Side, dev: torch.device) -> list[tuple[torch.Tensor, Any]]:
+    """The tensors to receive one message into, in the order `_outgoing` sends them, each with
+    what to do once it has arrived (None where it was received in place)."""
+    out: list[tuple[torch.Tensor, Any]] = []
+    small = [m for m in moves if m.nbytes < DIRECT_MIN_BYTES]
+    if small:
+        buf = torch.empty(sum(m.nbytes for m in small), dtype=torch.uint8, device=dev)
+        out.append((buf, lambda buf=buf: _unpack(small, buf, dst)))
+    for m in moves:
+        if m.nbytes >= DIRECT_MIN_BYTES:
+            views = _region(dst.held[m.fqn], m.box, m.fqn, "destination")
+            if len(views) == 1 and views[0].is_contiguous() and views[0].device == dev:
+                out.append((_bytes_of(views[0]), None))
+            else:
+                buf = torch.empty(m.nbytes, dtype=torch.uint8, device=dev)
+                out.append((buf, lambda buf=buf, m=m: _unpack([m], buf, dst)))
+    return out
 
 
 def _unpack(moves: list[Move], buf: torch.Tensor, dst: _Side) -> None:
@@ -282,30 +313,31 @@ def _unpack(moves: list[Move], buf: torch.Tensor, dst: _Side) -> None:
         off += m.nbytes
 
 
-def _execute(plan: Plan, src: _Side, dst: _Side, group, me: int, world: int) -> None:
+def _execute(plan: Plan, rounds: list[Round], src: _Side, dst: _Side, group) -> None:
     for m in plan.local:
         (source,) = _region(src.held[m.fqn], m.box, m.fqn, "source")[:1]
         for view in _region(dst.held[m.fqn], m.box, m.fqn, "destination"):
             view.copy_(source)
-    if world == 1:
+    if not rounds:
         return
     dev = coll.device(group)
 
     def peer(r: int) -> int:
         return dist.get_global_rank(group, r) if group is not None else r
 
-    for rnd in schedule(plan, me, world):
-        ops = []
-        if rnd.send is not None:
-            ops.append(dist.P2POp(dist.isend, _pack(rnd.send, src, dev), peer(rnd.to), group))
-        direct = False
-        if rnd.recv is not None:
-            rbuf, direct = _recv_buffer(rnd.recv, dst, dev)
-            ops.append(dist.P2POp(dist.irecv, rbuf, peer(rnd.frm), group))
+    for rnd in rounds:
+        ops, finish = [], []
+        for to, moves in rnd.send:
+            ops += [dist.P2POp(dist.isend, t, peer(to), group) for t in _outgoing(moves, src, dev)]
+        for frm, moves in rnd.recv:
+            for t, done in _incoming(moves, dst, dev):
+                ops.append(dist.P2POp(dist.irecv, t, peer(frm), group))
+                if done is not None:
+                    finish.append(done)
         for req in dist.batch_isend_irecv(ops):
             req.wait()
-        if rnd.recv is not None and not direct:
-            _unpack(rnd.recv, rbuf, dst)
+        for done in finish:
+            done()
 
 
 def redistribute(
@@ -333,8 +365,7 @@ def redistribute(
     On return every ``dst`` tensor holds its region of the logical tensors, bit-exact. A rank
     copies what it already holds; everything else it receives exactly once, from one of the
     ranks that hold it (replicas share the sending). At most ``max_inflight_bytes`` of
-    messages are in flight per rank (one outgoing and one incoming message of up to half of
-    it each). Errors that name the tensor (missing, shape or dtype mismatch, a layout that
+    messages are in flight per rank (sent plus received, in rounds). Errors that name the tensor (missing, shape or dtype mismatch, a layout that
     does not cover it) are raised on every rank before any byte moves. Returns this rank's
     part of the plan.
 
@@ -345,7 +376,7 @@ def redistribute(
     >>> dst
     {'w': tensor([0., 1., 2., 3.]), 'step': 3}
     """
-    me, world = coll.rank(process_group), coll.world_size(process_group)
+    me = coll.rank(process_group)
     if max_inflight_bytes < 2:
         raise ValueError(f"max_inflight_bytes must be at least 2, got {max_inflight_bytes}")
     s = _describe_side(src, src_spec, src_layout, process_group, me, strict, "source")
@@ -358,6 +389,7 @@ def redistribute(
             "redistribute: the states do not match their layouts:\n  " + "\n  ".join(problems)
         )
     plan, _ = plan_redistribution(descs, max_inflight_bytes, strict)
+    rounds = rounds_of(schedule(plan, max_inflight_bytes), me)
     values: dict[str, Any] = {}
     for x in descs:
         for k, v in x["src"]["values"].items():
@@ -369,7 +401,7 @@ def redistribute(
             f"{', '.join(dict.fromkeys(missing))} (pass strict=False to keep them)"
         )
     mine_plan = plan.for_rank(me)
-    _execute(mine_plan, s, d, process_group, me, world)
+    _execute(mine_plan, rounds, s, d, process_group)
     for k, leaf in d.leaves.items():
         if k in values:
             leaf.replace(values[k])

@@ -10,16 +10,16 @@ same one:
   the least loaded so far (a region replicated on several ranks is spread over its holders);
 * the moves between two ranks are cut into messages of at most ``max_message_bytes``.
 
-`schedule` orders the messages: step ``k`` (1 .. n-1) of a rank sends to rank ``r + k`` and
-receives from rank ``r - k`` (mod n), one message each way per round. Each point-to-point pair
-posts its messages in the same order on both sides, so the order is deadlock free, and a rank
-never holds more than one outgoing and one incoming message at a time.
+`schedule` puts the messages into rounds, first fit: in a round, a rank sends and receives at
+most the budget. A rank posts all of its messages of a round at once and waits for them before
+the next round; both ends of a message place it in the same round, so every round completes
+(the rounds are deadlock free) and a rank never has more than the budget in flight.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from anyshard.errors import LayoutError
@@ -31,6 +31,7 @@ __all__ = [
     "Round",
     "TensorSides",
     "plan_moves",
+    "rounds_of",
     "schedule",
     "split_box",
 ]
@@ -85,15 +86,13 @@ class Plan:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Round:
-    """One round of a rank: the message it sends to ``to`` and receives from ``frm`` (either may
-    be None)."""
+    """What one rank sends and receives in one round: ``(peer, moves)`` lists, each a message.
+    Every message of a round is posted at once; a round ends when all of them are done."""
 
-    to: int | None
-    send: list[Move] | None
-    frm: int | None
-    recv: list[Move] | None
+    send: list[tuple[int, list[Move]]] = field(default_factory=list)
+    recv: list[tuple[int, list[Move]]] = field(default_factory=list)
 
 
 def _distinct(boxes: Mapping[int, Sequence[Box]]) -> dict[Box, list[int]]:
@@ -195,17 +194,40 @@ def _cut(moves: list[Move], tensors: Mapping[str, TensorSides], cap: int) -> lis
     return messages
 
 
-def schedule(plan: Plan, rank: int, world: int) -> Iterator[Round]:
-    """The rounds of ``rank``: for k = 1 .. world-1, the messages to ``rank + k`` paired with
-    those from ``rank - k``, one each way per round."""
-    for k in range(1, world):
-        to, frm = (rank + k) % world, (rank - k) % world
-        out = plan.messages.get((rank, to), [])
-        inc = plan.messages.get((frm, rank), [])
-        for i in range(max(len(out), len(inc))):
-            yield Round(
-                to if i < len(out) else None,
-                out[i] if i < len(out) else None,
-                frm if i < len(inc) else None,
-                inc[i] if i < len(inc) else None,
-            )
+def schedule(plan: Plan, budget: int) -> list[list[tuple[int, int, list[Move]]]]:
+    """The messages of ``plan`` in rounds: each round a list of ``(src, dst, moves)``, with at
+    most ``budget`` bytes sent plus received per rank (a message larger than the budget, which
+    only a single element can make, goes alone). Messages between two ranks keep their order.
+    A pure function of the plan: every rank computes the same rounds."""
+    rounds: list[list[tuple[int, int, list[Move]]]] = []
+    used: list[dict[int, int]] = []  # per round: bytes in flight per rank
+    last: dict[tuple[int, int], int] = {}
+    for (src, dst), msgs in sorted(plan.messages.items()):
+        for moves in msgs:
+            n = sum(m.nbytes for m in moves)
+            k = last.get((src, dst), 0)
+            while k < len(rounds) and (
+                used[k].get(src, 0) + n > budget or used[k].get(dst, 0) + n > budget
+            ):
+                k += 1
+            if k == len(rounds):
+                rounds.append([])
+                used.append({})
+            rounds[k].append((src, dst, moves))
+            used[k][src] = used[k].get(src, 0) + n
+            used[k][dst] = used[k].get(dst, 0) + n
+            last[(src, dst)] = k
+    return rounds
+
+
+def rounds_of(rounds: list[list[tuple[int, int, list[Move]]]], rank: int) -> list[Round]:
+    """The rounds as ``rank`` takes part in them (rounds without it left out)."""
+    out = []
+    for r in rounds:
+        mine = Round(
+            send=[(d, m) for s, d, m in r if s == rank],
+            recv=[(s, m) for s, d, m in r if d == rank],
+        )
+        if mine.send or mine.recv:
+            out.append(mine)
+    return out

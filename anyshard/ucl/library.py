@@ -7,6 +7,7 @@ in ``anyshard/ucl/specs/*.ucl``.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 
 from anyshard.errors import AnyshardError
@@ -22,7 +23,13 @@ SPEC_DIR = Path(__file__).parent / "specs"
 
 def parse(text: str) -> Spec:
     """Parse and statically check a spec; raises `UCLSyntaxError` or `UCLSemanticError` (and
-    nothing else, whatever the text) with the line and column of the first wrong place."""
+    nothing else, whatever the text) with the line and column of the first wrong place.
+    A text parsed before gives the same (immutable) `Spec` again."""
+    return _parse(text)
+
+
+@lru_cache(maxsize=64)
+def _parse(text: str) -> Spec:
     spec = parse_syntax(text)
     check_spec(spec, text)
     return spec

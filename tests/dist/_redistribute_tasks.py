@@ -155,3 +155,25 @@ def error_task(case: str) -> str:
     except anyshard.AnyshardError as e:
         return str(e)
     return "no error"
+
+
+def large_moves_task(inflight: int) -> int:
+    """Moves large enough to travel as their own messages (not packed): contiguous on one side
+    and strided on the other, both ways, in several rounds under a small budget."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from anyshard.api.redistribute import DIRECT_MIN_BYTES
+
+    mesh = init_device_mesh("cpu", (4,))
+    g = torch.Generator().manual_seed(11)
+    full_w = torch.randn(2048, 512, generator=g)
+    rows = distribute_tensor(full_w, mesh, [Shard(0)], src_data_rank=None)
+    cols = distribute_tensor(torch.zeros_like(full_w), mesh, [Shard(1)], src_data_rank=None)
+    plan = anyshard.redistribute({"w": rows}, {"w": cols}, max_inflight_bytes=inflight)
+    assert any(m.nbytes >= DIRECT_MIN_BYTES for v in plan.messages.values() for g in v for m in g)
+    assert torch.equal(cols.full_tensor(), full_w)
+    back = distribute_tensor(torch.zeros_like(full_w), mesh, [Shard(0)], src_data_rank=None)
+    anyshard.redistribute({"w": cols}, {"w": back}, max_inflight_bytes=inflight)
+    assert torch.equal(back.to_local(), rows.to_local())
+    return len(plan.messages)

@@ -63,3 +63,8 @@ def test_errors_name_the_tensor_on_every_rank(pool4):
     assert all("model.up.bias" in m and "no rank's source state" in m for m in missing), missing
     shape = pool4.run(TASKS, "error_task", "shape")
     assert all("model.up.bias" in m for m in shape), shape
+
+
+def test_large_moves_travel_in_place_over_several_rounds(pool4):
+    pairs = pool4.run(TASKS, "large_moves_task", 600 << 10)
+    assert min(pairs) == 6  # each rank sends to and receives from the 3 others
