@@ -35,7 +35,7 @@ from anyshard.reshard.exchange import (
 )
 from anyshard.ucl.evaluate import compile, coords_of_rank, layout_for
 from anyshard.ucl.library import load_spec
-from anyshard.ucl.lowering import compile_mapping
+from anyshard.ucl.lowering import compile_mapping_cached
 from anyshard.ucl.mapping import parse_mapping
 from anyshard.ucl.ranks import compile_every_rank
 
@@ -78,6 +78,7 @@ def _describe_side(
         _describe_spec_side(side, flat, spec, layout or {}, me, strict, what)
         return side
     cache: dict = {}
+    layouts: dict[tuple, tuple] = {}
     for fqn, leaf in sorted(flat.items()):
         value = leaf.value
         if not isinstance(value, torch.Tensor):
@@ -87,21 +88,32 @@ def _describe_side(
         if value.dtype not in DTYPE_TO_ST:
             side.problems.append(f"{what} {fqn}: dtype {value.dtype} is not supported")
             continue
-        try:
-            lay = layout_of(fqn, value, group, cache)
-        except LayoutError as e:
-            side.problems.append(f"{what} {e}")
-            continue
-        shape = list(lay.global_shape)
-        entry: dict[str, Any] = {"shape": shape, "dtype": DTYPE_TO_ST[value.dtype]}
-        if hasattr(value, "device_mesh"):
-            entry.update(mesh=lay.mesh.to_json(), map=str(lay.hold))
-            pieces = lay.shard().pieces
-        else:
+        dtype = DTYPE_TO_ST[value.dtype]
+        if not hasattr(value, "device_mesh"):
+            shape = list(value.shape)
             box = full_box(shape)
-            pieces = (Piece(0, tuple(shape), box, box),)
-        side.desc["tensors"][fqn] = entry
-        side.held.setdefault(fqn, []).extend(_Held(lay.local, p) for p in pieces)
+            side.desc["tensors"][fqn] = {"shape": shape, "dtype": dtype}
+            side.held[fqn] = [_Held(value.detach(), Piece(0, tuple(shape), box, box))]
+            continue
+        # DTensors of one mesh, placements and shape share their description and pieces
+        key = (id(value.device_mesh), tuple(value.placements), tuple(value.shape))
+        hit = layouts.get(key)
+        if hit is None or hit[0] is not value.device_mesh:
+            try:
+                lay = layout_of(fqn, value, group, cache)
+            except LayoutError as e:
+                side.problems.append(f"{what} {e}")
+                continue
+            entry = {
+                "shape": list(lay.global_shape),
+                "mesh": lay.mesh.to_json(),
+                "map": str(lay.hold),
+            }
+            hit = layouts[key] = (value.device_mesh, entry, lay.shard().pieces)
+        _, entry, pieces = hit
+        local = value.to_local().detach()
+        side.desc["tensors"][fqn] = {**entry, "dtype": dtype}
+        side.held[fqn] = [_Held(local, p) for p in pieces]
     return side
 
 
@@ -164,7 +176,7 @@ def _boxes_of(desc: Mapping[str, Any], rank: int, cache: dict) -> dict[str, tupl
             mapping = cache.get(("map", e["map"]))
             if mapping is None:
                 mapping = cache[("map", e["map"])] = parse_mapping(e["map"])
-            shard = compile_mapping(mapping, shape, mesh.axis_sizes, coords)
+            shard = compile_mapping_cached(mapping, shape, mesh.axis_sizes, coords)
             cache[key] = [p.logical_box for p in shard.pieces] if shard is not None else []
         out[fqn] = (shape, e["dtype"], cache[key])
     s = desc.get("spec")
@@ -313,19 +325,24 @@ def _unpack(moves: list[Move], buf: torch.Tensor, dst: _Side) -> None:
         off += m.nbytes
 
 
-def _execute(plan: Plan, rounds: list[Round], src: _Side, dst: _Side, group) -> None:
+def _copy_local(plan: Plan, src: _Side, dst: _Side) -> None:
     for m in plan.local:
         (source,) = _region(src.held[m.fqn], m.box, m.fqn, "source")[:1]
         for view in _region(dst.held[m.fqn], m.box, m.fqn, "destination"):
             view.copy_(source)
+
+
+def _execute(plan: Plan, rounds: list[Round], src: _Side, dst: _Side, group) -> None:
+    """The local copies run while the first round's messages are in flight."""
     if not rounds:
+        _copy_local(plan, src, dst)
         return
     dev = coll.device(group)
 
     def peer(r: int) -> int:
         return dist.get_global_rank(group, r) if group is not None else r
 
-    for rnd in rounds:
+    for i, rnd in enumerate(rounds):
         ops, finish = [], []
         for to, moves in rnd.send:
             ops += [dist.P2POp(dist.isend, t, peer(to), group) for t in _outgoing(moves, src, dev)]
@@ -334,7 +351,10 @@ def _execute(plan: Plan, rounds: list[Round], src: _Side, dst: _Side, group) -> 
                 ops.append(dist.P2POp(dist.irecv, t, peer(frm), group))
                 if done is not None:
                     finish.append(done)
-        for req in dist.batch_isend_irecv(ops):
+        reqs = dist.batch_isend_irecv(ops)
+        if i == 0:
+            _copy_local(plan, src, dst)
+        for req in reqs:
             req.wait()
         for done in finish:
             done()

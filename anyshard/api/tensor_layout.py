@@ -19,7 +19,7 @@ import torch.distributed as dist
 from anyshard.errors import LayoutError
 from anyshard.format.manifest import MeshEntry
 from anyshard.geometry.shards import Shard, chunk_bounds
-from anyshard.ucl.lowering import compile_mapping
+from anyshard.ucl.lowering import compile_mapping_cached
 from anyshard.ucl.mapping import Chunk, Mapping, On, Op, Replicate
 
 __all__ = ["SPREAD_MIN_BYTES", "TensorLayout", "hold_mapping", "layout_of", "stored_mapping"]
@@ -39,7 +39,9 @@ class TensorLayout:
     global_shape: tuple[int, ...]
 
     def shard(self) -> Shard:
-        shard = compile_mapping(self.hold, self.global_shape, self.mesh.axis_sizes, self.coords)
+        shard = compile_mapping_cached(
+            self.hold, self.global_shape, self.mesh.axis_sizes, self.coords
+        )
         assert shard is not None
         return shard
 

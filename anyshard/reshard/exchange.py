@@ -117,42 +117,61 @@ def plan_moves(tensors: Mapping[str, TensorSides], max_message_bytes: int) -> Pl
     plan = Plan()
     load: dict[int, int] = {}  # bytes each rank sends so far, to spread replicated regions
     pairs: dict[tuple[int, int], list[Move]] = {}
+    templates: dict[tuple, list[tuple[int, Box, tuple[int, ...]]]] = {}
     for fqn in sorted(tensors):
         t = tensors[fqn]
-        holders = _distinct(t.src)
-        sources = sorted(holders)
-        for q in sorted(t.dst):
-            for need in dict.fromkeys(t.dst[q]):
-                covered = 0
-                for box in sources:
-                    region = intersect(need, box)
-                    if region is None:
-                        continue
-                    nbytes = box_numel(region) * t.itemsize
-                    covered += box_numel(region)
-                    ranks = holders[box]
-                    if q in ranks:
-                        plan.local.append(Move(q, q, fqn, region, nbytes))
-                        continue
-                    sender = min(ranks, key=lambda r: (load.get(r, 0), r))
-                    load[sender] = load.get(sender, 0) + nbytes
-                    pairs.setdefault((sender, q), []).append(Move(sender, q, fqn, region, nbytes))
-                want = box_numel(need)
-                if covered < want:
-                    raise LayoutError(
-                        f"{fqn}: rank {q} needs the region {_describe(need)} of the logical tensor "
-                        f"{list(t.shape)}, but the source layout holds only {covered} of its "
-                        f"{want} elements on any rank; the source state does not cover the tensor"
-                    )
-                if covered > want:
-                    raise LayoutError(
-                        f"{fqn}: the source layout holds parts of the region {_describe(need)} "
-                        "in boxes that overlap without being equal; describe the source so that "
-                        "each element is held in one box (replicas hold equal boxes)"
-                    )
+        # Tensors of one shape under the same two layouts (every layer's) share their regions.
+        key = (
+            t.shape,
+            tuple((r, tuple(b)) for r, b in sorted(t.src.items())),
+            tuple((r, tuple(b)) for r, b in sorted(t.dst.items())),
+        )
+        regions = templates.get(key)
+        if regions is None:
+            regions = templates[key] = _regions(fqn, t)
+        for q, region, ranks in regions:
+            nbytes = box_numel(region) * t.itemsize
+            if q in ranks:
+                plan.local.append(Move(q, q, fqn, region, nbytes))
+                continue
+            sender = min(ranks, key=lambda r: (load.get(r, 0), r))
+            load[sender] = load.get(sender, 0) + nbytes
+            pairs.setdefault((sender, q), []).append(Move(sender, q, fqn, region, nbytes))
     for pair in sorted(pairs):
         plan.messages[pair] = _cut(pairs[pair], tensors, max_message_bytes)
     return plan
+
+
+def _regions(fqn: str, t: TensorSides) -> list[tuple[int, Box, tuple[int, ...]]]:
+    """Each destination rank's needed regions, cut by the distinct source boxes: ``(rank,
+    region, the ranks holding it)``; `LayoutError` where the source does not cover a region
+    exactly once."""
+    holders = _distinct(t.src)
+    sources = sorted(holders)
+    out = []
+    for q in sorted(t.dst):
+        for need in dict.fromkeys(t.dst[q]):
+            covered = 0
+            for box in sources:
+                region = intersect(need, box)
+                if region is None:
+                    continue
+                covered += box_numel(region)
+                out.append((q, region, tuple(holders[box])))
+            want = box_numel(need)
+            if covered < want:
+                raise LayoutError(
+                    f"{fqn}: rank {q} needs the region {_describe(need)} of the logical tensor "
+                    f"{list(t.shape)}, but the source layout holds only {covered} of its "
+                    f"{want} elements on any rank; the source state does not cover the tensor"
+                )
+            if covered > want:
+                raise LayoutError(
+                    f"{fqn}: the source layout holds parts of the region {_describe(need)} "
+                    "in boxes that overlap without being equal; describe the source so that "
+                    "each element is held in one box (replicas hold equal boxes)"
+                )
+    return out
 
 
 def split_box(box: Box, itemsize: int, cap: int) -> list[Box]:

@@ -6,6 +6,7 @@ evaluator builds on the same steps (`ShardState`, `narrow_block`, `narrow_flat`,
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator, Sequence
 from collections.abc import Mapping as MappingType
@@ -31,6 +32,7 @@ __all__ = [
     "ShardState",
     "initial_state",
     "compile_mapping",
+    "compile_mapping_cached",
     "enumerate_shards",
     "flatten_pieces",
     "narrow_block",
@@ -198,6 +200,24 @@ def compile_mapping(
             continue
         _apply(st, op, coord, size)
     return Shard(st.shape, tuple(st.pieces))
+
+
+def compile_mapping_cached(
+    mapping: Mapping,
+    logical_shape: Sequence[int],
+    sizes: MappingType[str, int],
+    coords: MappingType[str, int],
+) -> Shard | None:
+    """`compile_mapping`, remembered: a state dict holds hundreds of tensors of a few shapes
+    under a few mappings (shards are immutable, so callers may share them)."""
+    return _compile_cached(
+        mapping, tuple(logical_shape), tuple(sizes.items()), tuple(sorted(coords.items()))
+    )
+
+
+@functools.lru_cache(maxsize=8192)
+def _compile_cached(mapping: Mapping, shape: tuple, sizes: tuple, coords: tuple) -> Shard | None:
+    return compile_mapping(mapping, shape, dict(sizes), dict(coords))
 
 
 def enumerate_shards(
