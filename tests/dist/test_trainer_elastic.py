@@ -8,6 +8,7 @@ relative of the uninterrupted run under A.
 Run: python -m pytest tests/dist/test_trainer_elastic.py -q
 """
 
+import json
 import math
 import os
 
@@ -82,3 +83,47 @@ def test_resume_under_another_layout_stays_within_the_noise_floor(pool4, tmp_pat
         assert abs(got - want) <= max(floor, ulps), (k, got, want, floor, ulps)
         assert abs(got - want) <= 1e-4 * abs(want), (k, got, want)
     assert run_a[-1] < run_a[0] - 0.5  # it trains
+
+
+RELAYOUTS = [
+    (
+        ["--parallel.pp", "2", "--parallel.dp_shard", "2"],
+        "tp=2,dp_shard=2",
+        ["--parallel.dp_shard", "2", "--parallel.tp", "2"],
+        [],
+    ),
+    (
+        ["--parallel.pp", "2", "--parallel.dp_shard", "2"],
+        "dp_shard=4",
+        ["--parallel.dp_shard", "4"],
+        ["--model.tie_embeddings", "true"],
+    ),
+    (
+        ["--parallel.ep", "2", "--parallel.dp_shard", "2"],
+        "dp_shard=2,tp=2",
+        ["--parallel.dp_shard", "2", "--parallel.tp", "2"],
+        ["--model.n_experts", "4"],
+    ),
+]
+
+
+@pytest.mark.parametrize("a,switch,b,extra", RELAYOUTS, ids=["pp2xdp2-to-tp2xdp2", "tied-pp2xdp2-to-dp4", "moe-ep2xdp2-to-fsdp2xtp2"])
+def test_relayout_in_a_running_job_stays_within_the_noise_floor(pool4, tmp_path, a, switch, b, extra):
+    """The job switches layout at step SAVE_AT over the network (no checkpoint written or read):
+    the same criterion as a restart under another layout."""
+    run_a = pool4.run(TASKS, "train", _args(str(tmp_path / "a" / "ckpt"), TOTAL, a, extra))[0]
+    run_b = pool4.run(TASKS, "train", _args(str(tmp_path / "b" / "ckpt"), TOTAL, b, extra))[0]
+    root = tmp_path / "r" / "ckpt"
+    args = _args(str(root), TOTAL, a, [*extra, "--parallel.relayout_at", f"{SAVE_AT}:{switch}"])
+    switched = pool4.run(TASKS, "train", args)[0]
+    assert not root.exists() or not any(root.iterdir())  # no checkpoint on the way
+    assert switched[:SAVE_AT] == run_a[:SAVE_AT]
+    assert len(switched) == TOTAL
+    floor = max(abs(x - y) for x, y in zip(run_b[SAVE_AT:], run_a[SAVE_AT:], strict=True))
+    for k, (got, want) in enumerate(zip(switched[SAVE_AT:], run_a[SAVE_AT:], strict=True)):
+        ulps = 4 * float(torch.finfo(torch.float32).eps) * 2 ** math.floor(math.log2(abs(want)))
+        assert abs(got - want) <= max(floor, ulps), (k, got, want, floor, ulps)
+        assert abs(got - want) <= 1e-4 * abs(want), (k, got, want)
+    events = [json.loads(x) for x in open(tmp_path / "r" / "events.jsonl")]
+    moved = [e for e in events if e.get("event") == "relayout"]
+    assert len(moved) == 1 and moved[0]["step"] == SAVE_AT and moved[0]["received_bytes"] > 0

@@ -430,3 +430,20 @@ def test_the_tiny_configuration_is_the_default_one_scaled_down():
         8,
     )
     assert tiny.parallel == ParallelConfig() and tiny.checkpoint == Config().checkpoint
+
+
+def test_relayout_at_parses_and_names_what_is_wrong():
+    ok = load_config(
+        TINY_CONFIG,
+        ["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.relayout_at=3:tp=2,dp_shard=2"],
+        environ={},
+    )
+    step, layout = ok.parallel.relayout()
+    assert step == 3 and (layout.pp, layout.dp_shard, layout.tp) == (1, 2, 2)
+    base = ["--parallel.pp=2", "--parallel.dp_shard=2"]
+    with pytest.raises(ConfigError, match=r"expected STEP:dim=n"):
+        load_config(TINY_CONFIG, [*base, "--parallel.relayout_at=3-tp=2"], environ={})
+    with pytest.raises(ConfigError, match=r"has 2 ranks, the job 4"):
+        load_config(TINY_CONFIG, [*base, "--parallel.relayout_at=3:tp=2"], environ={})
+    with pytest.raises(ConfigError, match=r"the step must lie in \[1, train.steps\)"):
+        load_config(TINY_CONFIG, [*base, "--parallel.relayout_at=0:dp_shard=4"], environ={})

@@ -90,6 +90,37 @@ class ParallelConfig:
     tp: int = 1  # tensor parallel: heads and the ffn hidden size split over tp ranks
     pp_schedule: str = "1F1B"  # pipeline schedule: "1F1B" or "GPipe"
     microbatches: int = 2  # microbatches per step on each pipeline, when pp > 1
+    # "STEP:dim=n,dim=n": after STEP steps, switch the running job to that layout over the same
+    # ranks (dims left out are 1), moving its state over the network (anyshard.redistribute)
+    relayout_at: str | None = None
+
+    def relayout(self) -> tuple[int, ParallelConfig] | None:
+        """The step and layout of ``relayout_at``; `ConfigError` when it does not parse.
+
+        >>> ParallelConfig(pp=2, dp_shard=2, relayout_at="20:tp=2,dp_shard=2").relayout()[1].dims()
+        (('pp', 1), ('dp_replicate', 1), ('dp_shard', 2), ('ep', 1), ('cp', 1), ('tp', 2))
+        """
+        if self.relayout_at is None:
+            return None
+        text = self.relayout_at.strip()
+        try:
+            step_text, layout_text = text.split(":", 1)
+            sizes = {}
+            for item in layout_text.split(","):
+                name, value = (x.strip() for x in item.split("="))
+                if name not in MESH_ORDER or name in sizes:
+                    raise ValueError(name)
+                sizes[name] = int(value)
+            step = int(step_text)
+        except ValueError:
+            raise ConfigError(
+                f"parallel.relayout_at {text!r}: expected STEP:dim=n[,dim=n...] with dims among "
+                f"{', '.join(MESH_ORDER)}, e.g. 20:tp=2,dp_shard=2"
+            ) from None
+        layout = dataclasses.replace(
+            self, **{**dict.fromkeys(MESH_ORDER, 1), **sizes}, relayout_at=None
+        )
+        return step, layout
 
     @property
     def world_size(self) -> int:
@@ -352,7 +383,35 @@ def _problems(cfg: Config) -> list[str]:
         m, p, t = cfg.model, cfg.parallel, cfg.train
         problems += _model_problems(m) + _split_problems(m, p) + _batch_problems(m, p, t)
         problems += _fault_problems(cfg.fault, p, t)
+        problems += _relayout_problems(cfg)
     return sorted(problems)
+
+
+def _relayout_problems(cfg: Config) -> list[str]:
+    try:
+        found = cfg.parallel.relayout()
+    except ConfigError as e:
+        return [str(e)]
+    if found is None:
+        return []
+    step, p = found
+    where = f"parallel.relayout_at ({cfg.parallel.relayout_at})"
+    problems = []
+    if p.world_size != cfg.parallel.world_size:
+        problems.append(
+            f"{where} has {p.world_size} ranks, the job {cfg.parallel.world_size}: a relayout "
+            "keeps the ranks; its degrees must multiply to the same world size"
+        )
+    if not 0 < step < cfg.train.steps:
+        problems.append(f"{where}: the step must lie in [1, train.steps) = [1, {cfg.train.steps})")
+    m, t = cfg.model, cfg.train
+    problems += [
+        f"{where}: {x}"
+        for x in _split_problems(m, p)
+        + _batch_problems(m, p, t)
+        + _range_problems(dataclasses.replace(cfg, parallel=p))
+    ]
+    return problems
 
 
 @functools.cache

@@ -3,18 +3,22 @@
 Launch with torchrun (one process per rank; gloo on CPU, nccl on CUDA)::
 
     torchrun --nproc-per-node 4 --max-restarts 1 -m anyshard.trainer_integration.gpt.train \\
-        --parallel.dp_shard 2 --parallel.tp 2 --train.steps 20 [--stop-at 10] [--config FILE]
+        --parallel.dp_shard 2 --parallel.tp 2 --train.steps 20 [--stop-at 10] [--config FILE] \\
+        [--relayout-at 10:tp=4]
 
 Each run restores the newest committed checkpoint under ``checkpoint.root`` (whatever layout
 saved it), trains to ``train.steps`` and saves every ``checkpoint.every_steps``. A fault
 (``fault.kill_rank`` at ``fault.kill_step``, or ANYSHARD_FAULT=rank:step[:mode]) kills a rank
 with SIGKILL (or raises) on the first attempt; torchrun restarts the group, which resumes. Rank 0
 appends one JSON line per step to ``run_dir/losses.jsonl`` and one per (re)start to
-``run_dir/events.jsonl`` (restored step, recovery time, lost steps).
+``run_dir/events.jsonl`` (restored step, recovery time, lost steps). ``--relayout-at STEP:LAYOUT``
+(``parallel.relayout_at``) switches the running job to another layout over the same ranks after
+STEP steps, moving its state over the network with no checkpoint round trip.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -26,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from anyshard.api.redistribute import redistribute
 from anyshard.trainer_integration.checkpointer import Checkpointer
 from anyshard.trainer_integration.gpt.config import Config, load_config
 from anyshard.trainer_integration.gpt.data import DataLoader, load_corpus
@@ -37,7 +42,7 @@ from anyshard.trainer_integration.gpt.parallel import (
     setup_mesh,
 )
 
-__all__ = ["TrainState", "build_training", "init_distributed", "main", "run"]
+__all__ = ["TrainState", "build_training", "init_distributed", "main", "relayout", "run"]
 
 
 _EMBEDDING, _OUTPUT = "tok_embeddings.weight", "output.weight"
@@ -203,6 +208,42 @@ def build_training(cfg: Config):
     return par, model, optimizer, step_fn
 
 
+def _loader(cfg: Config, par) -> DataLoader:
+    t = cfg.train
+    return DataLoader(
+        load_corpus(),
+        seq_len=t.seq_len,
+        global_batch=t.global_batch,
+        dp_rank=par.data_rank,
+        dp_size=par.data_size,
+        seed=t.seed,
+    )
+
+
+def relayout(cfg: Config, state: TrainState, parallel) -> tuple[Config, TrainState, Any, dict]:
+    """Switch a running job to the layout ``parallel`` over the same ranks: build the model,
+    AdamW and data loader under it, then move model, optimizer state, data position, RNG and
+    step into them over the network (`anyshard.redistribute`); no checkpoint is written or read.
+    Returns the new config, state and `TrainStep`, and what the move cost. Collective."""
+    start = time.time()
+    src = {"train": state.state_dict()}  # first: it holds the RNG state of the run
+    new_cfg = dataclasses.replace(cfg, parallel=parallel)
+    par, model, optimizer, step_fn = build_training(new_cfg)
+    new = TrainState(model, optimizer, _loader(new_cfg, par))
+    dst = {"train": new.state_dict()}
+    built = time.time()
+    plan = redistribute(src, dst)
+    new.load_state_dict(dst["train"])
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    cost = {
+        "build_s": built - start,
+        "redistribute_s": time.time() - built,
+        "sent_bytes": plan.sent_bytes(rank),
+        "received_bytes": plan.received_bytes(rank),
+    }
+    return new_cfg, new, step_fn, cost
+
+
 def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None) -> list[float]:
     """Train (restoring first) until ``cfg.train.steps`` (or step ``stop_at``, for a job that is
     to be relaunched: the LR schedule still spans ``cfg.train.steps``), for at most ``max_steps``
@@ -214,15 +255,7 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
     par, model, optimizer, step_fn = build_training(cfg)
     built = time.time()
     t = cfg.train
-    loader = DataLoader(
-        load_corpus(),
-        seq_len=t.seq_len,
-        global_batch=t.global_batch,
-        dp_rank=par.data_rank,
-        dp_size=par.data_size,
-        seed=t.seed,
-    )
-    state = TrainState(model, optimizer, loader)
+    state = TrainState(model, optimizer, _loader(cfg, par))
     c = cfg.checkpoint
     ckpt = Checkpointer(
         c.root,
@@ -241,7 +274,17 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
     losses: list[float] = []
     first = True
     end = t.steps if stop_at is None else min(t.steps, stop_at)
+    switch = cfg.parallel.relayout()
     while state.step < end and (max_steps is None or len(losses) < max_steps):
+        if switch is not None and state.step >= switch[0]:
+            ckpt.wait()  # a save in flight still reads the old layout's tensors
+            old = layout
+            cfg, state, step_fn, cost = relayout(cfg, state, switch[1])
+            layout, switch = _layout_name(cfg), None
+            if rank == 0:
+                event = {"event": "relayout", "step": state.step, "from": old, "to": layout}
+                _append(os.path.join(cfg.run_dir, "events.jsonl"), {**event, **cost})
+        optimizer, loader = state.optimizer, state.loader
         for group in optimizer.param_groups:
             group["lr"] = lr_at(
                 state.step, lr=t.lr, warmup=t.warmup_steps, total=t.steps, min_ratio=t.min_lr_ratio
@@ -308,17 +351,19 @@ def _quiet() -> None:
 
 def main(argv: Sequence[str] | None = None, *, hard_exit: bool = True) -> int:
     """``python -m anyshard.trainer_integration.gpt.train [--config FILE] [--stop-at N]
-    [--section.key value ...]``"""
+    [--relayout-at STEP:LAYOUT] [--section.key value ...]``"""
     argv = list(sys.argv[1:] if argv is None else argv)
     path = stop_at = None
-    for flag in ("--config", "--stop-at"):
+    for flag in ("--config", "--stop-at", "--relayout-at"):
         if flag in argv:
             i = argv.index(flag)
             value, argv = argv[i + 1], argv[:i] + argv[i + 2 :]
             if flag == "--config":
                 path = value
-            else:
+            elif flag == "--stop-at":
                 stop_at = int(value)
+            else:  # the config's parallel.relayout_at
+                argv += ["--parallel.relayout_at", value]
     cfg = load_config(path, argv)
     _quiet()
     init_distributed()
