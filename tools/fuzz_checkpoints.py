@@ -71,6 +71,7 @@ from anyshard.reshard.verify import verify_checkpoint  # noqa: E402
 SLOW_S = 5.0
 KILL_S = 30.0
 RSS_GROWTH = 1 << 30
+MEMORY_CAP = 8 << 30  # per process, for a full run (main): see cap_memory
 SPEC = """mesh tp;
 "w" -> "w" [8, 6] : chunk(0, tp);
 "b" -> "b" [6] : chunk(0, tp);
@@ -647,6 +648,15 @@ class LoadPool:
                 f.flips_undetected_part += wrong
 
 
+def cap_memory(limit: int = MEMORY_CAP) -> None:
+    """Cap this process's address space: an allocation a hostile checkpoint provokes then fails
+    as a MemoryError (recorded, with the mutation that caused it) instead of drawing the
+    kernel's OOM killer onto the run."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if hard == resource.RLIM_INFINITY or hard > limit:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+
+
 def fuzz(
     mutations: int,
     seed: int,
@@ -702,7 +712,7 @@ def _fuzz_loop(
             rate = (i + 1) / (time.monotonic() - start)
             print(
                 f"  {i + 1}/{mutations} mutations, {f.calls} calls, {len(f.internal)} internal, "
-                f"{len(f.slow)} slow, {rate:.0f}/s",
+                f"{len(f.slow)} slow, {rate:.0f}/s, peak RSS {_maxrss() >> 20} MiB",
                 flush=True,
             )
 
@@ -749,6 +759,7 @@ def main() -> int:
     )
     p.add_argument("--write-docs", nargs="?", const="docs/benchmarks.md", default=None)
     args = p.parse_args()
+    cap_memory()
     with tempfile.TemporaryDirectory(prefix="anyshard-fuzz-") as work:
         start = time.monotonic()
         f = fuzz(
