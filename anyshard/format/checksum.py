@@ -58,4 +58,6 @@ def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
     """The crc32c of ``A + B`` from the crc32c of ``A``, of ``B`` and the length of ``B``."""
     if len_b <= 0:
         return crc_a
+    if crc_a == 0:  # x^n * 0 is 0: the first part of a chain costs nothing
+        return crc_b
     return _multmodp(_x8n(len_b), crc_a) ^ crc_b

@@ -90,8 +90,19 @@ def stored_shards(manifest: Manifest, fqn: str, needed: Box | None = None) -> It
                 yield s
         return
     mesh = manifest.meshes[entry.mesh]
-    for coords, shard in enumerate_shards(entry.parsed, entry.shape, mesh.axis_sizes, needed):
-        yield ShardSource(mesh.rank(coords), fqn, shard, coords)
+    sizes = tuple(mesh.axis_sizes.items())
+    for coords, shard in _shards(entry.parsed, tuple(entry.shape), sizes, needed):
+        yield ShardSource(mesh.rank(dict(coords)), fqn, shard, dict(coords))
+
+
+@functools.lru_cache(maxsize=4096)
+def _shards(mapping, shape: tuple, sizes: tuple, needed: Box | None) -> tuple:
+    """`enumerate_shards`, remembered: a model's layers share shapes and mappings, and a job's
+    ranks load the same regions of each."""
+    return tuple(
+        (tuple(coords.items()), shard)
+        for coords, shard in enumerate_shards(mapping, shape, dict(sizes), needed)
+    )
 
 
 def describe_spec(manifest: Manifest) -> str:
