@@ -5,7 +5,8 @@ docs/benchmarks.md):
 
     python tools/fuzz_checkpoints.py --mutations 100000 --write-docs
 
-Smoke test: ``python tools/fuzz_checkpoints.py --mutations 300``.
+Smoke test: ``python tools/fuzz_checkpoints.py --mutations 300``. SIGINT or SIGTERM stops a run
+early; it still reports (and with ``--write-docs`` writes) what the mutations done found.
 
 It builds small pristine checkpoints (anyshard without and with a UCL spec, PyTorch DCP, a Hugging
 Face safetensors file), then, for each mutation drawn from ``--seed``, copies one of them,
@@ -680,6 +681,8 @@ def fuzz(
         _fuzz_loop(
             f, corpus, pristine, names, rng, mutations, work, progress, only, pool, procs_every
         )
+    except KeyboardInterrupt:  # SIGINT or SIGTERM: stop, and report the mutations done
+        print(f"  stopped after {f.mutations} mutations", flush=True)
     finally:
         if pool is not None:
             pool.close()
@@ -760,6 +763,11 @@ def main() -> int:
     p.add_argument("--write-docs", nargs="?", const="docs/benchmarks.md", default=None)
     args = p.parse_args()
     cap_memory()
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
     with tempfile.TemporaryDirectory(prefix="anyshard-fuzz-") as work:
         start = time.monotonic()
         f = fuzz(
