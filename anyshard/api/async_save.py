@@ -13,10 +13,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-__all__ = ["SaveHandle", "background_group", "stage", "submit", "wait_for_previous"]
+__all__ = [
+    "SaveHandle",
+    "background_group",
+    "current_stream_event",
+    "reserve",
+    "stage",
+    "submit",
+    "wait_for_previous",
+]
 
 _LOCK = threading.Lock()
-_STAGING: dict[str, torch.Tensor] = {}  # fqn -> host buffer, reused by the next save
+_STAGING: dict[str, torch.Tensor] = {}  # fqn -> host bytes, reused by the next save
 _GROUPS: dict[object, object] = {}
 _EXECUTOR: list[ThreadPoolExecutor] = []
 _IN_FLIGHT: list[SaveHandle] = []
@@ -25,9 +33,20 @@ _IN_FLIGHT: list[SaveHandle] = []
 class SaveHandle:
     """The pending outcome of ``anyshard.save(..., async_=True)``."""
 
-    def __init__(self, future: Future):
+    def __init__(self, future: Future, staged: threading.Event | None = None):
         self._future = future
         self._observed = False
+        self._staged = staged
+
+    def staged(self) -> bool:
+        """Whether the shards are in the staging buffers (the saved tensors may change)."""
+        return self._staged is None or self._staged.is_set()
+
+    def wait_staged(self, timeout: float | None = None) -> bool:
+        """Wait until the shards are copied into the staging buffers, after which the saved
+        tensors may be modified (immediate unless the save deferred its staging). Returns
+        whether they are (False only on timeout); a failed staging surfaces at `result`."""
+        return self._staged is None or self._staged.wait(timeout)
 
     def done(self) -> bool:
         """Whether the save has finished (committed or failed)."""
@@ -58,29 +77,65 @@ def wait_for_previous() -> None:
 
 
 def _buffer(fqn: str, t: torch.Tensor) -> torch.Tensor:
+    """A host buffer shaped like ``t``: a view of the bytes kept for ``fqn`` (reallocated only
+    when they are too few), pinned when ``t`` is on a GPU."""
+    nbytes = t.numel() * t.element_size()
+    pin = t.device.type == "cuda" and torch.cuda.is_available()
     buf = _STAGING.get(fqn)
-    if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-        pin = t.device.type == "cuda" and torch.cuda.is_available()
-        buf = _STAGING[fqn] = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-    return buf
+    if buf is None or buf.numel() < nbytes or (pin and not buf.is_pinned()):
+        buf = _STAGING[fqn] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    return buf[:nbytes].view(t.dtype).view(t.shape)
 
 
-def stage(writes: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+def reserve(tensors: dict[str, torch.Tensor]) -> int:
+    """Allocate (pinned for GPU tensors) and touch the staging buffers of ``tensors`` (fqn ->
+    this rank's local tensor) now, so that the first async save neither allocates nor faults
+    pages in. Returns the bytes reserved."""
+    total = 0
+    for fqn, t in tensors.items():
+        _buffer(fqn, t).view(-1).view(torch.uint8).fill_(0)
+        total += t.numel() * t.element_size()
+    return total
+
+
+def current_stream_event():
+    """An event recorded on the current CUDA stream (None without CUDA): a copy that waits
+    for it sees every kernel queued so far, an optimizer step included."""
+    if not torch.cuda.is_available():
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def stage(writes: Sequence[tuple[str, torch.Tensor]], after=None) -> list[tuple[str, torch.Tensor]]:
     """Copies of the shards to write in host buffers kept for the next save, so that the caller
-    may change its tensors as soon as this returns."""
+    may change its tensors as soon as this returns. Device tensors are copied on a side stream
+    that first waits for ``after`` (`current_stream_event`), then synchronised."""
     staged = []
-    cuda = False
-    for fqn, t in writes:
-        buf = _buffer(fqn, t)
-        buf.copy_(t, non_blocking=t.device.type == "cuda")
-        cuda |= t.device.type == "cuda"
-        staged.append((fqn, buf))
-    if cuda:
-        torch.cuda.synchronize()
+    cuda = any(t.device.type == "cuda" for _, t in writes)
+    stream = torch.cuda.Stream() if cuda else None
+    if stream is not None and after is not None:
+        stream.wait_event(after)
+    with torch.cuda.stream(stream) if stream is not None else _nothing():
+        for fqn, t in writes:
+            buf = _buffer(fqn, t)
+            buf.copy_(t, non_blocking=t.device.type == "cuda")
+            staged.append((fqn, buf))
+    if stream is not None:
+        stream.synchronize()
     live = {fqn for fqn, _ in writes}
     for fqn in [k for k in _STAGING if k not in live]:
         del _STAGING[fqn]  # tensors that left the state dict
     return staged
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
 
 
 def background_group(group):
@@ -96,10 +151,10 @@ def background_group(group):
     return g
 
 
-def submit(fn: Callable[[], None]) -> SaveHandle:
+def submit(fn: Callable[[], None], staged: threading.Event | None = None) -> SaveHandle:
     with _LOCK:
         if not _EXECUTOR:
             _EXECUTOR.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="anyshard-save"))
-        handle = SaveHandle(_EXECUTOR[0].submit(fn))
+        handle = SaveHandle(_EXECUTOR[0].submit(fn), staged)
         _IN_FLIGHT.append(handle)
     return handle

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -168,6 +169,7 @@ def save(
     layout: dict[str, int] | None = None,
     coords: dict[str, int] | None = None,
     check_replicas: bool = True,
+    defer_staging: bool = False,
 ):
     """Save ``state_dict`` to ``path`` (a directory or URL), collectively over ``process_group``.
 
@@ -189,6 +191,13 @@ def save(
     memory (pinned when CUDA is used): the caller may modify its tensors right away, and the
     files are written and committed in the background. One async save is in flight at a time:
     the next save waits for it, and a failure surfaces there or at ``handle.result()``.
+
+    With ``defer_staging=True`` as well, it returns as soon as the save is planned, and the
+    copies into the staging buffers run in the background too (for device tensors, on a side
+    stream that waits for the work queued so far): the caller must not modify the saved
+    tensors before ``handle.wait_staged()`` returns, e.g. in an optimizer pre-step hook (the
+    Checkpointer's `guard`). Forward and backward passes, which only read the parameters and
+    optimizer states, overlap the copy.
 
     >>> import torch, anyshard, tempfile
     >>> d = tempfile.mkdtemp()
@@ -228,9 +237,25 @@ def save(
     if not async_:
         _write_and_commit(path, plan, error, process_group)
         return None
-    plan.writes = async_save.stage(plan.writes)
     group = async_save.background_group(process_group)
-    return async_save.submit(lambda: _write_and_commit(path, plan, error, group))
+    if not defer_staging:
+        plan.writes = async_save.stage(plan.writes)
+        return async_save.submit(lambda: _write_and_commit(path, plan, error, group))
+    staged = threading.Event()
+    after = async_save.current_stream_event()
+
+    def stage_write_commit() -> None:
+        nonlocal error
+        try:
+            if error is None:
+                plan.writes = async_save.stage(plan.writes, after)
+        except Exception as e:  # reported like any other: every rank still takes part
+            error, plan.writes = e, []
+        finally:
+            staged.set()
+        _write_and_commit(path, plan, error, group)
+
+    return async_save.submit(stage_write_commit, staged)
 
 
 def _write_and_commit(path: str, plan: _LocalPlan, error: BaseException | None, group) -> None:

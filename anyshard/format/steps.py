@@ -69,12 +69,19 @@ def _listdir_or_empty(path: str) -> list[str]:
         return []
 
 
+def _size_or_zero(path: str) -> int:
+    try:
+        return storage.size(path)
+    except FileNotFoundError:  # removed while listing (a concurrent gc or save)
+        return 0
+
+
 def _tree_bytes(path: str) -> int:
     total = 0
     for name in _listdir_or_empty(path):
         entry = storage.join(path, name)
         if name in _SUBDIRS:
-            total += sum(storage.size(storage.join(entry, f)) for f in _listdir_or_empty(entry))
+            total += sum(_size_or_zero(storage.join(entry, f)) for f in _listdir_or_empty(entry))
             continue
         try:
             total += storage.size(entry)

@@ -20,6 +20,8 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from anyshard.api import async_save
 from anyshard.api import collectives as coll
 from anyshard.api.load import load
@@ -86,7 +88,10 @@ class Checkpointer:
     (None: keep all), ``keep_every`` additionally keeps every step divisible by it; retention runs
     in the background after a newer step has committed. With ``async_``, `save` returns once the
     shards are staged in host memory and the files are written in the background; at most one
-    save is in flight, and the next `save` (or `wait`) waits for it and raises its error.
+    save is in flight, and the next `save` (or `wait`) waits for it and raises its error. With
+    `guard` (``ckpt.guard(optimizer)``), an async `save` returns at once and the staging copy
+    runs while forward and backward proceed; ``optimizer.step()`` waits only if the copy of the
+    tensors it would modify is not done yet.
 
     With ``local_dir`` (a local directory, one per node), steps are saved there first and
     uploaded to ``root`` in the background; the newest ``keep_local`` steps stay on local disk.
@@ -138,6 +143,46 @@ class Checkpointer:
         self.local_dir = local_dir
         self.keep_local = keep_local
         self._pending: list = []  # SaveHandles of the background work in flight
+        self._hooks: list = []  # optimizer pre-step hooks of `guard`
+
+    def guard(self, *optimizers) -> None:
+        """Let async saves return at once and stage their copies while the training loop runs
+        forward and backward: each optimizer's ``step()`` first waits, if it must, until the
+        save in flight has copied the tensors it would modify (`wait_staged`). Replaces the
+        optimizers guarded before (after a relayout, guard the new one). Without ``async_``,
+        saves block as always, and the hooks cost nothing.
+
+        Only optimizer steps are guarded: a model whose forward pass updates saved buffers
+        (batch-norm running statistics) must call `wait_staged` before that forward."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = [
+            opt.register_step_pre_hook(lambda *_: self.wait_staged()) for opt in optimizers
+        ]
+
+    def wait_staged(self) -> None:
+        """Wait until the save in flight has copied every tensor it saves into its staging
+        buffers (at once when none is in flight): the one call a training loop that does not
+        use `guard` makes before it modifies saved tensors (``optimizer.step()``)."""
+        for handle in self._pending:
+            wait = getattr(handle, "wait_staged", None)
+            if wait is not None:
+                wait()
+
+    def prepare(self, app_state: Mapping[str, Any]) -> int:
+        """Allocate and touch the staging buffers of an async save of ``app_state`` now, so that
+        the first save does not pay for them. Takes each entry's ``state_dict()`` (which, for
+        an optimizer that has not stepped yet, makes torch initialise its state: call this
+        after the first step or a restore). Returns the bytes reserved on this rank."""
+        from anyshard.api.state import flatten_state
+
+        state = _state_dicts(app_state)
+        local = {}
+        for fqn, leaf in flatten_state(state).items():
+            v = leaf.value
+            if isinstance(v, torch.Tensor):
+                local[fqn] = v.to_local() if hasattr(v, "to_local") else v
+        return async_save.reserve(local)
 
     def step_path(self, step: int) -> str:
         """Where ``step`` is (or would be) saved in ``root``."""
@@ -164,7 +209,13 @@ class Checkpointer:
             return True
         self._clear_stale(path)
         if self.async_:
-            handle = save(path, state, process_group=self.process_group, async_=True)
+            handle = save(
+                path,
+                state,
+                process_group=self.process_group,
+                async_=True,
+                defer_staging=bool(self._hooks),
+            )
             self._pending.append(handle)
         else:
             save(path, state, process_group=self.process_group)
@@ -176,7 +227,13 @@ class Checkpointer:
         local, remote = self.local_path(step), self.step_path(step)
         self._clear_stale(local)
         group = async_save.background_group(self.process_group)  # collective: on this thread
-        handle = save(local, state, process_group=self.process_group, async_=self.async_)
+        handle = save(
+            local,
+            state,
+            process_group=self.process_group,
+            async_=self.async_,
+            defer_staging=self.async_ and bool(self._hooks),
+        )
         if handle is not None:
             self._pending.append(handle)
         self._pending.append(async_save.submit(lambda: self._upload(step, local, remote, group)))

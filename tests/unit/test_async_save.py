@@ -1,5 +1,7 @@
 """Async save: staged at return, written and committed in the background, errors surface."""
 
+import threading
+
 import pytest
 import torch
 
@@ -58,3 +60,66 @@ def test_an_async_save_of_non_contiguous_and_empty_tensors_is_exact(tmp_path):
     with anyshard.open(str(tmp_path / "c")) as view:
         for k, v in want.items():
             assert torch.equal(view.get_tensor(k), v), k
+
+
+def _hold_background_thread():
+    """Keep the save thread busy until the returned event is set (a save behind it waits)."""
+    from anyshard.api import async_save as _async
+
+    _async.submit(lambda: None).result()  # the thread exists
+    _async.wait_for_previous()
+    release = threading.Event()
+    _async._EXECUTOR[0].submit(release.wait)
+    return release
+
+
+def test_deferred_staging_returns_before_the_copy_and_saves_the_values_of_that_moment(tmp_path):
+    w = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB
+    before = w.clone()
+    release = _hold_background_thread()  # staging cannot start yet
+    handle = anyshard.save(str(tmp_path / "s"), {"w": w}, async_=True, defer_staging=True)
+    assert not handle.staged()  # returned before any copy
+    release.set()
+    assert handle.wait_staged(timeout=30)
+    w.mul_(-1)  # only now may the tensors change
+    handle.result()
+    got = {"w": torch.empty_like(w)}
+    anyshard.load(str(tmp_path / "s"), got)
+    assert torch.equal(got["w"], before)
+
+
+def test_guarded_optimizer_steps_wait_for_the_staging_copy(tmp_path):
+    from anyshard.trainer_integration import Checkpointer
+
+    model = torch.nn.Linear(256, 256)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    ckpt = Checkpointer(str(tmp_path), async_=True)
+    ckpt.guard(opt)
+    saved = []
+    for step in range(1, 4):
+        model(torch.randn(4, 256)).square().sum().backward()
+        release = _hold_background_thread()  # staging is still pending after save returns
+        ckpt.save(step, {"model": model.state_dict(), "optim": opt.state_dict()})
+        assert not ckpt._pending[0].staged()  # save returned before the copy
+        saved.append({k: v.clone() for k, v in model.state_dict().items()})
+        threading.Timer(0.2, release.set).start()
+        opt.step()  # the hook waits for the copy: the checkpoint keeps the values of the save
+        opt.zero_grad()
+    ckpt.wait()
+    for step, want in enumerate(saved, 1):
+        got = {k: torch.zeros_like(v) for k, v in want.items()}
+        anyshard.load(ckpt.step_path(step), {"model": got}, strict=False)
+        assert all(torch.equal(got[k], want[k]) for k in want), step
+
+
+def test_prepare_reserves_staging_buffers_that_the_first_save_reuses(tmp_path):
+    from anyshard.api import async_save as _async
+    from anyshard.trainer_integration import Checkpointer
+
+    state = {"model": {"w": torch.ones(1000), "b": torch.zeros(10)}}
+    ckpt = Checkpointer(str(tmp_path), async_=True)
+    assert ckpt.prepare(state) == 1010 * 4
+    buf = _async._STAGING["model.w"]
+    ckpt.save(1, state)
+    ckpt.wait()
+    assert _async._STAGING["model.w"] is buf
