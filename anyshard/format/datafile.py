@@ -155,7 +155,9 @@ def read_header(path: str) -> DataFileHeader:
     """Parse a data file's header; raises `CorruptCheckpointError` naming the file on any defect."""
     try:
         with storage.FileReader(path) as r:
-            prefix = r.read_prefix(_FIRST_READ)  # most headers fit: one read (one GET) per file
+            # an object store: one GET that most headers fit in; a local file: the 8-byte
+            # length, then exactly the header (no speculative bytes of shard data)
+            prefix = r.read_prefix(_FIRST_READ if storage.is_url(path) else 8)
             if len(prefix) < 8:
                 raise EOFError(f"expected 8 bytes at offset 0, the file has {len(prefix)}")
             (n,) = struct.unpack("<Q", prefix[:8])

@@ -1,0 +1,113 @@
+"""Task functions: torch.distributed.checkpoint with anyshard's storage backends (AnyshardWriter,
+AnyshardReader) on FSDP2 x TP training state; every check is against torch's own full tensors."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from _layouts import _flat, full, train_state
+from safetensors.torch import load_file, save_file
+
+import anyshard
+from anyshard.dcp import AnyshardReader, AnyshardWriter
+
+
+def _io() -> dict[str, int]:
+    with open("/proc/self/io") as f:
+        return {k: int(v) for k, v in (line.split(": ") for line in f)}
+
+
+def dcp_save_task(layout: str, ckpt: str, truth_dir: str, seed: int) -> list[str]:
+    """Save a trained state with dcp.save through AnyshardWriter; rank 0 keeps torch's full
+    tensors as the oracle. Returns the files the checkpoint holds."""
+    state = train_state(layout, seed)
+    dcp.save(state, storage_writer=AnyshardWriter(ckpt))
+    tensors = {k: full(v).contiguous() for k, v in _flat(state) if isinstance(v, torch.Tensor)}
+    if dist.get_rank() == 0:
+        os.makedirs(truth_dir, exist_ok=True)
+        save_file(tensors, os.path.join(truth_dir, "truth.safetensors"))
+    dist.barrier()
+    return sorted(
+        os.path.relpath(os.path.join(d, f), ckpt) for d, _, fs in os.walk(ckpt) for f in fs
+    )
+
+
+def dcp_load_task(layout: str, ckpt: str, truth_dir: str, seed: int) -> dict[str, int]:
+    """dcp.load through AnyshardReader into ``layout``: every tensor bit-exact against the
+    oracle, the values as saved; returns this rank's bytes read and the bytes its targets hold."""
+    state = train_state(layout, seed + 1)  # other values, the target layout's placements
+    state["meta"] = {"step": 0, "layout": "?"}
+    needed = sum(
+        (v.to_local() if hasattr(v, "to_local") else v).nbytes
+        for _, v in _flat(state)
+        if isinstance(v, torch.Tensor)
+    )
+    before = _io()["rchar"]
+    dcp.load(state, storage_reader=AnyshardReader(ckpt))
+    read = _io()["rchar"] - before
+    truth = load_file(os.path.join(truth_dir, "truth.safetensors"))
+    checked = 0
+    for k, v in _flat(state):
+        if isinstance(v, torch.Tensor):
+            got = full(v)
+            assert got.dtype == truth[k].dtype and torch.equal(got, truth[k]), f"{k} differs"
+            checked += 1
+    assert checked == len(truth), (checked, len(truth))
+    assert state["meta"] == {"step": 1, "layout": "fsdp2_tp2"}, state["meta"]
+    groups = state["optim"]["param_groups"]
+    assert groups[0]["lr"] == 0.01 and list(groups[0]["betas"]) == [0.9, 0.999], groups
+    return {"read": read, "needed": needed}
+
+
+def one_process_load(ckpt: str, truth_dir: str) -> int:
+    """Rank 0 alone: dcp.load (no process group) into whole tensors."""
+    truth = load_file(os.path.join(truth_dir, "truth.safetensors"))
+    state = {k: torch.full_like(t, 7) for k, t in truth.items()}
+    dcp.load(state, storage_reader=AnyshardReader(ckpt), no_dist=True)
+    for k, t in truth.items():
+        assert torch.equal(state[k], t), k
+    with anyshard.open(ckpt) as view:  # anyshard's own reader agrees
+        for k, t in truth.items():
+            assert torch.equal(view.get_tensor(k), t), k
+        assert view.get_value("meta.step") == 1
+    return len(truth)
+
+
+def spec_dcp_load_task(ckpt: str, seed: int) -> int:
+    """dcp.load through AnyshardReader of a checkpoint saved by anyshard.save under the
+    megatron_gpt spec, into logical tensors sharded Shard(0) over 4 ranks: bit-exact against
+    the logical tensors the saved local ones were cut from."""
+    from _ucl_tasks import logical
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    truth = logical(seed)
+    state = {k: distribute_tensor(torch.zeros_like(t), mesh, [Shard(0)]) for k, t in truth.items()}
+    state["iteration"] = 0
+    dcp.load(state, storage_reader=AnyshardReader(ckpt))
+    for k, t in truth.items():
+        assert torch.equal(state[k].full_tensor(), t), k
+    assert state["iteration"] == 12
+    return len(truth)
+
+
+def big_save_load_task(ckpt: str) -> dict[str, int]:
+    """A 1 MiB tensor saved column-sharded (Shard(1) over 4 ranks) through AnyshardWriter and
+    loaded row-sharded (Shard(0)) through AnyshardReader: each rank needs a quarter of every
+    stored shard. Returns this rank's bytes read by the load and the bytes its target holds."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    w = torch.randn(1024, 256, generator=torch.Generator().manual_seed(11))
+    dcp.save({"w": distribute_tensor(w, mesh, [Shard(1)])}, storage_writer=AnyshardWriter(ckpt))
+    state = {"w": distribute_tensor(torch.zeros_like(w), mesh, [Shard(0)])}
+    before = _io()["rchar"]
+    dcp.load(state, storage_reader=AnyshardReader(ckpt))
+    read = _io()["rchar"] - before
+    assert torch.equal(state["w"].to_local(), distribute_tensor(w, mesh, [Shard(0)]).to_local())
+    return {"read": read, "needed": state["w"].to_local().nbytes}

@@ -1,0 +1,160 @@
+"""torch.distributed.checkpoint with anyshard's storage backends: `AnyshardWriter` saves FSDP2 x
+TP training state (model and AdamW) as an anyshard checkpoint, with no pickle; `AnyshardReader`
+loads it into tp=4, dp_shard=4 and one process bit-exact (torch's own full tensors are the
+truth), reads only the bytes the target holds, loads a checkpoint saved by `anyshard.save` under
+a UCL spec, and refuses a flipped bit.
+
+Run: python -m pytest tests/dist/test_dcp_backend.py -q
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.api import CheckpointException
+
+import anyshard
+from anyshard.cli import main as cli
+from anyshard.dcp import AnyshardReader, AnyshardWriter
+from anyshard.errors import AnyshardError, ChecksumError
+
+HERE = os.path.dirname(__file__)
+TASKS = os.path.join(HERE, "_dcp_backend_tasks.py")
+UCL_TASKS = os.path.join(HERE, "_ucl_tasks.py")
+
+
+@pytest.fixture(scope="module")
+def saved(pool4, tmp_path_factory):
+    root = tmp_path_factory.mktemp("dcp-backend")
+    ckpt, truth = str(root / "step-1"), str(root / "truth")
+    files = pool4.run(TASKS, "dcp_save_task", "fsdp2_tp2", ckpt, truth, 3)
+    return ckpt, truth, files[0]
+
+
+def test_the_writer_writes_an_anyshard_checkpoint_and_no_pickle(saved):
+    ckpt, truth, files = saved
+    assert "manifest.json" in files and ".metadata" not in files
+    assert all(f == "manifest.json" or f.endswith(".safetensors") for f in files), files
+    assert cli(["verify", ckpt]) == 0
+    with anyshard.open(ckpt) as view:
+        for k, t in load_file(os.path.join(truth, "truth.safetensors")).items():
+            assert torch.equal(view.get_tensor(k), t), k
+        # DCP's flattened names: the nested "meta" dict's leaves, the param groups as one value
+        assert view.get_value("meta.step") == 1
+        assert view.get_value("optim.param_groups.0.lr") == 0.01
+
+
+@pytest.mark.parametrize("layout", ["tp4", "fsdp4"])
+def test_dcp_load_through_the_reader_is_bit_exact_and_reads_only_what_it_needs(
+    pool4, saved, layout
+):
+    ckpt, truth, _ = saved
+    out = pool4.run(TASKS, "dcp_load_task", layout, ckpt, truth, 3)
+    for rank, io in enumerate(out):
+        # the manifest and the data-file headers come on top of the target's bytes
+        assert io["read"] <= 1.05 * io["needed"] + 64 * 1024, (rank, io)
+
+
+def test_dcp_load_in_one_process(saved):
+    ckpt, truth, _ = saved
+    from _dcp_backend_tasks import one_process_load
+
+    assert one_process_load(ckpt, truth) > 10
+
+
+def test_dcp_load_of_a_checkpoint_saved_under_a_ucl_spec(pool4, tmp_path):
+    ckpt = str(tmp_path / "megatron")
+    pool4.run(UCL_TASKS, "save_megatron", ckpt, 5, {"tp": 2, "pp": 2})
+    assert all(n > 0 for n in pool4.run(TASKS, "spec_dcp_load_task", ckpt, 5))
+
+
+def _cause(info) -> BaseException:
+    """The error one rank raised inside DCP, which wraps each rank's error."""
+    ((cause, _),) = info.value.failures.values()
+    return cause
+
+
+def _flip_a_data_bit(ckpt: str) -> None:
+    name = os.path.join(ckpt, "data", sorted(os.listdir(os.path.join(ckpt, "data")))[0])
+    with open(name, "r+b") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        f.seek(8 + n + 5)
+        b = f.read(1)
+        f.seek(8 + n + 5)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+def test_a_flipped_bit_is_a_checksum_error(tmp_path):
+    ckpt = str(tmp_path / "c")
+    state = {"w": torch.randn(64, 32), "b": torch.randn(32), "step": 3}
+    dcp.save(state, storage_writer=AnyshardWriter(ckpt), no_dist=True)
+    back = {"w": torch.zeros(64, 32), "b": torch.zeros(32), "step": 0}
+    dcp.load(back, storage_reader=AnyshardReader(ckpt), no_dist=True)
+    assert torch.equal(back["w"], state["w"]) and back["step"] == 3
+    _flip_a_data_bit(ckpt)
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(back, storage_reader=AnyshardReader(ckpt), no_dist=True)
+    cause = _cause(info)
+    assert isinstance(cause, ChecksumError) and "rank-00000.safetensors" in str(cause), cause
+    with pytest.raises(ChecksumError):
+        anyshard.open(ckpt).get_tensor("w")
+
+
+def test_a_value_json_cannot_hold_is_refused_naming_it(tmp_path):
+    ckpt = str(tmp_path / "c")
+    with pytest.raises(CheckpointException) as info:
+        dcp.save(
+            {"w": torch.ones(2), "extra": {1, 2}},
+            storage_writer=AnyshardWriter(ckpt),
+            no_dist=True,
+        )
+    assert isinstance(_cause(info), AnyshardError)
+    assert str(_cause(info)).startswith("extra: a value of type set cannot be stored")
+    assert not os.path.exists(os.path.join(ckpt, "manifest.json"))
+
+
+def test_the_writer_refuses_a_committed_checkpoint(tmp_path):
+    ckpt = str(tmp_path / "c")
+    anyshard.save(ckpt, {"w": torch.ones(2)})
+    with pytest.raises(CheckpointException) as info:
+        dcp.save({"w": torch.ones(2)}, storage_writer=AnyshardWriter(ckpt), no_dist=True)
+    assert "already holds a committed checkpoint" in str(_cause(info))
+
+
+def test_no_pickle_on_either_path(tmp_path, monkeypatch):
+    import pickle
+
+    def refuse(*a, **k):
+        raise AssertionError("pickle used")
+
+    ckpt = str(tmp_path / "c")
+    state = {"w": torch.randn(8, 4), "nested": {"lr": 0.1, "betas": [0.9, 0.95]}}
+    for name in ("loads", "load", "dumps", "dump"):
+        monkeypatch.setattr(pickle, name, refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+    monkeypatch.setattr(torch, "save", refuse)
+    dcp.save(state, storage_writer=AnyshardWriter(ckpt), no_dist=True)
+    back = {"w": torch.zeros(8, 4), "nested": {"lr": 0.0, "betas": [0.0, 0.0]}}
+    dcp.load(back, storage_reader=AnyshardReader(ckpt), no_dist=True)
+    assert torch.equal(back["w"], state["w"]) and back["nested"] == state["nested"]
+
+
+def test_the_reader_needs_a_committed_checkpoint(tmp_path):
+    with pytest.raises(CheckpointException) as info:
+        dcp.load({"w": torch.zeros(2)}, storage_reader=AnyshardReader(str(tmp_path)), no_dist=True)
+    assert "not a committed checkpoint (no manifest.json)" in str(_cause(info))
+    with pytest.raises(AnyshardError, match="needs the checkpoint's path"):
+        AnyshardReader().read_metadata()
+
+
+def test_the_reader_reads_only_the_regions_the_target_holds(pool4, tmp_path):
+    out = pool4.run(TASKS, "big_save_load_task", str(tmp_path / "big"))
+    for rank, io in enumerate(out):
+        assert io["needed"] == 256 * 1024
+        # a quarter of each stored shard, whole checksum blocks, plus manifest and headers
+        assert io["read"] <= 1.05 * io["needed"] + 16 * 1024, (rank, io)
