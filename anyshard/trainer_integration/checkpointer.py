@@ -16,6 +16,7 @@ Run the examples: ``python -m pytest --doctest-modules anyshard/trainer_integrat
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -144,6 +145,7 @@ class Checkpointer:
         self.keep_local = keep_local
         self._pending: list = []  # SaveHandles of the background work in flight
         self._hooks: list = []  # optimizer pre-step hooks of `guard`
+        self.blocked_s = 0.0  # seconds `save` and `wait_staged` have held up their caller
 
     def guard(self, *optimizers) -> None:
         """Let async saves return at once and stage their copies while the training loop runs
@@ -164,10 +166,12 @@ class Checkpointer:
         """Wait until the save in flight has copied every tensor it saves into its staging
         buffers (at once when none is in flight): the one call a training loop that does not
         use `guard` makes before it modifies saved tensors (``optimizer.step()``)."""
+        start = time.perf_counter()
         for handle in self._pending:
             wait = getattr(handle, "wait_staged", None)
             if wait is not None:
                 wait()
+        self.blocked_s += time.perf_counter() - start
 
     def prepare(self, app_state: Mapping[str, Any]) -> int:
         """Allocate and touch the staging buffers of an async save of ``app_state`` now, so that
@@ -201,12 +205,20 @@ class Checkpointer:
         """
         if step % self.every_steps:
             return False
+        start = time.perf_counter()
+        try:
+            self._save(step, app_state)
+        finally:
+            self.blocked_s += time.perf_counter() - start
+        return True
+
+    def _save(self, step: int, app_state: Mapping[str, Any]) -> None:
         self.wait()
         state = _state_dicts(app_state)
         path = self.step_path(step)
         if self.local_dir is not None:  # the root is cleared and written in the background
             self._save_tiered(step, state)
-            return True
+            return
         self._clear_stale(path)
         if self.async_:
             handle = save(
@@ -221,7 +233,6 @@ class Checkpointer:
             save(path, state, process_group=self.process_group)
         if coll.rank(self.process_group) == 0:
             self._pending.append(async_save.submit(self._apply_retention))
-        return True
 
     def _save_tiered(self, step: int, state: dict[str, Any]) -> None:
         local, remote = self.local_path(step), self.step_path(step)

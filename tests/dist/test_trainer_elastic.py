@@ -107,8 +107,14 @@ RELAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("a,switch,b,extra", RELAYOUTS, ids=["pp2xdp2-to-tp2xdp2", "tied-pp2xdp2-to-dp4", "moe-ep2xdp2-to-fsdp2xtp2"])
-def test_relayout_in_a_running_job_stays_within_the_noise_floor(pool4, tmp_path, a, switch, b, extra):
+@pytest.mark.parametrize(
+    "a,switch,b,extra",
+    RELAYOUTS,
+    ids=["pp2xdp2-to-tp2xdp2", "tied-pp2xdp2-to-dp4", "moe-ep2xdp2-to-fsdp2xtp2"],
+)
+def test_relayout_in_a_running_job_stays_within_the_noise_floor(
+    pool4, tmp_path, a, switch, b, extra
+):
     """The job switches layout at step SAVE_AT over the network (no checkpoint written or read):
     the same criterion as a restart under another layout."""
     run_a = pool4.run(TASKS, "train", _args(str(tmp_path / "a" / "ckpt"), TOTAL, a, extra))[0]
@@ -127,3 +133,46 @@ def test_relayout_in_a_running_job_stays_within_the_noise_floor(pool4, tmp_path,
     events = [json.loads(x) for x in open(tmp_path / "r" / "events.jsonl")]
     moved = [e for e in events if e.get("event") == "relayout"]
     assert len(moved) == 1 and moved[0]["step"] == SAVE_AT and moved[0]["received_bytes"] > 0
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--parallel.dp_shard", "2", "--parallel.tp", "2"],
+        ["--parallel.pp", "2", "--parallel.dp_shard", "2"],
+    ],
+    ids=["fsdp2xtp2", "pp2xdp2"],
+)
+def test_async_saves_staged_during_the_step_hold_the_state_a_sync_save_holds(
+    pool4, tmp_path, layout
+):
+    """Async saves whose staging copy runs during forward and backward (`Checkpointer.guard`)
+    save every step exactly what sync saves save, and training is the same, although every
+    copy starts late (0.3 s, longer than a step): the optimizer steps wait for them."""
+    import anyshard
+
+    steps = 5
+    runs = {}
+    for mode, extra in [
+        ("sync", []),
+        ("overlapped", ["--checkpoint.async_", "true", "--checkpoint.stage_in_background", "true"]),
+    ]:
+        root = str(tmp_path / mode / "ckpt")
+        args = _args(root, steps, layout, extra, every=1)
+        args[args.index("--checkpoint.keep_last") + 1] = str(steps)
+        task = "train_with_slow_staging" if extra else "train"
+        runs[mode] = (root, pool4.run(TASKS, task, args, *([0.3] if extra else []))[0])
+    (sync_root, sync_losses), (root, losses) = runs["sync"], runs["overlapped"]
+    assert losses == sync_losses
+    for step in range(1, steps + 1):
+        name = f"step-{step:09d}"
+        with (
+            anyshard.open(os.path.join(sync_root, name)) as a,
+            anyshard.open(os.path.join(root, name)) as b,
+        ):
+            assert a.keys() == b.keys() and a.values == b.values, step
+            for k in a.keys():
+                assert torch.equal(a.get_tensor(k), b.get_tensor(k)), (step, k)
+    events = [json.loads(x) for x in open(tmp_path / "overlapped" / "events.jsonl")]
+    (end,) = [e for e in events if e["event"] == "end"]
+    assert end["saves"] == steps and end["ckpt_blocked_s"] >= 0

@@ -167,6 +167,9 @@ class CheckpointConfig:
     every_steps: int = 5  # save every this many steps
     keep_last: int = 2  # committed checkpoints kept; older ones are deleted
     async_: bool = False  # save in the background while training continues
+    # with async_: the staging copy also runs in the background, during forward and backward;
+    # only an optimizer step that would modify a tensor not copied yet waits for it
+    stage_in_background: bool = True
     local_dir: str | None = None  # tiered mode: save to this local directory, then upload to root
     storage: str = "local"  # "local" (a file system) or "s3" (an S3-compatible object store)
 

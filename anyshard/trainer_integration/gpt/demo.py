@@ -244,7 +244,9 @@ def main(argv: list[str] | None = None) -> int:
         if server is not None:
             server.terminate()
     losses = _records(os.path.join(run_dir, "losses.jsonl"))
-    events = _records(os.path.join(run_dir, "events.jsonl"))
+    events = [
+        e for e in _records(os.path.join(run_dir, "events.jsonl")) if e.get("event") == "start"
+    ]
     faults = _records(os.path.join(run_dir, "fault.json"))
     fault_step = faults[0]["step"] if faults else None
     log("")

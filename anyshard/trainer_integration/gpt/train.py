@@ -264,6 +264,9 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
         async_=c.async_,
         local_dir=c.local_dir,
     )
+    guarded = c.async_ and c.stage_in_background
+    if guarded:
+        ckpt.guard(state.optimizer)
     os.makedirs(cfg.run_dir, exist_ok=True)
     before_restore = time.time()
     restored = ckpt.restore_latest({"train": state}, strict=cfg.parallel.pp == 1)
@@ -273,6 +276,7 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
     fault_file = os.path.join(cfg.run_dir, "fault.json")
     losses: list[float] = []
     first = True
+    saves = 0
     end = t.steps if stop_at is None else min(t.steps, stop_at)
     switch = cfg.parallel.relayout()
     while state.step < end and (max_steps is None or len(losses) < max_steps):
@@ -281,6 +285,8 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
             old = layout
             cfg, state, step_fn, cost = relayout(cfg, state, switch[1])
             layout, switch = _layout_name(cfg), None
+            if guarded:
+                ckpt.guard(state.optimizer)
             if rank == 0:
                 event = {"event": "relayout", "step": state.step, "from": old, "to": layout}
                 _append(os.path.join(cfg.run_dir, "events.jsonl"), {**event, **cost})
@@ -333,9 +339,19 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
                         event["lost_steps"] = last["step"] - (restored or 0)
                         _append(fault_file, {**last, "recovered": True, "time": last["time"]})
                 _append(os.path.join(cfg.run_dir, "events.jsonl"), event)
+        if first and guarded:  # the optimizer state exists now: fault in the staging buffers
+            start = time.perf_counter()
+            ckpt.prepare({"train": state})
+            ckpt.blocked_s += time.perf_counter() - start
         first = False
-        ckpt.save(state.step, {"train": state})
+        saves += ckpt.save(state.step, {"train": state})
     ckpt.wait()
+    if rank == 0 and losses:
+        # how long checkpointing held training up: save calls (planning; a sync save's whole
+        # write), optimizer steps waiting for a staging copy, and faulting in the buffers
+        event = {"event": "end", "step": state.step, "attempt": _attempt(), "saves": saves}
+        event["ckpt_blocked_s"] = ckpt.blocked_s
+        _append(os.path.join(cfg.run_dir, "events.jsonl"), event)
     return losses
 
 
