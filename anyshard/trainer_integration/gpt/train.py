@@ -346,11 +346,15 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
         first = False
         saves += ckpt.save(state.step, {"train": state})
     ckpt.wait()
+    # how long checkpointing held training up (the slowest rank): save calls (planning; a sync
+    # save's whole write), optimizer steps waiting for a staging copy, faulting in the buffers
+    on = "cuda" if dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
+    blocked = torch.tensor([ckpt.blocked_s], dtype=torch.float64, device=on)
+    if dist.is_initialized():
+        dist.all_reduce(blocked, op=dist.ReduceOp.MAX)
     if rank == 0 and losses:
-        # how long checkpointing held training up: save calls (planning; a sync save's whole
-        # write), optimizer steps waiting for a staging copy, and faulting in the buffers
         event = {"event": "end", "step": state.step, "attempt": _attempt(), "saves": saves}
-        event["ckpt_blocked_s"] = ckpt.blocked_s
+        event["ckpt_blocked_s"] = float(blocked)
         _append(os.path.join(cfg.run_dir, "events.jsonl"), event)
     return losses
 
