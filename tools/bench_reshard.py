@@ -25,11 +25,12 @@ the order of the systems rotated every repetition (on disk all saves, then all l
 where a checkpoint is memory, one system after another: save, both loads, removal):
 
 * saves it with the floor (every rank writes its bytes to one plain file, fsync), anyshard
-  (``anyshard.save``) and DCP (``dcp.save`` with its default planner and ``FileSystemWriter``);
+  (``anyshard.save``), DCP (``dcp.save`` with its default planner and ``FileSystemWriter``) and
+  DCP with anyshard's storage backend (``dcp.save`` with ``anyshard.dcp.AnyshardWriter``);
 * loads each checkpoint into freshly laid out targets -- a 1D mesh tp=4 (same tp dims) and a
   1D mesh dp_shard=4 (Shard(0)) -- with the floor (as many bytes as the target holds, read
   cold with plain sequential reads), ``anyshard.load`` and ``dcp.load`` (default planner,
-  ``FileSystemReader``); every load is checked bit-exact (BLAKE2b digests of the bytes of each
+  ``FileSystemReader``), and ``dcp.load`` with ``anyshard.dcp.AnyshardReader``; every load is checked bit-exact (BLAKE2b digests of the bytes of each
   shard) against the expected shards outside the timed region.
 
 Times are the slowest rank's, each rank timed from a common barrier; the medians over the
@@ -70,7 +71,9 @@ from markdown_section import replace_section
 MiB = 1 << 20
 GiB = 1 << 30
 WORLD = 4
-SYSTEMS = ("floor", "anyshard", "dcp")
+SYSTEMS = ("floor", "anyshard", "dcp", "dcp_any")
+# The label of each system in tables.
+LABELS = {"floor": "floor", "anyshard": "anyshard", "dcp": "DCP", "dcp_any": "DCP+anyshard"}
 TARGETS = ("tp4", "dp4")
 DOCS_BEGIN = "<!-- bench_reshard:begin -->"
 DOCS_END = "<!-- bench_reshard:end -->"
@@ -82,6 +85,9 @@ TIME_TARGETS = {
     ("tmpfs", "save"): (("dcp", 0.6),),
     ("tmpfs", "load"): (("dcp", 0.4),),
 }
+# DCP with the anyshard backend (AnyshardWriter/AnyshardReader) vs DCP with its own
+# FileSystemWriter/FileSystemReader, both regimes: saves no slower, resharding loads <= 0.8x.
+DCP_BACKEND_TARGETS = {"save": 1.0, "load": 0.8}
 READ_RATIO_TARGET = 1.05
 RSS_TARGET_MIB = 256
 
@@ -465,9 +471,11 @@ def worker(rank: int, cfg: dict, store_path: str, out_path: str) -> None:
         wroot = os.path.join(base, "warmup")
         anyshard.save(os.path.join(wroot, "anyshard"), {n: source[n] for n in names})
         _dcp_save(dcp, {n: source[n] for n in names}, os.path.join(wroot, "dcp"))
+        _dcp_any_save(dcp, {n: source[n] for n in names}, os.path.join(wroot, "dcp_any"))
         for t in TARGETS:
             anyshard.load(os.path.join(wroot, "anyshard"), {n: targets[t][n] for n in names})
             _dcp_load(dcp, {n: targets[t][n] for n in names}, os.path.join(wroot, "dcp"))
+            _dcp_any_load(dcp, {n: targets[t][n] for n in names}, os.path.join(wroot, "dcp_any"))
         dist.barrier()
         if rank == 0:
             shutil.rmtree(wroot, ignore_errors=True)
@@ -488,6 +496,7 @@ def worker(rank: int, cfg: dict, store_path: str, out_path: str) -> None:
                 "floor": partial(floor_save, floor_file, src_locals),
                 "anyshard": partial(anyshard.save, paths["anyshard"], source),
                 "dcp": partial(_dcp_save, dcp, source, paths["dcp"]),
+                "dcp_any": partial(_dcp_any_save, dcp, source, paths["dcp_any"]),
             }
             load_fns = {
                 t: {
@@ -498,6 +507,7 @@ def worker(rank: int, cfg: dict, store_path: str, out_path: str) -> None:
                         anyshard.load, paths["anyshard"], targets[t], verify=cfg["verify"]
                     ),
                     "dcp": partial(_dcp_load, dcp, targets[t], paths["dcp"]),
+                    "dcp_any": partial(_dcp_any_load, dcp, targets[t], paths["dcp_any"]),
                 }
                 for t in TARGETS
             }
@@ -552,6 +562,18 @@ def _dcp_load(dcp, state, path: str) -> None:
     dcp.load(state, storage_reader=dcp.FileSystemReader(path))
 
 
+def _dcp_any_save(dcp, state, path: str) -> None:
+    from anyshard.dcp import AnyshardWriter
+
+    dcp.save(state, storage_writer=AnyshardWriter(path))
+
+
+def _dcp_any_load(dcp, state, path: str) -> None:
+    from anyshard.dcp import AnyshardReader
+
+    dcp.load(state, storage_reader=AnyshardReader(path))
+
+
 def _numel(shape) -> int:
     n = 1
     for s in shape:
@@ -597,7 +619,7 @@ def cpu_line(rows: list[dict]) -> str:
     """CPU seconds (user + sys, every thread) of all ranks together, median repetition: with 4
     ranks on few cores, what an operation costs in CPU bounds its wall time from below."""
     return "CPU seconds, all ranks together (user + sys, median repetition): " + "; ".join(
-        f"{r['regime']} {r['op']} " + " ".join(f"{s}={r[s]['cpu']:.2f}" for s in SYSTEMS)
+        f"{r['regime']} {r['op']} " + " ".join(f"{LABELS[s]}={r[s]['cpu']:.2f}" for s in SYSTEMS)
         for r in rows
     )
 
@@ -617,8 +639,10 @@ def table(rows: list[dict], markdown: bool) -> str:
         "floor s",
         "anyshard s",
         "DCP s",
+        "DCP+anyshard s",
         "any/floor",
         "any/DCP",
+        "(DCP+any)/DCP",
         "MiB/rank anyshard",
         "MiB/rank DCP",
         "MiB/rank target",
@@ -628,7 +652,7 @@ def table(rows: list[dict], markdown: bool) -> str:
     ]
     body = []
     for r in rows:
-        f, a, d = r["floor"], r["anyshard"], r["dcp"]
+        f, a, d, da = r["floor"], r["anyshard"], r["dcp"], r["dcp_any"]
         is_load = r["op"].startswith("load")
         if is_load:
             if r["regime"] == "disk":
@@ -643,8 +667,8 @@ def table(rows: list[dict], markdown: bool) -> str:
             if not is_load
             else (
                 "yes"
-                if not (a["bad"] or d["bad"])
-                else f"NO: any {a['bad'][:2]} dcp {d['bad'][:2]}"
+                if not (a["bad"] or d["bad"] or da["bad"])
+                else f"NO: any {a['bad'][:2]} dcp {d['bad'][:2]} dcp+any {da['bad'][:2]}"
             )
         )
         body.append(
@@ -654,8 +678,10 @@ def table(rows: list[dict], markdown: bool) -> str:
                 f"{f['time']:.2f}",
                 f"{a['time']:.2f}",
                 f"{d['time']:.2f}",
+                f"{da['time']:.2f}",
                 _ratio(a["time"], f["time"]),
                 _ratio(a["time"], d["time"]),
+                _ratio(da["time"], d["time"]),
                 bytes_a,
                 bytes_d,
                 f"{r['target_bytes'] / MiB:.0f}",
@@ -718,12 +744,22 @@ def check_targets(rows: list[dict]) -> list[tuple[str, bool, str]]:
                 f"{a['rss_over'] / MiB:.0f} MiB",
             )
         )
-        if kind == "load" and (a["bad"] or r["dcp"]["bad"]):
+        da, d = r["dcp_any"], r["dcp"]
+        limit = DCP_BACKEND_TARGETS[kind]
+        out.append(
+            (
+                f"{r['regime']} {r['op']}: DCP with AnyshardWriter/Reader <= {limit}x DCP with "
+                f"FileSystemWriter/Reader",
+                da["time"] <= limit * d["time"],
+                f"{da['time']:.2f} s vs {limit} x {d['time']:.2f} s = {limit * d['time']:.2f} s",
+            )
+        )
+        if kind == "load" and (a["bad"] or d["bad"] or da["bad"]):
             out.append(
                 (
                     f"{r['regime']} {r['op']}: bit-exact",
                     False,
-                    f"anyshard {a['bad']} dcp {r['dcp']['bad']}",
+                    f"anyshard {a['bad']} dcp {d['bad']} dcp+anyshard {da['bad']}",
                 )
             )
     return out
@@ -886,7 +922,7 @@ def write_docs(
 ) -> None:
     section = [
         DOCS_BEGIN,
-        "## Reshard benchmark: anyshard vs DCP vs the physical floor (`tools/bench_reshard.py`)",
+        "## Reshard benchmark: anyshard vs DCP (with its own and with anyshard's storage backend) vs the physical floor (`tools/bench_reshard.py`)",
         "",
         f"Command: `{command}` ({datetime.now(timezone.utc).strftime('%Y-%m-%d')}, "
         f"{data['total_bytes'] / GiB:.2f} GiB fp32 in {data['tensors']} tensors, {cfg['reps']} repetitions, "
@@ -909,8 +945,10 @@ def write_docs(
         "dims, norms replicated) and a dp_shard=4 mesh (`Shard(0)`). The floor writes",
         "each rank's bytes to one plain file with fsync, and reads as many bytes as the target holds back",
         "cold with plain sequential reads. DCP is `dcp.save`/`dcp.load` with the default planners and",
-        "`FileSystemWriter`/`FileSystemReader`. Systems alternate within each repetition (rotated order).",
-        "On disk, all three save, then each loads into tp=4, then each into dp_shard=4 (no system reads",
+        "`FileSystemWriter`/`FileSystemReader`; DCP+anyshard is the same calls with anyshard's DCP",
+        "storage backend, `anyshard.dcp.AnyshardWriter`/`AnyshardReader` (an anyshard checkpoint,",
+        "every byte read verified). Systems alternate within each repetition (rotated order).",
+        "On disk, all four save, then each loads into tp=4, then each into dp_shard=4 (no system reads",
         "back what it has just read: the VM host's cache survives drop_caches). On tmpfs each system",
         "saves, loads twice and removes its checkpoint before the next begins, so that tmpfs holds one",
         "checkpoint at a time (this VM's host backs guest memory lazily: once several GiB are in use,",

@@ -35,6 +35,33 @@ def dcp_save_task(layout: str, ckpt: str, truth_dir: str, seed: int) -> list[str
     )
 
 
+def dcp_async_save_task(layout: str, ckpt: str, seed: int) -> int:
+    """dcp.async_save through AnyshardWriter while the training state changes under it: the
+    checkpoint holds the state as it was at the call (torch's full tensors, taken before), and
+    dcp.load reads it back into another layout. Returns the tensors checked."""
+    state = train_state(layout, seed)
+    before = {k: full(v).clone() for k, v in _flat(state) if isinstance(v, torch.Tensor)}
+    future = dcp.async_save(state, storage_writer=AnyshardWriter(ckpt))
+    for _, v in _flat(state):  # the caller may modify its tensors once async_save returns
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            (v.to_local() if hasattr(v, "to_local") else v).add_(1000.0)
+    future.result()
+    dist.barrier()
+    with anyshard.open(ckpt) as view:
+        for k, t in before.items():
+            assert torch.equal(view.get_tensor(k), t), (
+                f"{k}: the checkpoint is not the state at the call"
+            )
+    target = train_state("tp4", seed + 1)
+    dcp.load(target, storage_reader=AnyshardReader(ckpt))
+    checked = 0
+    for k, v in _flat(target):
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(full(v), before[k]), f"{k} differs after dcp.load"
+            checked += 1
+    return checked
+
+
 def dcp_load_task(layout: str, ckpt: str, truth_dir: str, seed: int) -> dict[str, int]:
     """dcp.load through AnyshardReader into ``layout``: every tensor bit-exact against the
     oracle, the values as saved; returns this rank's bytes read and the bytes its targets hold."""

@@ -14,8 +14,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 import anyshard
-import anyshard.reshard.fill
 import anyshard.format.datafile
+import anyshard.reshard.fill
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
 import scale_sim  # noqa: E402

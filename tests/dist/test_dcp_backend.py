@@ -60,6 +60,14 @@ def test_dcp_load_through_the_reader_is_bit_exact_and_reads_only_what_it_needs(
         assert io["read"] <= 1.05 * io["needed"] + 64 * 1024, (rank, io)
 
 
+def test_dcp_async_save_writes_the_state_of_the_call(pool4, tmp_path):
+    ckpt = str(tmp_path / "step-2")
+    checked = pool4.run(TASKS, "dcp_async_save_task", "fsdp2_tp2", ckpt, 4)
+    assert all(n > 0 for n in checked), checked
+    assert cli(["verify", ckpt]) == 0
+    assert not os.path.exists(os.path.join(ckpt, ".metadata"))
+
+
 def test_dcp_load_in_one_process(saved):
     ckpt, truth, _ = saved
     from _dcp_backend_tasks import one_process_load
