@@ -418,7 +418,9 @@ def worker(rank: int, cfg: dict, store_path: str, out_path: str) -> None:
             drop_cache(drop_method, root)
         dist.barrier()
         prof_kind = (
-            cfg["profile"] if (system == "anyshard" and rank == cfg["profile_rank"]) else None
+            cfg["profile"]
+            if (system == cfg["profile_system"] and rank == cfg["profile_rank"])
+            else None
         )
         with Profiler(prof_kind, cfg["profile_dir"], f"{regime}-{label}") as prof:
             rss0 = status_kib("VmRSS")
@@ -996,6 +998,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--profile-rank", type=int, default=0)
     p.add_argument(
+        "--profile-system",
+        choices=SYSTEMS,
+        default="anyshard",
+        help="the system --profile profiles",
+    )
+    p.add_argument(
         "--profile-dir", default=None, help="where profiles go (default: a new temp dir)"
     )
     p.add_argument(
@@ -1062,6 +1070,7 @@ def main(argv: list[str] | None = None) -> int:
         "drop_method": drop_method,
         "profile": args.profile,
         "profile_rank": args.profile_rank,
+        "profile_system": args.profile_system,
         "profile_dir": args.profile_dir,
         "warmup": args.warmup,
         "verify": not args.no_verify,
@@ -1115,8 +1124,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         print(f"\nprofiles of rank {args.profile_rank} (in {args.profile_dir}):")
         for r in rows:
-            for path in r["anyshard"]["profiles"]:
-                print(f"\n== {r['regime']} {r['op']} anyshard ==")
+            for path in r[args.profile_system]["profiles"]:
+                print(f"\n== {r['regime']} {r['op']} {args.profile_system} ==")
                 if path.endswith(".txt") and os.path.exists(path):
                     print(summarize_pyspy(path))
                 elif os.path.exists(path):
