@@ -206,19 +206,88 @@ def save(
     tensor([3., 4., 5.])
     """
     async_save.wait_for_previous()  # staging buffers are reused; a failure surfaces here
-    me = coll.rank(process_group)
     error: BaseException | None = None
     flat: dict | None = None
     try:
-        if me == 0:
-            refuse_committed(path)
         if spec is None:
             flat = flatten_state(state_dict)
+            if async_ and defer_staging:  # JSON values as they are now: planning comes later
+                for leaf in flat.values():
+                    if not isinstance(leaf.value, torch.Tensor):
+                        leaf.value = json_roundtrip(leaf.value)
     except Exception as e:  # reported to rank 0 so that no rank waits forever
         error = e
-    # collective: every rank takes part, whatever happened to it above
+    if async_ and defer_staging:
+        return _deferred(
+            path, state_dict, flat, error, spec, layout, coords, process_group, check_replicas
+        )
+    plan, error = _plan_save(
+        path,
+        state_dict,
+        flat,
+        error,
+        spec,
+        layout,
+        coords,
+        process_group,
+        check_replicas,
+        to_host=not async_,
+    )
+    if not async_:
+        _write_and_commit(path, plan, error, process_group)
+        return None
+    group = async_save.background_group(process_group)
+    plan.writes = async_save.stage(plan.writes)
+    return async_save.submit(lambda: _write_and_commit(path, plan, error, group))
+
+
+def _deferred(path, state_dict, flat, error, spec, layout, coords, process_group, check_replicas):
+    """An async save that returns at once: planning (its collectives over the background
+    group), staging and writing all run in the background; ``staged`` is set once the staging
+    copies are done (or the save failed before them), whatever happens."""
+    group = async_save.background_group(process_group)
+    staged = threading.Event()
+    after = async_save.current_stream_event()
+
+    def plan_stage_write_commit() -> None:
+        err, plan = error, _LocalPlan()
+        try:
+            plan, err = _plan_save(
+                path,
+                state_dict,
+                flat,
+                err,
+                spec,
+                layout,
+                coords,
+                group,
+                check_replicas,
+                to_host=False,
+            )
+            if err is None:
+                plan.writes = async_save.stage(plan.writes, after)
+        except Exception as e:  # reported like any other: every rank still takes part
+            err, plan.writes = e, []
+        finally:
+            staged.set()
+        _write_and_commit(path, plan, err, group)
+
+    return async_save.submit(plan_stage_write_commit, staged)
+
+
+def _plan_save(
+    path, state_dict, flat, error, spec, layout, coords, group, check_replicas, *, to_host: bool
+) -> tuple[_LocalPlan, BaseException | None]:
+    """This rank's plan of a save over ``group`` (collective: every rank takes part, whatever
+    happened to it before), and the error that stops it (None: none)."""
+    me = coll.rank(group)
+    try:
+        if me == 0 and error is None:
+            refuse_committed(path)
+    except Exception as e:  # reported to rank 0 so that no rank waits forever
+        error = e
     holders, divergent = (
-        _plain_holders(flat or {}, process_group, check_replicas=check_replicas and error is None)
+        _plain_holders(flat or {}, group, check_replicas=check_replicas and error is None)
         if spec is None
         else ({}, "")
     )
@@ -228,34 +297,13 @@ def save(
     if error is None:
         try:
             if spec is not None:
-                plan = _plan_spec(state_dict, spec, layout or {}, coords, process_group)
+                plan = _plan_spec(state_dict, spec, layout or {}, coords, group)
                 plan.spec = plan.spec if me == 0 else None
             else:
-                plan = _plan_local(flat, holders, process_group, to_host=not async_)
+                plan = _plan_local(flat, holders, group, to_host=to_host)
         except Exception as e:  # reported to rank 0 so that no rank waits forever
             error, plan = e, _LocalPlan()
-    if not async_:
-        _write_and_commit(path, plan, error, process_group)
-        return None
-    group = async_save.background_group(process_group)
-    if not defer_staging:
-        plan.writes = async_save.stage(plan.writes)
-        return async_save.submit(lambda: _write_and_commit(path, plan, error, group))
-    staged = threading.Event()
-    after = async_save.current_stream_event()
-
-    def stage_write_commit() -> None:
-        nonlocal error
-        try:
-            if error is None:
-                plan.writes = async_save.stage(plan.writes, after)
-        except Exception as e:  # reported like any other: every rank still takes part
-            error, plan.writes = e, []
-        finally:
-            staged.set()
-        _write_and_commit(path, plan, error, group)
-
-    return async_save.submit(stage_write_commit, staged)
+    return plan, error
 
 
 def _write_and_commit(path: str, plan: _LocalPlan, error: BaseException | None, group) -> None:

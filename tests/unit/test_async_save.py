@@ -88,6 +88,32 @@ def test_deferred_staging_returns_before_the_copy_and_saves_the_values_of_that_m
     assert torch.equal(got["w"], before)
 
 
+def test_a_deferred_save_plans_in_the_background_and_keeps_the_values_of_the_call(tmp_path):
+    meta = {"step": 7, "lrs": [0.1, 0.2]}
+    release = _hold_background_thread()  # planning cannot start yet either
+    handle = anyshard.save(
+        str(tmp_path / "s"), {"w": torch.ones(3), "meta": meta}, async_=True, defer_staging=True
+    )
+    meta["step"], meta["lrs"][0] = 8, 9.9  # the caller's dict changes after the call
+    release.set()
+    handle.result()
+    with anyshard.open(str(tmp_path / "s")) as view:
+        assert view.get_value("meta") == {"step": 7, "lrs": [0.1, 0.2]}
+
+
+def test_a_deferred_save_that_fails_to_plan_releases_the_waiters_and_raises(tmp_path):
+    anyshard.save(str(tmp_path / "s"), {"w": torch.ones(3)})
+    handle = anyshard.save(  # a committed path: refused while planning, in the background
+        str(tmp_path / "s"), {"w": torch.zeros(3)}, async_=True, defer_staging=True
+    )
+    assert handle.wait_staged(timeout=30)  # an optimizer step waiting here is not stuck
+    with pytest.raises(SaveError, match="committed"):
+        handle.result()
+    got = {"w": torch.zeros(3)}
+    anyshard.load(str(tmp_path / "s"), got)
+    assert torch.equal(got["w"], torch.ones(3))  # the committed checkpoint is untouched
+
+
 def test_guarded_optimizer_steps_wait_for_the_staging_copy(tmp_path):
     from anyshard.trainer_integration import Checkpointer
 
