@@ -241,10 +241,23 @@ def save(
     return async_save.submit(lambda: _write_and_commit(path, plan, error, group))
 
 
-def _deferred(path, state_dict, flat, error, spec, layout, coords, process_group, check_replicas):
+def _deferred(
+    path,
+    state_dict,
+    flat,
+    error,
+    spec,
+    layout,
+    coords,
+    process_group,
+    check_replicas,
+    before=None,
+):
     """An async save that returns at once: planning (its collectives over the background
     group), staging and writing all run in the background; ``staged`` is set once the staging
-    copies are done (or the save failed before them), whatever happens."""
+    copies are done (or the save failed before them), whatever happens. ``before(group)``, if
+    given, runs first in the background on every rank (collective over ``group``) and returns
+    an error that stops the save, or None."""
     group = async_save.background_group(process_group)
     staged = threading.Event()
     after = async_save.current_stream_event()
@@ -252,6 +265,8 @@ def _deferred(path, state_dict, flat, error, spec, layout, coords, process_group
     def plan_stage_write_commit() -> None:
         err, plan = error, _LocalPlan()
         try:
+            if before is not None:
+                err = before(group) or err
             plan, err = _plan_save(
                 path,
                 state_dict,
@@ -273,6 +288,33 @@ def _deferred(path, state_dict, flat, error, spec, layout, coords, process_group
         _write_and_commit(path, plan, err, group)
 
     return async_save.submit(plan_stage_write_commit, staged)
+
+
+def save_deferred(
+    path: str,
+    state_dict: dict[str, Any],
+    *,
+    process_group=None,
+    check_replicas: bool = True,
+    before=None,
+):
+    """`save` with ``async_=True, defer_staging=True``, and ``before(group)`` run first in the
+    background (on every rank, collective over the background ``group``; it returns an error
+    that stops the save, or None): the Checkpointer clears a crashed attempt's files there
+    rather than in a barrier that would hold the training loop up."""
+    async_save.wait_for_previous()
+    error: BaseException | None = None
+    flat: dict | None = None
+    try:
+        flat = flatten_state(state_dict)
+        for leaf in flat.values():
+            if not isinstance(leaf.value, torch.Tensor):
+                leaf.value = json_roundtrip(leaf.value)
+    except Exception as e:  # reported to rank 0 so that no rank waits forever
+        error = e
+    return _deferred(
+        path, state_dict, flat, error, None, None, None, process_group, check_replicas, before
+    )
 
 
 def _plan_save(

@@ -26,7 +26,7 @@ import torch
 from anyshard.api import async_save
 from anyshard.api import collectives as coll
 from anyshard.api.load import load
-from anyshard.api.save import save
+from anyshard.api.save import save, save_deferred
 from anyshard.errors import AnyshardError
 from anyshard.format import steps, storage
 from anyshard.format.manifest import MANIFEST_NAME, read_manifest
@@ -174,8 +174,9 @@ class Checkpointer:
         self.blocked_s += time.perf_counter() - start
 
     def prepare(self, app_state: Mapping[str, Any]) -> int:
-        """Allocate and touch the staging buffers of an async save of ``app_state`` now, so that
-        the first save does not pay for them. Takes each entry's ``state_dict()`` (which, for
+        """Allocate and touch the staging buffers of an async save of ``app_state`` on the save
+        thread, while training goes on, so that the first save does not pay for them (it waits
+        for the reservation only if that has not finished). Takes each entry's ``state_dict()`` (which, for
         an optimizer that has not stepped yet, makes torch initialise its state: call this
         after the first step or a restore). Returns the bytes reserved on this rank."""
         from anyshard.api.state import flatten_state
@@ -186,7 +187,9 @@ class Checkpointer:
             v = leaf.value
             if isinstance(v, torch.Tensor):
                 local[fqn] = v.to_local() if hasattr(v, "to_local") else v
-        return async_save.reserve(local)
+        # on the save thread, while training goes on; the first save waits for it if it must
+        self._pending.append(async_save.submit(lambda: async_save.reserve(local)))
+        return sum(t.numel() * t.element_size() for t in local.values())
 
     def step_path(self, step: int) -> str:
         """Where ``step`` is (or would be) saved in ``root``."""
@@ -219,17 +222,16 @@ class Checkpointer:
         if self.local_dir is not None:  # the root is cleared and written in the background
             self._save_tiered(step, state)
             return
-        self._clear_stale(path)
-        if self.async_:
-            handle = save(
-                path,
-                state,
-                process_group=self.process_group,
-                async_=True,
-                defer_staging=bool(self._hooks),
+        if self.async_ and self._hooks:  # nothing here waits for the other ranks
+            before = lambda group: self._clear_stale_in_background(path, group)  # noqa: E731
+            self._pending.append(
+                save_deferred(path, state, process_group=self.process_group, before=before)
             )
-            self._pending.append(handle)
+        elif self.async_:
+            self._clear_stale(path)
+            self._pending.append(save(path, state, process_group=self.process_group, async_=True))
         else:
+            self._clear_stale(path)
             save(path, state, process_group=self.process_group)
         if coll.rank(self.process_group) == 0:
             self._pending.append(async_save.submit(self._apply_retention))
@@ -313,6 +315,20 @@ class Checkpointer:
             if storage.exists(path) and not storage.exists(storage.join(path, MANIFEST_NAME)):
                 steps.remove_step(path)
         coll.broadcast_json(None, self.process_group)  # a barrier: nobody writes before the clear
+
+    @staticmethod
+    def _clear_stale_in_background(path: str, group) -> BaseException | None:
+        """`_clear_stale` on the save thread, over the background group: every rank learns
+        whether rank 0 could clear (an error stops the save on every rank)."""
+        problem = None
+        if coll.rank(group) == 0:
+            try:
+                if storage.exists(path) and not storage.exists(storage.join(path, MANIFEST_NAME)):
+                    steps.remove_step(path)
+            except (AnyshardError, OSError) as e:
+                problem = f"{path}: could not clear the files of an earlier attempt ({e})"
+        problem = coll.broadcast_json(problem, group)  # nobody writes before the clear
+        return AnyshardError(problem) if problem else None
 
     def _apply_retention(self) -> None:
         # Housekeeping after a commit: a failure here must not fail the save that succeeded (and

@@ -144,7 +144,8 @@ def test_prepare_reserves_staging_buffers_that_the_first_save_reuses(tmp_path):
 
     state = {"model": {"w": torch.ones(1000), "b": torch.zeros(10)}}
     ckpt = Checkpointer(str(tmp_path), async_=True)
-    assert ckpt.prepare(state) == 1010 * 4
+    assert ckpt.prepare(state) == 1010 * 4  # reserved on the save thread
+    ckpt.wait()
     buf = _async._STAGING["model.w"]
     ckpt.save(1, state)
     ckpt.wait()

@@ -296,3 +296,21 @@ def test_ls_and_gc_take_step_directories_of_any_width_and_say_when_there_are_non
     assert main(["ls", str(empty)]) == 0
     out = capsys.readouterr()
     assert "0 steps" in out.out and "no step directories here" in out.err
+
+
+def test_a_guarded_async_save_over_a_crashed_attempt_at_its_step_clears_it_first(tmp_path):
+    root = str(tmp_path)
+    crashed = _crash_debris(root, 5)  # a data file from a crashed attempt, garbage bytes
+    stray = os.path.join(crashed, "data", "rank-00007.safetensors")  # another world size's
+    open(stray, "wb").write(b"x" * 10)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt = Checkpointer(root, async_=True)
+    ckpt.guard(opt)  # saves return at once; the clear runs on the save thread
+    ckpt.save(5, {"model": model.state_dict()})
+    ckpt.wait()
+    assert _step_numbers(root) == [(5, True)]
+    assert not os.path.exists(stray)
+    got = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+    ckpt.restore_latest({"model": got})
+    assert all(torch.equal(got[k], v) for k, v in model.state_dict().items())
