@@ -31,6 +31,20 @@ def _args(root: str, steps: int, layout: list[str], extra: list[str], every: int
     ]  # fmt: skip
 
 
+_UNINTERRUPTED: dict[tuple[str, ...], list[float]] = {}
+
+
+def _uninterrupted(pool4, run_dir, layout: list[str], extra: list[str]) -> list[float]:
+    """The losses of an uninterrupted TOTAL-step run (no checkpoint) under ``layout``: a pure
+    function of the layout and the model, run once per module and shared between the tests
+    that compare against it."""
+    key = (*layout, "|", *extra)
+    if key not in _UNINTERRUPTED:
+        args = _args(str(run_dir / "ckpt"), TOTAL, layout, extra)
+        _UNINTERRUPTED[key] = pool4.run(TASKS, "train", args)[0]
+    return _UNINTERRUPTED[key]
+
+
 PAIRS = [
     (
         ["--parallel.dp_shard", "2", "--parallel.tp", "2"],
@@ -70,8 +84,8 @@ PAIRS = [
     ],
 )
 def test_resume_under_another_layout_stays_within_the_noise_floor(pool4, tmp_path, a, b, extra):
-    run_a = pool4.run(TASKS, "train", _args(str(tmp_path / "a" / "ckpt"), TOTAL, a, extra))[0]
-    run_b = pool4.run(TASKS, "train", _args(str(tmp_path / "b" / "ckpt"), TOTAL, b, extra))[0]
+    run_a = _uninterrupted(pool4, tmp_path / "a", a, extra)
+    run_b = _uninterrupted(pool4, tmp_path / "b", b, extra)
     root = str(tmp_path / "r" / "ckpt")
     first = pool4.run(TASKS, "train", _args(root, SAVE_AT, a, extra, every=SAVE_AT))[0]
     assert first == run_a[:SAVE_AT]  # same layout, same start: bit-identical
@@ -117,8 +131,8 @@ def test_relayout_in_a_running_job_stays_within_the_noise_floor(
 ):
     """The job switches layout at step SAVE_AT over the network (no checkpoint written or read):
     the same criterion as a restart under another layout."""
-    run_a = pool4.run(TASKS, "train", _args(str(tmp_path / "a" / "ckpt"), TOTAL, a, extra))[0]
-    run_b = pool4.run(TASKS, "train", _args(str(tmp_path / "b" / "ckpt"), TOTAL, b, extra))[0]
+    run_a = _uninterrupted(pool4, tmp_path / "a", a, extra)
+    run_b = _uninterrupted(pool4, tmp_path / "b", b, extra)
     root = tmp_path / "r" / "ckpt"
     args = _args(str(root), TOTAL, a, [*extra, "--parallel.relayout_at", f"{SAVE_AT}:{switch}"])
     switched = pool4.run(TASKS, "train", args)[0]
