@@ -457,18 +457,26 @@ def _ls(args) -> int:
     from anyshard.format.steps import list_steps
 
     _root_must_exist(args.root)
-    listed = list_steps(args.root)
+    listed = list_steps(args.root, refs=True)
     if args.json:
         out = [
-            {"step": s.step, "path": s.path, "committed": s.committed, "bytes": s.bytes}
+            {
+                "step": s.step,
+                "path": s.path,
+                "committed": s.committed,
+                "bytes": s.bytes,
+                "shared_bytes": s.shared,
+                "referenced": s.referenced,
+            }
             for s in listed
         ]
         print(json.dumps({"root": args.root, "steps": out}, indent=2))
         return 0
-    print(f"{'step':>12}  {'state':11}  {'bytes':>10}  path")
+    print(f"{'step':>12}  {'state':11}  {'owns':>10}  {'references':>10}  path")
     for s in listed:
-        state = "committed" if s.committed else "uncommitted"
-        print(f"{s.step:>12}  {state:11}  {_human(s.bytes):>10}  {s.path}")
+        state = "committed" if s.committed else "referenced" if s.referenced else "uncommitted"
+        shared = _human(s.shared) if s.shared else "-"
+        print(f"{s.step:>12}  {state:11}  {_human(s.bytes):>10}  {shared:>10}  {s.path}")
     num_committed = sum(s.committed for s in listed)
     if not listed:
         print(
@@ -476,22 +484,38 @@ def _ls(args) -> int:
             "(step-000001000, step-1000), such as anyshard's Checkpointer writes",
             file=sys.stderr,
         )
+    held = sum(s.referenced for s in listed)
     print(
-        f"{len(listed)} steps ({num_committed} committed, {len(listed) - num_committed} uncommitted), "
-        f"{_human(sum(s.bytes for s in listed))}"
+        f"{len(listed)} steps ({num_committed} committed, {len(listed) - num_committed} uncommitted"
+        + (f", {held} of them kept for the files later steps reference" if held else "")
+        + f"), {_human(sum(s.bytes for s in listed))}"
     )
+    if any(s.shared for s in listed):
+        print(
+            "owns: the bytes in the step's directory; references: the bytes of unchanged "
+            "shards it reads from earlier steps' files (an incremental save)"
+        )
     return 0
 
 
 def _gc(args) -> int:
+    from anyshard.format import storage
     from anyshard.format.steps import remove_debris
 
     _root_must_exist(args.root)
     removed = remove_debris(args.root, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
+    kept = []
     for path in removed:
-        print(f"{verb} {path}")
-    print(f"{verb} {len(removed)} uncommitted step(s) older than the newest commit")
+        if not args.dry_run and storage.exists(path):
+            kept.append(path)
+            print(f"kept {path}: it holds data files that committed steps reference")
+        else:
+            print(f"{verb} {path}")
+    print(
+        f"{verb} {len(removed) - len(kept)} uncommitted step(s) older than the newest commit"
+        + (f"; kept {len(kept)} whose files committed steps reference" if kept else "")
+    )
     return 0
 
 

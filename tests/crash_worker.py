@@ -11,7 +11,9 @@
   against `expected_state`, and then saves steps restored+1, restored+2, ... with a
   ``Checkpointer(ROOT, every_steps=1, keep_last=KEEP_LAST)`` until it is killed (a job under
   ``torchrun --max-restarts``). ``mode`` "async" saves with ``async_=True``; "tiered" saves
-  to ``DIR`` (the node's local disk) first and uploads to ``ROOT`` in the background. Output goes to ``PREFIX-rank<r>.log``. Answer: ``{"pids": [...]}``.
+  to ``DIR`` (the node's local disk) first and uploads to ``ROOT`` in the background;
+  "incremental" saves with ``incremental=True`` a state that also holds a tensor ``f`` that
+  never changes, so that every step references the first step's copy of it. Output goes to ``PREFIX-rank<r>.log``. Answer: ``{"pids": [...]}``.
 - ``{"cmd": "reap"}`` waits for the ranks of the last spawn; answer ``{"status": [...]}``
   (``os.waitpid`` statuses).
 - ``{"cmd": "quit"}``.
@@ -36,24 +38,34 @@ B_SHAPE = (512, 1024)  # bfloat16, 1 MiB, a plain (replicated) tensor
 MAX_STEPS = 100_000
 
 
-def expected_state(step: int) -> dict:
-    """The full (unsharded) state saved at ``step``: derived from the step number only."""
+F_SHAPE = (512, 512)  # float32, 1 MiB, a plain tensor the same at every step (incremental)
+
+
+def expected_state(step: int, fixed: bool = False) -> dict:
+    """The full (unsharded) state saved at ``step``: derived from the step number only (and,
+    with ``fixed``, a tensor ``f`` that is the same at every step)."""
     g = torch.Generator().manual_seed(7919 * step + 1)
     w = torch.randn(W_SHAPE, generator=g)
     bits = torch.randint(-(2**15), 2**15, B_SHAPE, dtype=torch.int16, generator=g)
     b = bits.view(torch.bfloat16)  # arbitrary bit patterns, NaNs included: compared as bits
-    return {
+    state = {
         "model": {"w": w, "b": b},
         "extra": {"step": step, "tag": f"step-{step}", "sizes": [step % 7, step % 11]},
     }
+    if fixed:
+        state["model"]["f"] = torch.randn(F_SHAPE, generator=torch.Generator().manual_seed(5))
+    return state
 
 
-def template() -> dict:
+def template(fixed: bool = False) -> dict:
     """A state to restore into, as plain tensors (the layout a single process loads under)."""
-    return {
+    state = {
         "model": {"w": torch.zeros(W_SHAPE), "b": torch.zeros(B_SHAPE, dtype=torch.bfloat16)},
         "extra": {"step": -1, "tag": "", "sizes": []},
     }
+    if fixed:
+        state["model"]["f"] = torch.zeros(F_SHAPE)
+    return state
 
 
 def bit_exact(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -64,10 +76,10 @@ def bit_exact(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
 
 
-def _sharded_state(step: int, mesh) -> dict:
+def _sharded_state(step: int, mesh, fixed: bool = False) -> dict:
     from torch.distributed.tensor import DTensor, Shard
 
-    full = expected_state(step)
+    full = expected_state(step, fixed)
     rank = mesh.get_local_rank()
     local = full["model"]["w"].chunk(WORLD, dim=0)[rank].contiguous()
     full["model"]["w"] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
@@ -75,7 +87,9 @@ def _sharded_state(step: int, mesh) -> dict:
 
 
 def _check_restored(state: dict, step: int, rank: int) -> None:
-    want = expected_state(step)
+    want = expected_state(step, "f" in state["model"])
+    if "f" in state["model"] and not bit_exact(state["model"]["f"], want["model"]["f"]):
+        raise AssertionError(f"rank {rank}: restored step {step}: f is not bit-exact")
     w = state["model"]["w"].to_local()
     if not bit_exact(w, want["model"]["w"].chunk(WORLD, dim=0)[rank]):
         raise AssertionError(f"rank {rank}: restored step {step}: w is not bit-exact")
@@ -103,14 +117,16 @@ def rank_main(
         keep_last=KEEP_LAST,
         async_=mode == "async",
         local_dir=local if mode == "tiered" else None,
+        incremental=mode == "incremental",
     )
-    state = _sharded_state(0, mesh)  # a template under this run's layout
+    fixed = mode == "incremental"
+    state = _sharded_state(0, mesh, fixed)  # a template under this run's layout
     restored = ckpt.restore_latest(state) or 0
     print(f"rank {rank}: restored step {restored}", flush=True)
     if restored:
         _check_restored(state, restored, rank)
     for step in range(restored + 1, MAX_STEPS):
-        ckpt.save(step, _sharded_state(step, mesh))
+        ckpt.save(step, _sharded_state(step, mesh, fixed))
     ckpt.wait()
 
 

@@ -6,6 +6,7 @@ import hashlib
 import json
 import threading
 import traceback
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,7 @@ from anyshard.format.commit import (
 )
 from anyshard.format.datafile import tensor_bytes, write_datafile
 from anyshard.format.dtypes import DTYPE_TO_ST
+from anyshard.format.incremental import Incremental
 from anyshard.format.manifest import MeshEntry
 from anyshard.ucl.evaluate import compile, coords_of_rank, layout_for
 from anyshard.ucl.library import load_spec
@@ -58,6 +60,7 @@ class _LocalPlan:
     tensors: dict[str, ReportedTensor] = field(default_factory=dict)
     values: dict[str, Any] = field(default_factory=dict)
     spec: ReportedSpec | None = None
+    incremental: Incremental | None = None  # hash, and reference what the base holds
 
 
 def _plan_local(flat: dict, holders: dict[str, list[int]], group, *, to_host: bool) -> _LocalPlan:
@@ -170,6 +173,9 @@ def save(
     coords: dict[str, int] | None = None,
     check_replicas: bool = True,
     defer_staging: bool = False,
+    base: str | None = None,
+    frozen: Collection[str] | None = None,
+    content_hash: bool = False,
 ):
     """Save ``state_dict`` to ``path`` (a directory or URL), collectively over ``process_group``.
 
@@ -199,6 +205,15 @@ def save(
     Checkpointer's `guard`). Forward and backward passes, which only read the parameters and
     optimizer states, overlap the copy.
 
+    With ``base`` (a committed step in the same root: ``path``'s sibling directory), the save is
+    incremental: each rank hashes the shards it would write (SHA-256) and references, instead
+    of writing, those that the same rank stored under the same name in ``base`` with the same
+    bytes (the manifest records the referenced file, offsets and hash; retention and ``anyshard
+    gc`` keep a referenced file as long as a step references it). Stored names in ``frozen``
+    are referenced without hashing when the base recorded their hash: declare only tensors that
+    did not change. ``content_hash=True`` records the hashes without a base, so that a later
+    incremental save can reference this one's shards without reading them back.
+
     >>> import torch, anyshard, tempfile
     >>> d = tempfile.mkdtemp()
     >>> anyshard.save(d + "/step-1", {"w": torch.arange(6.0).reshape(2, 3), "step": 1})
@@ -208,6 +223,7 @@ def save(
     async_save.wait_for_previous()  # staging buffers are reused; a failure surfaces here
     error: BaseException | None = None
     flat: dict | None = None
+    incremental = Incremental.of(base, frozen, content_hash)
     try:
         if spec is None:
             flat = flatten_state(state_dict)
@@ -219,7 +235,16 @@ def save(
         error = e
     if async_ and defer_staging:
         return _deferred(
-            path, state_dict, flat, error, spec, layout, coords, process_group, check_replicas
+            path,
+            state_dict,
+            flat,
+            error,
+            spec,
+            layout,
+            coords,
+            process_group,
+            check_replicas,
+            incremental=incremental,
         )
     plan, error = _plan_save(
         path,
@@ -233,6 +258,7 @@ def save(
         check_replicas,
         to_host=not async_,
     )
+    plan.incremental = incremental
     if not async_:
         _write_and_commit(path, plan, error, process_group)
         return None
@@ -252,6 +278,8 @@ def _deferred(
     process_group,
     check_replicas,
     before=None,
+    *,
+    incremental: Incremental | None = None,
 ):
     """An async save that returns at once: planning (its collectives over the background
     group), staging and writing all run in the background; ``staged`` is set once the staging
@@ -279,6 +307,7 @@ def _deferred(
                 check_replicas,
                 to_host=False,
             )
+            plan.incremental = incremental
             if err is None:
                 plan.writes = async_save.stage(plan.writes, after)
         except Exception as e:  # reported like any other: every rank still takes part
@@ -297,6 +326,9 @@ def save_deferred(
     process_group=None,
     check_replicas: bool = True,
     before=None,
+    base: str | None = None,
+    frozen: Collection[str] | None = None,
+    content_hash: bool = False,
 ):
     """`save` with ``async_=True, defer_staging=True``, and ``before(group)`` run first in the
     background (on every rank, collective over the background ``group``; it returns an error
@@ -313,7 +345,17 @@ def save_deferred(
     except Exception as e:  # reported to rank 0 so that no rank waits forever
         error = e
     return _deferred(
-        path, state_dict, flat, error, None, None, None, process_group, check_replicas, before
+        path,
+        state_dict,
+        flat,
+        error,
+        None,
+        None,
+        None,
+        process_group,
+        check_replicas,
+        before,
+        incremental=Incremental.of(base, frozen, content_hash),
     )
 
 
@@ -352,11 +394,17 @@ def _write_and_commit(path: str, plan: _LocalPlan, error: BaseException | None, 
     """Write this rank's data file, agree with every rank, commit on rank 0, raise on failure."""
     me = coll.rank(group)
     file = None
+    writes, refs, hashes = plan.writes, {}, None
+    if error is None and plan.incremental is not None:
+        try:
+            writes, refs, hashes = plan.incremental.split(path, me, plan.writes)
+        except Exception as e:
+            error = e
     if error is None and plan.writes:
         try:
             storage.makedirs(storage.join(path, DATA_DIR))
-            file = data_file_name(me)
-            write_datafile(storage.join(path, *file.split("/")), plan.writes)
+            file = data_file_name(me)  # written even when it references every shard it holds
+            write_datafile(storage.join(path, *file.split("/")), writes, hashes=hashes)
         except Exception as e:
             error, file = e, None
     report = SaveReport(
@@ -366,6 +414,7 @@ def _write_and_commit(path: str, plan: _LocalPlan, error: BaseException | None, 
         tensors=plan.tensors if error is None else {},
         values=plan.values if error is None else {},
         spec=plan.spec if error is None else None,
+        refs=refs if error is None else {},
     )
     reports = coll.gather_json(report.to_json(), group)
     outcome: dict[str, Any] = {"ok": True}

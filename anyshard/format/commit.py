@@ -14,7 +14,14 @@ from typing import Any
 from anyshard._version import __version__
 from anyshard.errors import SaveError
 from anyshard.format import storage
-from anyshard.format.manifest import MANIFEST_NAME, Manifest, MeshEntry, SpecEntry, TensorEntry
+from anyshard.format.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    MeshEntry,
+    Ref,
+    SpecEntry,
+    TensorEntry,
+)
 from anyshard.ucl.evaluate import Layout, recorded_layout
 from anyshard.ucl.ranks import coverage_problems
 from anyshard.ucl.syntax import Spec
@@ -105,6 +112,7 @@ class SaveReport:
     tensors: dict[str, ReportedTensor] = field(default_factory=dict)
     values: dict[str, Any] = field(default_factory=dict)
     spec: ReportedSpec | None = None
+    refs: dict[str, Ref] = field(default_factory=dict)  # shards held in earlier steps' files
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -114,6 +122,7 @@ class SaveReport:
             "tensors": {k: t.to_json() for k, t in self.tensors.items()},
             "values": self.values,
             "spec": self.spec.to_json() if self.spec is not None else None,
+            "refs": {k: r.to_json() for k, r in self.refs.items()},
         }
 
     @classmethod
@@ -125,6 +134,7 @@ class SaveReport:
             tensors={k: ReportedTensor.from_json(t) for k, t in j["tensors"].items()},
             values=j["values"],
             spec=ReportedSpec.from_json(j["spec"]) if j["spec"] is not None else None,
+            refs={k: Ref.from_json(r, "a save report") for k, r in j.get("refs", {}).items()},
         )
 
 
@@ -162,6 +172,7 @@ def build_manifest(reports: Sequence[SaveReport], path: str) -> Manifest:
         values=dict(sorted(values.items())),
         library=LIBRARY,
         spec=spec_entry,
+        refs={r: dict(rep.refs) for r, rep in enumerate(reports) if rep.refs},
     )
     if spec is not None:
         mesh = manifest.meshes[0]

@@ -1,5 +1,6 @@
 """Data files: plain safetensors files, one per writing rank, with crc32c checksums of every
-block of every shard.
+block of every shard, and, when the save asked for it (an incremental save), each shard's
+SHA-256: the content hash by which a later save recognises an unchanged shard and references it.
 
 The file is written straight from tensor memory (no serialised copy of the tensors is built):
 an 8-byte little-endian header size, the JSON header padded with spaces to a multiple of 8,
@@ -23,7 +24,7 @@ import torch
 from anyshard.errors import CorruptCheckpointError, FormatVersionError
 from anyshard.format import storage, strict_json
 from anyshard.format.dtypes import DTYPE_TO_ST, ST_TO_DTYPE
-from anyshard.format.manifest import Manifest
+from anyshard.format.manifest import Manifest, is_sha256
 from anyshard.format.pool import io_pool
 
 __all__ = [
@@ -61,6 +62,7 @@ class ShardEntry:
     stop: int
     block: int
     crcs: tuple[int, ...]
+    sha256: str | None = None  # hex, when the writer recorded it
 
     def block_span(self, k: int) -> tuple[int, int]:
         """Absolute bytes ``[a, b)`` of block ``k``."""
@@ -106,10 +108,13 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def header_bytes(
-    shards: Sequence[tuple[str, str, tuple[int, ...]]], crcs: dict[str, list[int]]
+    shards: Sequence[tuple[str, str, tuple[int, ...]]],
+    crcs: dict[str, list[int]],
+    hashes: dict[str, str] | None = None,
 ) -> bytes:
     """The JSON header of a data file holding ``shards`` (name, safetensors dtype, shape), back
-    to back in that order, with ``crcs[name]`` the crc32c of each checksum block of each."""
+    to back in that order, with ``crcs[name]`` the crc32c of each checksum block of each and
+    ``hashes[name]``, where given, its SHA-256 (hex)."""
     header: dict[str, object] = {}
     offset = 0
     blocks = {}
@@ -125,21 +130,28 @@ def header_bytes(
             "bytes": block_size(shape, ST_TO_DTYPE[code].itemsize),
             "crc32c": crcs[name],
         }
+        if hashes and name in hashes:
+            blocks[name]["sha256"] = hashes[name]
     meta = {"format_version": DATAFILE_VERSION, "blocks": blocks}
     header["__metadata__"] = {"format": "pt", "anyshard": json.dumps(meta, separators=(",", ":"))}
     return json.dumps(header, separators=(",", ":")).encode()
 
 
 def write_datafile(
-    path: str, shards: Sequence[tuple[str, torch.Tensor]], *, threads: int = 4
+    path: str,
+    shards: Sequence[tuple[str, torch.Tensor]],
+    *,
+    threads: int = 4,
+    hashes: dict[str, str] | None = None,
 ) -> int:
-    """Write ``shards`` (contiguous CPU tensors) into a new safetensors file; returns its size."""
+    """Write ``shards`` (contiguous CPU tensors) into a new safetensors file, recording
+    ``hashes[name]`` (SHA-256, hex) where given; returns its size."""
     views = [tensor_bytes(t) for _, t in shards]
     blocks = [block_size(tuple(t.shape), t.element_size()) for _, t in shards]
     pool = io_pool(threads)
     crcs = list(pool.map(block_crcs, views, blocks))
     layout = [(name, DTYPE_TO_ST[t.dtype], tuple(t.shape)) for name, t in shards]
-    raw = header_bytes(layout, dict(zip((n for n, _ in shards), crcs, strict=True)))
+    raw = header_bytes(layout, dict(zip((n for n, _ in shards), crcs, strict=True)), hashes)
     offset = sum(mv.nbytes for mv in views)
     raw += b" " * (-len(raw) % 8)
     with storage.open_writer(path) as f:
@@ -200,12 +212,15 @@ def read_header(path: str) -> DataFileHeader:
     return DataFileHeader(path=path, shards=_shard_entries(path, header, meta, 8 + n, version))
 
 
-def _blocks_of(meta: dict, name: str, version: int, nbytes: int) -> tuple[int, tuple[int, ...]]:
-    """The block size and block checksums of shard ``name`` (checked by the caller)."""
+def _blocks_of(
+    meta: dict, name: str, version: int, nbytes: int
+) -> tuple[int, tuple[int, ...], str | None]:
+    """The block size, block checksums and SHA-256 (or None) of shard ``name`` (checked by the
+    caller)."""
     if version == 1:
-        return max(nbytes, 1), (meta["crc32c"][name],)
+        return max(nbytes, 1), (meta["crc32c"][name],), None
     entry = meta["blocks"][name]
-    return entry["bytes"], tuple(entry["crc32c"])
+    return entry["bytes"], tuple(entry["crc32c"]), entry.get("sha256")
 
 
 def _shard_entries(
@@ -217,7 +232,7 @@ def _shard_entries(
     for name, e in header.items():
         try:
             dtype, shape, (begin, end) = e["dtype"], tuple(e["shape"]), e["data_offsets"]
-            block, crcs = _blocks_of(meta, name, version, end - begin)
+            block, crcs, sha = _blocks_of(meta, name, version, end - begin)
             ok = (
                 dtype in ST_TO_DTYPE
                 and all(type(x) is int and x >= 0 for x in (*shape, begin, end, block))
@@ -225,6 +240,7 @@ def _shard_entries(
                 and block >= 1
                 and len(crcs) == max(1, -(-(end - begin) // block))
                 and end - begin == math.prod(shape) * ST_TO_DTYPE[dtype].itemsize
+                and (sha is None or is_sha256(sha))
             )
         except (KeyError, TypeError, ValueError) as ex:
             raise CorruptCheckpointError(
@@ -237,14 +253,24 @@ def _shard_entries(
                 f"{list(shape)}, data_offsets {[begin, end]}); the file is corrupt"
             )
         shards[name] = ShardEntry(
-            dtype=dtype, shape=shape, start=base + begin, stop=base + end, block=block, crcs=crcs
+            dtype=dtype,
+            shape=shape,
+            start=base + begin,
+            stop=base + end,
+            block=block,
+            crcs=crcs,
+            sha256=sha,
         )
     return shards
 
 
-def data_path(path: str, manifest: Manifest, rank: int) -> str:
-    """The data file of ``rank`` in the checkpoint at ``path``."""
-    return storage.join(path, *manifest.files[rank].split("/"))
+def data_path(path: str, manifest: Manifest, source: int) -> str:
+    """The data file of ``source`` in the checkpoint at ``path``: a rank's own file, or (a
+    source number past the world size, `Manifest.source_of`) a file of an earlier step of the
+    same root that the checkpoint references."""
+    if source >= manifest.world_size:
+        return manifest.ref_file_path(path, source)
+    return storage.join(path, *manifest.files[source].split("/"))
 
 
 def read_headers(
@@ -253,7 +279,7 @@ def read_headers(
     """Headers of the data files of ``ranks``, read in parallel."""
     ranks = sorted(set(ranks))
     for r in ranks:
-        if r not in manifest.files:
+        if r not in manifest.files and r < manifest.world_size:
             raise CorruptCheckpointError(
                 f"{path}: the manifest names no data file for rank {r}, whose shards are needed"
             )

@@ -2,6 +2,11 @@
 
 It grows with the number of tensors, not tensors x ranks: each tensor's mapping is stored once,
 parameterised by mesh coordinates; byte offsets and checksums live in the data files' headers.
+
+An incremental checkpoint (version 3) also lists, per rank, the stored shards it does not hold
+in its own data file but references in a data file of an earlier step of the same root (a
+sibling directory): that file's path relative to the checkpoint (``../STEP/data/FILE``, nothing
+else is accepted), the shard's byte offsets there and its SHA-256.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import posixpath
+import re
 from collections.abc import Mapping as MappingType
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,15 +49,17 @@ __all__ = [
     "MANIFEST_NAME",
     "Manifest",
     "MeshEntry",
+    "Ref",
     "SpecEntry",
     "TensorEntry",
+    "is_sha256",
     "read_manifest",
 ]
 
 FORMAT_NAME = "anyshard-checkpoint"
-FORMAT_VERSION = 2  # the newest; a checkpoint without a spec is written as version 1
+FORMAT_VERSION = 3  # the newest: 3 with references, 2 with a spec, else 1
 MANIFEST_NAME = "manifest.json"
-KNOWN_VERSIONS = (1, 2)
+KNOWN_VERSIONS = (1, 2, 3)
 MAX_BYTES = (1 << 62) - 1  # a tensor's bytes, at most: what an int64 offset addresses
 MAX_WORLD_SIZE = 1 << 24  # ranks a manifest may name: 16 Mi, a thousand times today's largest jobs
 
@@ -275,6 +283,57 @@ def _check_relative(name: str, where: str) -> str:
     return name
 
 
+_HEX = frozenset("0123456789abcdef")
+# ../<a sibling step directory>/data/<a data file>: the only shape a reference may have
+_REF_RE = re.compile(r"^\.\./([A-Za-z0-9_][A-Za-z0-9._-]*)/data/([A-Za-z0-9_][A-Za-z0-9._-]*)$")
+
+
+def is_sha256(value: object) -> bool:
+    """Whether ``value`` is a SHA-256 as headers and manifests record it: 64 lowercase hex."""
+    return isinstance(value, str) and len(value) == 64 and all(c in _HEX for c in value)
+
+
+def check_ref_file(name: object, where: str) -> str:
+    """``name`` if it is a reference to a data file of a sibling step (``../STEP/data/FILE``);
+    else `CorruptCheckpointError`: a reference never leaves the root."""
+    if not isinstance(name, str) or not _REF_RE.match(name) or ".." in name[3:].split("/"):
+        raise CorruptCheckpointError(
+            f"{where}: the reference {name!r:.200} does not name a data file of another step of "
+            "the same root (../STEP/data/FILE); refusing to read it (the manifest is corrupt or "
+            "was crafted)"
+        )
+    return name
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Ref:
+    """A stored shard held in a data file of an earlier step: ``file`` relative to the
+    checkpoint (``../STEP/data/FILE``), its bytes ``[start, stop)`` there, and their SHA-256."""
+
+    file: str
+    start: int
+    stop: int
+    sha256: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": self.file, "offsets": [self.start, self.stop], "sha256": self.sha256}
+
+    @classmethod
+    def from_json(cls, j: Any, where: str) -> Ref:
+        j = field_dict(j, "a reference")
+        offsets = field_list(j["offsets"], "a reference's offsets")
+        if len(offsets) != 2:
+            raise FieldError(f"a reference's offsets {offsets!r:.60} are not [start, stop]")
+        start, stop = (field_int(x, "a reference offset", 0, MAX_BYTES) for x in offsets)
+        if stop < start or not is_sha256(j["sha256"]):
+            raise FieldError(
+                f"a reference's offsets {[start, stop]} or sha256 {j['sha256']!r:.80} are invalid"
+            )
+        return cls(
+            file=check_ref_file(j["file"], where), start=start, stop=stop, sha256=j["sha256"]
+        )
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Manifest:
     world_size: int
@@ -285,12 +344,42 @@ class Manifest:
     metadata: dict[str, Any] = field(default_factory=dict)
     library: str = ""
     spec: SpecEntry | None = None
+    # rank -> stored key -> where that shard lies in an earlier step (an incremental save)
+    refs: dict[int, dict[str, Ref]] = field(default_factory=dict)
+    _ref_files: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
+    _ref_index: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        files = sorted({ref.file for per in self.refs.values() for ref in per.values()})
+        object.__setattr__(self, "_ref_files", tuple(files))
+        object.__setattr__(self, "_ref_index", {f: i for i, f in enumerate(files)})
 
     @property
     def format_version(self) -> int:
-        """The version this manifest is written as: 2 with a spec, else 1 (readable by every
-        anyshard that reads version 1)."""
-        return FORMAT_VERSION if self.spec is not None else 1
+        """The version this manifest is written as: 3 with references, 2 with a spec, else 1
+        (readable by every anyshard that reads version 1)."""
+        if self.refs:
+            return 3
+        return 2 if self.spec is not None else 1
+
+    def source_of(self, rank: int, key: str) -> int:
+        """Where rank ``rank``'s stored shard ``key`` is read from: ``rank`` (its own data
+        file), or, for a referenced shard, a number past the world size naming the referenced
+        file (`ref_file_path`)."""
+        ref = self.refs.get(rank, {}).get(key)
+        if ref is None:
+            return rank
+        return self.world_size + self._ref_index[ref.file]
+
+    def ref_file_path(self, path: str, source: int) -> str:
+        """The referenced data file that source number ``source`` names, for the checkpoint at
+        ``path``: in its root (the directory holding ``path``)."""
+        file = self._ref_files[source - self.world_size]
+        return storage.join(storage.parent(path), *file.split("/")[1:])
+
+    def ref_files(self, path: str) -> list[str]:
+        """Every data file of other steps that the checkpoint at ``path`` references."""
+        return [storage.join(storage.parent(path), *f.split("/")[1:]) for f in self._ref_files]
 
     def to_json(self) -> dict[str, Any]:
         out = {
@@ -306,6 +395,11 @@ class Manifest:
         }
         if self.spec is not None:
             out["spec"] = self.spec.to_json()
+        if self.refs:
+            out["refs"] = {
+                str(r): {k: ref.to_json() for k, ref in sorted(per.items())}
+                for r, per in sorted(self.refs.items())
+            }
         return out
 
     def spec_ranks(self, *, saved: bool = False) -> tuple[RankTensors, ...]:
@@ -411,6 +505,16 @@ class Manifest:
             for k, v in field_dict(j["tensors"], "tensors").items()
         }
         spec = j.get("spec")
+        refs: dict[int, dict[str, Ref]] = {}
+        for r, per in field_dict(j.get("refs", {}), "refs").items():
+            if not (r.isascii() and r.isdigit()) or int(r) not in files:
+                raise FieldError(f"refs: {r!r:.40} is not a rank with a data file")
+            refs[int(r)] = {
+                field_str(k, "a referenced key"): Ref.from_json(v, where)
+                for k, v in field_dict(per, f"the references of rank {r}").items()
+            }
+        if refs and j.get("format_version") != 3:
+            raise FieldError("references need format_version 3")
         return cls(
             world_size=world,
             meshes=meshes,
@@ -420,6 +524,7 @@ class Manifest:
             metadata=field_dict(j.get("metadata", {}), "metadata"),
             library=field_str(j.get("library", ""), "library"),
             spec=SpecEntry.from_json(spec) if spec is not None else None,
+            refs=refs,
         )
 
 

@@ -8,24 +8,34 @@ tell those apart, so debris is only ever removed below the newest committed step
 progress always writes a step newer than every commit. Every file operation goes through
 `anyshard.format.storage`, so the root may be a local path or a URL.
 
+An incremental step references data files of earlier steps. Removing a step removes its manifest
+first, then only the data files that no committed step references (the references are read
+from the manifests, never kept anywhere else); a step directory left holding referenced files
+is removed by the retention or gc that finds them unreferenced. An interrupted removal therefore
+leaves every committed step loadable.
+
 Run the examples: ``python -m pytest --doctest-modules anyshard/format/steps.py``
 """
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
+from anyshard.errors import AnyshardError
 from anyshard.format import storage
-from anyshard.format.manifest import MANIFEST_NAME
+from anyshard.format.manifest import MANIFEST_NAME, read_manifest
 
 __all__ = [
     "StepInfo",
     "find_debris",
     "latest_committed",
     "list_steps",
+    "referenced_files",
     "remove_debris",
     "remove_step",
+    "remove_steps",
     "step_dir_name",
 ]
 
@@ -37,12 +47,16 @@ _SUBDIRS = ("data",)
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepInfo:
-    """One step directory: its step number, path, whether it is committed, and its total bytes."""
+    """One step directory: its step number, path, whether it is committed, its total bytes,
+    and (when listed with ``refs``) the bytes of shards it references in other steps' files
+    and whether, uncommitted, it still holds files that committed steps reference."""
 
     step: int
     path: str
     committed: bool
     bytes: int
+    shared: int = 0
+    referenced: bool = False
 
     def __post_init__(self):
         if self.step < 0:
@@ -90,10 +104,12 @@ def _tree_bytes(path: str) -> int:
     return total
 
 
-def list_steps(root: str) -> list[StepInfo]:
+def list_steps(root: str, *, refs: bool = False) -> list[StepInfo]:
     """Every ``step-*`` directory under ``root``, committed or not, sorted by step.
 
-    A missing root has no steps. Other names under ``root`` are ignored.
+    A missing root has no steps. Other names under ``root`` are ignored. With ``refs``, each
+    committed step's manifest is read for the bytes it references in other steps
+    (`StepInfo.shared`), and uncommitted steps holding referenced files are marked.
 
     >>> import tempfile, torch, anyshard
     >>> root = tempfile.mkdtemp()
@@ -111,7 +127,61 @@ def list_steps(root: str) -> list[StepInfo]:
         out.append(
             StepInfo(step=int(m.group(1)), path=path, committed=committed, bytes=_tree_bytes(path))
         )
-    return sorted(out, key=lambda s: s.step)
+    out.sort(key=lambda s: s.step)
+    if not refs:
+        return out
+    referenced = referenced_files(root, out) or set()
+    listed = []
+    for s in out:
+        shared = 0
+        if s.committed:
+            try:
+                manifest = read_manifest(s.path)
+                shared = sum(r.stop - r.start for per in manifest.refs.values() for r in per.values())
+            except AnyshardError:
+                pass
+        held = not s.committed and any(
+            _norm(storage.join(s.path, "data", f)) in referenced
+            for f in _listdir_or_empty(storage.join(s.path, "data"))
+        )
+        listed.append(
+            StepInfo(
+                step=s.step,
+                path=s.path,
+                committed=s.committed,
+                bytes=s.bytes,
+                shared=shared,
+                referenced=held,
+            )
+        )
+    return listed
+
+
+def _norm(path: str) -> str:
+    """``path`` in one spelling, to compare references with listed files."""
+    if storage.is_url(path):
+        return path.rstrip("/")
+    return os.path.abspath(os.path.normpath(path))
+
+
+def referenced_files(root: str, listed: list[StepInfo] | None = None) -> set[str] | None:
+    """Every data file that a committed step under ``root`` references in another step, or
+    None when a committed manifest cannot be read (what it references is then unknown, and
+    nothing may be removed on the strength of this answer)."""
+    out: set[str] = set()
+    for s in listed if listed is not None else list_steps(root):
+        if not s.committed:
+            continue
+        try:
+            manifest = read_manifest(s.path)
+        except FileNotFoundError:
+            continue
+        except AnyshardError:
+            if storage.exists(storage.join(s.path, MANIFEST_NAME)):
+                return None
+            continue  # removed while listing
+        out.update(_norm(f) for f in manifest.ref_files(s.path))
+    return out
 
 
 def latest_committed(root: str) -> StepInfo | None:
@@ -134,18 +204,47 @@ def find_debris(steps: list[StepInfo]) -> list[StepInfo]:
 
 
 def remove_step(path: str) -> None:
-    """Remove one step directory and everything under it (a missing one is already removed).
+    """Remove one step directory and everything under it that no committed step of its root
+    references (a missing one is already removed); see `remove_steps`."""
+    remove_steps([path])
 
-    The manifest goes first, durably: a removal interrupted at any moment leaves at worst an
-    uncommitted step (debris), never a committed one whose data files are gone.
+
+def remove_steps(paths: list[str]) -> None:
+    """Remove step directories of one root.
+
+    Each manifest goes first, durably: a removal interrupted at any moment leaves at worst an
+    uncommitted step (debris), never a committed one whose data files are gone. Then each data
+    file goes unless a committed step of the root references it; a directory that keeps such
+    files stays (uncommitted) until a later removal finds them unreferenced.
     """
-    manifest = storage.join(path, MANIFEST_NAME)
-    try:
-        if storage.exists(manifest):
-            storage.remove_file(manifest)
-        storage.remove_tree(path)
-    except FileNotFoundError:
-        pass
+    if not paths:
+        return
+    for path in paths:
+        manifest = storage.join(path, MANIFEST_NAME)
+        try:
+            if storage.exists(manifest):
+                storage.remove_file(manifest)
+        except FileNotFoundError:
+            pass
+    root = storage.parent(paths[0])
+    keep = referenced_files(root)
+    for path in paths:
+        data = storage.join(path, "data")
+        names = _listdir_or_empty(data)
+        held = (
+            names
+            if keep is None
+            else [n for n in names if _norm(storage.join(data, n)) in keep]
+        )
+        try:
+            if not held:
+                storage.remove_tree(path)
+                continue
+            for name in names:
+                if name not in held:
+                    storage.remove_file(storage.join(data, name))
+        except FileNotFoundError:
+            pass
 
 
 def remove_debris(root: str, *, dry_run: bool = False) -> list[str]:
@@ -164,9 +263,7 @@ def remove_debris(root: str, *, dry_run: bool = False) -> list[str]:
     >>> [s.step for s in list_steps(root)]
     [2, 3]
     """
-    removed = []
-    for s in find_debris(list_steps(root)):
-        if not dry_run:
-            remove_step(s.path)
-        removed.append(s.path)
+    removed = [s.path for s in find_debris(list_steps(root))]
+    if not dry_run:
+        remove_steps(removed)
     return removed

@@ -30,6 +30,7 @@ __all__ = [
     "listdir",
     "makedirs",
     "open_writer",
+    "parent",
     "read_bytes",
     "remove_file",
     "remove_tree",
@@ -55,6 +56,13 @@ def join(root: str, *parts: str) -> str:
     if is_url(root):
         return posixpath.join(root.rstrip("/"), *parts)
     return os.path.join(_local(root), *parts)
+
+
+def parent(path: str) -> str:
+    """The directory holding ``path`` (a checkpoint's root, for a step directory)."""
+    if is_url(path):
+        return posixpath.dirname(path.rstrip("/"))
+    return os.path.dirname(os.path.normpath(_local(path)))
 
 
 def _fs(path: str):

@@ -4,13 +4,13 @@ the reads, execute them. The one path by which `load`, `open` and the exporters 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from anyshard.errors import CorruptCheckpointError
+from anyshard.errors import ChecksumError, CorruptCheckpointError
 from anyshard.format import storage
-from anyshard.format.datafile import DataFileHeader, data_path, read_headers
+from anyshard.format.datafile import DataFileHeader, ShardEntry, data_path, read_headers
 from anyshard.format.dtypes import ST_TO_DTYPE
 from anyshard.format.manifest import Manifest
 from anyshard.geometry.boxes import Piece
@@ -18,7 +18,14 @@ from anyshard.reshard.executor import execute_plan
 from anyshard.reshard.planner import ReadPlan, StoredShardInfo, Transfer, match_sources, plan_reads
 from anyshard.reshard.stored import describe_spec, stored_shards
 
-__all__ = ["Fill", "MatchedFills", "execute_fills", "fill_regions", "match_fills"]
+__all__ = [
+    "Fill",
+    "MatchedFills",
+    "check_stored",
+    "execute_fills",
+    "fill_regions",
+    "match_fills",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,27 +81,64 @@ def match_fills(
         shapes.update(used)
         stored_dtype.update(dict.fromkeys(used, entry.dtype))
     headers = headers if headers is not None else {}
-    missing = {r for r, _ in shapes} - set(headers)
+    # where each stored shard is read: its rank's data file, or a referenced one (a number
+    # past the world size)
+    source = {k: manifest.source_of(*k) for k in shapes}
+    missing = set(source.values()) - set(headers)
     headers.update(read_headers(path, manifest, missing))
     info: dict[tuple[int, str], StoredShardInfo] = {}
     dtypes: dict[tuple[int, str], torch.dtype] = {}
     for (rank, key), shape in shapes.items():
-        header = headers[rank]
-        stored = header.shards.get(key)
-        want = stored_dtype[(rank, key)]
-        if stored is None or stored.shape != tuple(shape) or stored.dtype != want:
-            found = "nothing" if stored is None else f"{stored.dtype} {list(stored.shape)}"
-            raise CorruptCheckpointError(
-                f"{header.path}: expected the stored tensor {key!r} as {want} {list(shape)}, found {found}; "
-                "the data file does not belong to this manifest"
-            )
+        src = source[(rank, key)]
+        stored = check_stored(path, manifest, rank, key, headers[src], stored_dtype[(rank, key)], shape)
         dtype = ST_TO_DTYPE[stored.dtype]
-        info[(rank, key)] = StoredShardInfo(
+        info[(src, key)] = StoredShardInfo(
             stored.start, stored.stop, dtype.itemsize, block=stored.block, crcs=stored.crcs
         )
-        dtypes[(rank, key)] = dtype
+        dtypes[(src, key)] = dtype
+    if manifest.refs:
+        transfers = [
+            t if source[(t.rank, t.fqn)] == t.rank else replace(t, rank=source[(t.rank, t.fqn)])
+            for t in transfers
+        ]
     fqns = tuple(fqn for fqn, _ in needs)
     return MatchedFills(path, manifest, fqns, transfers, info, dtypes)
+
+
+def check_stored(
+    path: str,
+    manifest: Manifest,
+    rank: int,
+    key: str,
+    header: DataFileHeader,
+    dtype: str,
+    shape: Sequence[int],
+) -> ShardEntry:
+    """The header entry of rank ``rank``'s stored shard ``key`` in ``header`` (its own data file
+    or the one it references), checked against the manifest: `CorruptCheckpointError` when it
+    is missing, has another dtype or shape, or (referenced) lies elsewhere than the reference
+    says."""
+    stored = header.shards.get(key)
+    if stored is None or stored.shape != tuple(shape) or stored.dtype != dtype:
+        found = "nothing" if stored is None else f"{stored.dtype} {list(stored.shape)}"
+        raise CorruptCheckpointError(
+            f"{header.path}: expected the stored tensor {key!r} as {dtype} {list(shape)}, found {found}; "
+            "the data file does not belong to this manifest"
+        )
+    ref = manifest.refs.get(rank, {}).get(key)
+    if ref is not None and (ref.start, ref.stop) != (stored.start, stored.stop):
+        raise CorruptCheckpointError(
+            f"{header.path}: {path} references the stored tensor {key!r} at bytes "
+            f"{ref.start}..{ref.stop} of this file, but it lies at {stored.start}..{stored.stop}; "
+            "the referenced file was replaced. Load another step"
+        )
+    if ref is not None and stored.sha256 is not None and stored.sha256 != ref.sha256:
+        raise ChecksumError(
+            f"{header.path}: {path} references the stored tensor {key!r} with SHA-256 "
+            f"{ref.sha256[:16]}..., but this file records {stored.sha256[:16]}...; the "
+            "referenced file was replaced. Load another step"
+        )
+    return stored
 
 
 def execute_fills(

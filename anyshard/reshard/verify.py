@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -11,6 +12,7 @@ from anyshard.format.checksum import crc32c
 from anyshard.format.datafile import data_path, read_headers
 from anyshard.format.manifest import read_manifest
 from anyshard.geometry.boxes import box_numel, intersect
+from anyshard.reshard.fill import check_stored
 from anyshard.reshard.stored import describe_spec, stored_shards
 
 __all__ = ["VerifyReport", "verify_checkpoint"]
@@ -48,11 +50,14 @@ def _coverage(manifest, fqn: str, entry) -> Iterator[tuple[int, str, tuple[int, 
         )
 
 
-def _check_blocks(reader: storage.FileReader, s, file: str, fqn: str) -> int:
+def _check_blocks(
+    reader: storage.FileReader, s, file: str, fqn: str, sha256: str | None = None
+) -> int:
     """Read shard ``s`` in parts of about `_BLOCK` bytes (whole checksum blocks) and check the
-    crc32c of each of its blocks; the bytes read."""
+    crc32c of each of its blocks and, when given, the SHA-256 of the whole; the bytes read."""
     per = max(1, _BLOCK // s.block) * s.block
     k = 0
+    digest = hashlib.sha256() if sha256 else None
     for a in range(s.start, s.stop, per):
         buf = memoryview(bytearray(min(per, s.stop - a)))
         try:
@@ -67,6 +72,13 @@ def _check_blocks(reader: storage.FileReader, s, file: str, fqn: str) -> int:
                     "of the file); the file is corrupt. Restore it or load an earlier step"
                 )
             k += 1
+        if digest is not None:
+            digest.update(buf)
+    if digest is not None and digest.hexdigest() != sha256:
+        raise ChecksumError(
+            f"{file}: SHA-256 mismatch in the stored shard of {fqn!r} (bytes {s.start}..{s.stop} "
+            "of the file); the file is corrupt or was replaced. Restore it or load an earlier step"
+        )
     return s.stop - s.start
 
 
@@ -81,20 +93,28 @@ def verify_checkpoint(
         for rank, key, shape in _coverage(manifest, fqn, entry):
             wanted.setdefault(rank, {})[key] = tuple(shape)
             dtypes[(rank, key)] = entry.dtype
-    headers = read_headers(path, manifest, wanted)
-    total = sum(s.stop - s.start for h in headers.values() for s in h.shards.values())
+    # each stored shard where it is read: its rank's own data file or a referenced one
+    by_source: dict[int, list[tuple[int, str, tuple[int, ...]]]] = {}
+    for rank, keys in wanted.items():
+        for key, shape in keys.items():
+            by_source.setdefault(manifest.source_of(rank, key), []).append((rank, key, shape))
+    headers = read_headers(path, manifest, by_source)
+    total = sum(
+        headers[src].shards[key].stop - headers[src].shards[key].start
+        for src, items in by_source.items()
+        for _, key, _ in items
+        if key in headers[src].shards
+    )
     done = shards = 0
-    for rank in sorted(wanted):
-        header = headers[rank]
-        file = data_path(path, manifest, rank)
+    for src in sorted(by_source):
+        header = headers[src]
+        file = data_path(path, manifest, src)
         with storage.FileReader(file) as reader:
-            for fqn, shape in sorted(wanted[rank].items()):
-                s = header.shards.get(fqn)
-                if s is None or s.shape != shape or s.dtype != dtypes[(rank, fqn)]:
-                    raise CorruptCheckpointError(
-                        f"{file}: the shard of {fqn!r} is missing or has the wrong shape/dtype"
-                    )
-                done += _check_blocks(reader, s, file, fqn)
+            for rank, key, shape in sorted(by_source[src], key=lambda x: x[1]):
+                s = check_stored(path, manifest, rank, key, header, dtypes[(rank, key)], shape)
+                ref = manifest.refs.get(rank, {}).get(key)
+                digest = ref.sha256 if ref is not None else s.sha256
+                done += _check_blocks(reader, s, file, key, digest)
                 if progress:
                     progress(done, total)
                 shards += 1

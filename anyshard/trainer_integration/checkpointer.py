@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -96,6 +96,12 @@ class Checkpointer:
 
     With ``local_dir`` (a local directory, one per node), steps are saved there first and
     uploaded to ``root`` in the background; the newest ``keep_local`` steps stay on local disk.
+    With ``incremental``, every save hashes its shards (SHA-256) and references, rather than
+    writes again, each shard that the previous step of this root holds unchanged (see
+    `anyshard.save`'s ``base``); ``frozen`` names stored tensors (as ``anyshard.open(step)``
+    lists them, e.g. ``"model.tok_emb.weight"``) known not to change, which skip the hashing.
+    Retention never deletes a file that a kept step references.
+
     `restore_latest` picks the newest step that every rank can read, from local disk where all
     the files it needs are there (a restart on the same nodes), else from ``root`` (a replacement
     node, or a lost local disk).
@@ -123,6 +129,8 @@ class Checkpointer:
         local_dir: str | None = None,
         keep_local: int = 1,
         process_group=None,
+        incremental: bool = False,
+        frozen: Collection[str] | None = None,
     ):
         if every_steps is None:
             raise ValueError("every_steps must be a positive int, got None")
@@ -135,6 +143,13 @@ class Checkpointer:
             _positive(name, value)
         if local_dir is not None and storage.is_url(local_dir):
             raise ValueError(f"local_dir must be a local directory, not the URL {local_dir!r}")
+        if incremental and local_dir is not None:
+            raise ValueError(
+                "incremental=True is not supported with local_dir (tiered saves upload each "
+                "step's own files); use one of them"
+            )
+        if frozen and not incremental:
+            raise ValueError("frozen names only apply with incremental=True")
         self.root = root
         self.every_steps = every_steps
         self.keep_last = keep_last
@@ -143,6 +158,10 @@ class Checkpointer:
         self.async_ = async_
         self.local_dir = local_dir
         self.keep_local = keep_local
+        self.incremental = incremental
+        self.frozen = frozenset(frozen or ())
+        self._base: str | None = None  # the newest committed step of this root we know of
+        self._issued: str | None = None  # the save in flight, a base once it has committed
         self._pending: list = []  # SaveHandles of the background work in flight
         self._hooks: list = []  # optimizer pre-step hooks of `guard`
         self.blocked_s = 0.0  # seconds `save` and `wait_staged` have held up their caller
@@ -222,17 +241,30 @@ class Checkpointer:
         if self.local_dir is not None:  # the root is cleared and written in the background
             self._save_tiered(step, state)
             return
+        inc: dict[str, Any] = {}
+        if self.incremental:
+            inc = {"base": self._base, "frozen": self.frozen, "content_hash": True}
+            if self._base is None:
+                inc["frozen"] = None
+        self._issued = path
         if self.async_ and self._hooks:  # nothing here waits for the other ranks
             before = lambda group: self._clear_stale_in_background(path, group)  # noqa: E731
             self._pending.append(
-                save_deferred(path, state, process_group=self.process_group, before=before)
+                save_deferred(path, state, process_group=self.process_group, before=before, **inc)
             )
         elif self.async_:
             self._clear_stale(path)
-            self._pending.append(save(path, state, process_group=self.process_group, async_=True))
+            self._pending.append(
+                save(path, state, process_group=self.process_group, async_=True, **inc)
+            )
         else:
             self._clear_stale(path)
-            save(path, state, process_group=self.process_group)
+            try:
+                save(path, state, process_group=self.process_group, **inc)
+            except BaseException:
+                self._issued = None
+                raise
+            self._base, self._issued = path, None
         if coll.rank(self.process_group) == 0:
             self._pending.append(async_save.submit(self._apply_retention))
 
@@ -304,17 +336,38 @@ class Checkpointer:
     def wait(self) -> None:
         """Wait for the background work in flight (save, upload, retention); raise its error."""
         pending, self._pending = self._pending, []
-        for handle in pending:
-            handle.result()
+        try:
+            for handle in pending:
+                handle.result()
+        except BaseException:
+            self._issued = None
+            raise
+        if self._issued is not None:
+            self._base, self._issued = self._issued, None
 
     def _clear_stale(self, path: str) -> None:
         # A crashed earlier attempt at this same step may have left files (perhaps from another
         # world size); this run owns the step now, so rank 0 clears them before anyone writes.
         # A committed step is left for anyshard.save to refuse.
+        problem = None
         if coll.rank(self.process_group) == 0:
-            if storage.exists(path) and not storage.exists(storage.join(path, MANIFEST_NAME)):
-                steps.remove_step(path)
-        coll.broadcast_json(None, self.process_group)  # a barrier: nobody writes before the clear
+            problem = self._clear_stale_here(path)
+        problem = coll.broadcast_json(problem, self.process_group)  # nobody writes before it
+        if problem:
+            raise AnyshardError(problem)
+
+    @staticmethod
+    def _clear_stale_here(path: str) -> str | None:
+        """Rank 0's part of `_clear_stale`: why the step directory cannot be reused, or None."""
+        if storage.exists(path) and not storage.exists(storage.join(path, MANIFEST_NAME)):
+            steps.remove_step(path)
+            if storage.exists(path) and storage.listdir(storage.join(path, "data")):
+                return (
+                    f"{path}: holds data files that committed steps of {storage.parent(path)} "
+                    "reference (it was an incremental base, since deleted); saving this step "
+                    "again would overwrite them. Save under another step number"
+                )
+        return None
 
     @staticmethod
     def _clear_stale_in_background(path: str, group) -> BaseException | None:
@@ -323,8 +376,7 @@ class Checkpointer:
         problem = None
         if coll.rank(group) == 0:
             try:
-                if storage.exists(path) and not storage.exists(storage.join(path, MANIFEST_NAME)):
-                    steps.remove_step(path)
+                problem = Checkpointer._clear_stale_here(path)
             except (AnyshardError, OSError) as e:
                 problem = f"{path}: could not clear the files of an earlier attempt ({e})"
         problem = coll.broadcast_json(problem, group)  # nobody writes before the clear
@@ -339,11 +391,10 @@ class Checkpointer:
             doomed = set(
                 _steps_to_delete(committed, keep_last=self.keep_last, keep_every=self.keep_every)
             )
-            for s in listed:
-                if s.step in doomed:
-                    steps.remove_step(s.path)
-            for s in steps.find_debris(listed):
-                steps.remove_step(s.path)
+            steps.remove_steps(
+                [s.path for s in listed if s.step in doomed]
+                + [s.path for s in steps.find_debris(listed)]
+            )
         except (AnyshardError, OSError) as e:
             warnings.warn(
                 f"anyshard: retention under {self.root} failed ({e}); old steps remain, "
@@ -433,6 +484,8 @@ class Checkpointer:
         path = self.local_path(step) if local else self.step_path(step)
         self.restored_from = path
         load(path, state, process_group=self.process_group, strict=strict)
+        if not local:
+            self._base = path  # the next incremental save references what it holds
         for name, obj in app_state.items():
             if _is_stateful(obj):
                 obj.load_state_dict(state[name])

@@ -199,17 +199,18 @@ def _files(path: str) -> dict[str, tuple[int, int, int]]:
     return out
 
 
-def _check_root(root: str) -> int | None:
-    """Every committed step verifies; restore_latest gives the newest, bit-exact. Returns it."""
+def _check_root(root: str, fixed: bool = False) -> int | None:
+    """Every committed step verifies; restore_latest gives the newest, bit-exact. Returns it.
+    (``fixed``: the state of incremental saves, with a tensor that never changes.)"""
     committed = _committed(root)
     for step in committed:
         verify_checkpoint(_step_dir(root, step))
-    state = cw.template()
+    state = cw.template(fixed)
     restored = Checkpointer(root).restore_latest(state)
     assert restored == (committed[-1] if committed else None)
     if restored is not None:
-        want = cw.expected_state(restored)
-        for name in ("w", "b"):
+        want = cw.expected_state(restored, fixed)
+        for name in ("w", "b", "f") if fixed else ("w", "b"):
             assert cw.bit_exact(state["model"][name], want["model"][name]), (restored, name)
         assert state["extra"] == want["extra"]
     return restored
@@ -351,12 +352,13 @@ def test_sigkill_at_random_moments_never_loses_or_corrupts_a_commit(tmp_path):
     assert sum(n for where, n in counts.items() if where.startswith("manifest")) >= 1
 
 
-# Async saves and tiered uploads, killed the same way: each kill lands in a background write, an
-# upload or a retention deletion. `python tools/crash_soak.py` runs many more of these.
+# Async saves, tiered uploads and incremental saves, killed the same way: each kill lands in a
+# background write, an upload, the hashing of an incremental save or a retention deletion (which,
+# under incremental saves, keeps the files that kept steps reference). `python tools/crash_soak.py` runs many more of these.
 OTHER_KILLS = int(os.environ.get("ANYSHARD_CRASH_KILLS", "6"))
 
 
-@pytest.mark.parametrize("save_mode", ["async", "tiered"])
+@pytest.mark.parametrize("save_mode", ["async", "tiered", "incremental"])
 def test_sigkill_during_async_saves_and_tiered_uploads_never_loses_a_commit(tmp_path, save_mode):
     root = str(tmp_path / "ckpt")
     scratch = tmp_path / "scratch"
@@ -374,11 +376,14 @@ def test_sigkill_during_async_saves_and_tiered_uploads_never_loses_a_commit(tmp_
             _kill_moment(group, root, mode, rng, before)
             group.kill()
             where = _where_it_landed(root, on_disk)
-            newest = _check_root(root)
+            newest = _check_root(root, fixed=save_mode == "incremental")
             assert (newest or 0) >= before, f"commit {before} was lost ({where})"
             landed.append((mode, where, newest))
     finally:
         group.close()
     assert len(landed) == OTHER_KILLS and newest
+    if save_mode == "incremental":  # the newest step references f, and its file is still there
+        manifest = anyshard.open(_step_dir(root, newest)).manifest
+        assert any("model.f" in per for per in manifest.refs.values()), manifest.refs
     counts = collections.Counter(where for _, where, _ in landed)
     print(f"\n{save_mode}: {len(landed)} kills; newest commit {newest}; where: {dict(counts)}")

@@ -1,0 +1,154 @@
+"""Incremental saves: a stored shard whose bytes an earlier step of the same root already holds
+is referenced there rather than written again.
+
+A save with a base step hashes each shard it would write (SHA-256; crc32c is no identity) and
+compares it with the shard the same rank stored under the same key in the base: in the base's
+own data file (whose header records the SHA-256 when that save hashed) or, when the base itself
+referenced it, where the base's reference points, so that references always name the file that
+holds the bytes and never chain. A base shard without a recorded hash is read and compared byte
+for byte. Names the caller declares frozen skip the hashing when the base records their hash.
+
+Everything here is per rank: no collective, nothing read beyond the base's manifest and the
+headers of the data files this rank's base shards lie in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import posixpath
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from anyshard.errors import AnyshardError, CorruptCheckpointError
+from anyshard.format import storage
+from anyshard.format.datafile import data_path, read_header, tensor_bytes
+from anyshard.format.dtypes import DTYPE_TO_ST
+from anyshard.format.manifest import Ref, check_ref_file, read_manifest
+from anyshard.format.pool import io_pool
+
+__all__ = ["Incremental", "sha256_of"]
+
+
+def sha256_of(data: memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _basename(path: str) -> str:
+    if storage.is_url(path):
+        return posixpath.basename(path.rstrip("/"))
+    return os.path.basename(os.path.normpath(path))
+
+
+@dataclass(frozen=True, slots=True)
+class _BaseShard:
+    ref: Ref  # where the bytes lie, relative to a sibling step (sha256 "" when not recorded)
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Incremental:
+    """How a save treats unchanged shards: ``base`` (a committed step in the same root as the
+    save, or None: hash only, for a later save to reference) and ``frozen`` (stored keys
+    referenced without hashing when the base records their hash)."""
+
+    base: str | None = None
+    frozen: frozenset[str] = frozenset()
+
+    @classmethod
+    def of(cls, base: str | None, frozen: Collection[str] | None, hashed: bool):
+        """The policy of a save, or None when it neither hashes nor references."""
+        if base is None and not hashed and not frozen:
+            return None
+        return cls(base=None if base is None else str(base), frozen=frozenset(frozen or ()))
+
+    def split(
+        self, path: str, rank: int, writes: Sequence[tuple[str, torch.Tensor]], *, threads: int = 4
+    ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Ref], dict[str, str]]:
+        """``writes`` (this rank's stored shards, contiguous host tensors) split into those to
+        write, with their SHA-256, and references to the base's copies of the others."""
+        base = self._base_shards(path, rank) if self.base is not None else {}
+        refs: dict[str, Ref] = {}
+        todo: list[tuple[str, torch.Tensor]] = []
+        for key, t in writes:
+            b = base.get(key)
+            same_kind = (
+                b is not None and b.dtype == DTYPE_TO_ST[t.dtype] and b.shape == tuple(t.shape)
+            )
+            if same_kind and key in self.frozen and b.ref.sha256:
+                refs[key] = b.ref
+            else:
+                todo.append((key, t))
+        views = [tensor_bytes(t) for _, t in todo]
+        digests = list(io_pool(threads).map(sha256_of, views)) if len(views) > 1 else []
+        if len(views) == 1:
+            digests = [sha256_of(views[0])]
+        out: list[tuple[str, torch.Tensor]] = []
+        hashes: dict[str, str] = {}
+        for (key, t), view, digest in zip(todo, views, digests, strict=True):
+            b = base.get(key)
+            if (
+                b is not None
+                and b.dtype == DTYPE_TO_ST[t.dtype]
+                and b.shape == tuple(t.shape)
+                and (b.ref.sha256 == digest if b.ref.sha256 else self._same_bytes(path, b, view))
+            ):
+                refs[key] = Ref(file=b.ref.file, start=b.ref.start, stop=b.ref.stop, sha256=digest)
+                continue
+            out.append((key, t))
+            hashes[key] = digest
+        return out, refs, hashes
+
+    def _base_shards(self, path: str, rank: int) -> dict[str, _BaseShard]:
+        """Rank ``rank``'s stored shards in the base: key -> where the bytes lie."""
+        base = self.base
+        assert base is not None
+        if storage.parent(base) != storage.parent(path) or _basename(base) == _basename(path):
+            raise AnyshardError(
+                f"save to {path}: base {base} is not another step of the same root; an "
+                "incremental save references files of an earlier step in the same directory "
+                f"({storage.parent(path)})"
+            )
+        manifest = read_manifest(base)
+        out: dict[str, _BaseShard] = {}
+        refs = manifest.refs.get(rank, {})
+        if rank in manifest.files:
+            rel = f"../{_basename(base)}/{manifest.files[rank]}"
+            try:
+                check_ref_file(rel, base)
+            except CorruptCheckpointError:
+                raise AnyshardError(
+                    f"save to {path}: base {base}'s data file {rel!r} cannot be referenced (a "
+                    "step directory name of letters, digits, '.', '_' and '-' can)"
+                ) from None
+            header = read_header(data_path(base, manifest, rank))
+            for key, e in header.shards.items():
+                if key not in refs:
+                    ref = Ref(file=rel, start=e.start, stop=e.stop, sha256=e.sha256 or "")
+                    out[key] = _BaseShard(ref, e.dtype, e.shape)
+        headers: dict[int, object] = {}
+        for key, ref in refs.items():
+            source = manifest.source_of(rank, key)
+            if source not in headers:
+                headers[source] = read_header(data_path(base, manifest, source))
+            e = headers[source].shards.get(key)  # type: ignore[attr-defined]
+            if e is not None and (e.start, e.stop) == (ref.start, ref.stop):
+                out[key] = _BaseShard(ref, e.dtype, e.shape)
+        return out
+
+    @staticmethod
+    def _same_bytes(path: str, b: _BaseShard, view: memoryview) -> bool:
+        """Whether the base shard ``b`` (no hash recorded) holds exactly ``view``'s bytes."""
+        if b.ref.stop - b.ref.start != view.nbytes:
+            return False
+        file = storage.join(storage.parent(path), *b.ref.file.split("/")[1:])
+        buf = bytearray(view.nbytes)
+        try:
+            with storage.FileReader(file) as r:
+                r.read_into(b.ref.start, memoryview(buf))
+        except (FileNotFoundError, EOFError):
+            return False
+        return buf == view
