@@ -41,6 +41,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import glob
 import io
 import json
 import os
@@ -106,6 +107,21 @@ def make_corpus(root: str) -> dict[str, str]:
     }
     ucl.save_local_states(spec, states, spec=SPEC, layout={"tp": 2})
     out["anyshard-spec"] = spec
+    # an incremental step: "w" and "n" referenced in its base, a sibling directory
+    inc = os.path.join(root, "incremental")
+    state = {
+        "w": torch.randn(8, 16, generator=g),
+        "e": torch.randn(5, 3, generator=g).to(torch.bfloat16),
+        "n": torch.arange(6, dtype=torch.int64).reshape(3, 2),
+        "s": torch.tensor(2.5),
+        "step": 3,
+        "cfg": {"lr": 0.1, "betas": [0.9, 0.95]},
+    }
+    anyshard.save(os.path.join(inc, "step-1"), state, content_hash=True)
+    state["e"] += 1
+    state["s"] += 1
+    anyshard.save(os.path.join(inc, "step-2"), state, base=os.path.join(inc, "step-1"))
+    out["anyshard-incremental"] = os.path.join(inc, "step-2")
     d = os.path.join(root, "dcp")
     dcp.save({"w": torch.randn(6, 5, generator=g), "step": 7}, checkpoint_id=d, no_dist=True)
     out["dcp"] = d
@@ -225,8 +241,14 @@ def _write(path: str, data: bytes) -> None:
 
 
 def _data_files(root: str) -> list[str]:
-    d = os.path.join(root, "data")
-    return sorted(os.path.join(d, n) for n in os.listdir(d)) if os.path.isdir(d) else []
+    """The data files of the checkpoint at ``root``, and of the steps beside it that an
+    incremental checkpoint references."""
+    out = []
+    for step in [root] + sorted(glob.glob(os.path.join(os.path.dirname(root), "step-*"))):
+        d = os.path.join(step, "data")
+        if os.path.isdir(d) and (step == root or os.path.basename(root).startswith("step-")):
+            out += [os.path.join(d, n) for n in sorted(os.listdir(d))]
+    return sorted(set(out))
 
 
 def _safetensors_parts(data: bytes) -> tuple[dict, bytes]:
@@ -497,8 +519,14 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _scratch_copy(work: str, pristine: str) -> str:
-    path = os.path.join(work, "case", os.path.basename(pristine))
+    """A copy of the checkpoint at ``pristine`` (with its root, for an incremental step that
+    references the steps beside it) to damage; the copy's path."""
     shutil.rmtree(os.path.join(work, "case"), ignore_errors=True)
+    if os.path.basename(pristine).startswith("step-"):
+        root = os.path.join(work, "case", os.path.basename(os.path.dirname(pristine)))
+        shutil.copytree(os.path.dirname(pristine), root)
+        return os.path.join(root, os.path.basename(pristine))
+    path = os.path.join(work, "case", os.path.basename(pristine))
     shutil.copytree(pristine, path)
     return path
 

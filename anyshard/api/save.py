@@ -61,6 +61,8 @@ class _LocalPlan:
     values: dict[str, Any] = field(default_factory=dict)
     spec: ReportedSpec | None = None
     incremental: Incremental | None = None  # hash, and reference what the base holds
+    # frozen shards the base holds: referenced, never staged nor hashed (key -> base shard)
+    held: dict = field(default_factory=dict)
 
 
 def _plan_local(flat: dict, holders: dict[str, list[int]], group, *, to_host: bool) -> _LocalPlan:
@@ -106,19 +108,28 @@ def _plain_tensor_crc(t: torch.Tensor) -> int:
     return crc32c(tensor_bytes(host.contiguous()))
 
 
-def _plain_holders(flat: dict, group, *, check_replicas: bool) -> tuple[dict[str, list[int]], str]:
+def _plain_holders(
+    flat: dict, group, *, check_replicas: bool, unchecked: frozenset[str] = frozenset()
+) -> tuple[dict[str, list[int]], str]:
     """The ranks holding each plain tensor that not every rank holds (the tensors of one
     pipeline stage, say), and, with ``check_replicas``, the plain tensors whose copies differ
-    between the ranks holding them (a message naming them; empty when they all agree). One
-    32-byte all-gather when every rank holds the same names and the same bytes."""
+    between the ranks holding them (a message naming them; empty when they all agree), except
+    those named in ``unchecked`` (declared frozen: unchanged since a save that checked them).
+    One 32-byte all-gather when every rank holds the same names and the same bytes."""
     from torch.distributed.tensor import DTensor
 
+    if coll.world_size(group) == 1:  # one copy of everything: nothing to hold or compare
+        return {}, ""
     plain = {
         k: leaf.value
         for k, leaf in sorted(flat.items())
         if isinstance(leaf.value, torch.Tensor) and not isinstance(leaf.value, DTensor)
     }
-    crcs = {k: _plain_tensor_crc(t) for k, t in plain.items()} if check_replicas else {}
+    crcs = (
+        {k: _plain_tensor_crc(t) for k, t in plain.items() if k not in unchecked}
+        if check_replicas
+        else {}
+    )
     digest = hashlib.sha256(json.dumps([list(plain), crcs]).encode()).digest()
     if coll.all_equal(digest, group):
         return {}, ""
@@ -257,8 +268,10 @@ def save(
         process_group,
         check_replicas,
         to_host=not async_,
+        incremental=incremental,
     )
     plan.incremental = incremental
+    error = _set_aside_frozen(path, plan, error, process_group)
     if not async_:
         _write_and_commit(path, plan, error, process_group)
         return None
@@ -306,8 +319,10 @@ def _deferred(
                 group,
                 check_replicas,
                 to_host=False,
+                incremental=incremental,
             )
             plan.incremental = incremental
+            err = _set_aside_frozen(path, plan, err, group)
             if err is None:
                 plan.writes = async_save.stage(plan.writes, after)
         except Exception as e:  # reported like any other: every rank still takes part
@@ -360,7 +375,18 @@ def save_deferred(
 
 
 def _plan_save(
-    path, state_dict, flat, error, spec, layout, coords, group, check_replicas, *, to_host: bool
+    path,
+    state_dict,
+    flat,
+    error,
+    spec,
+    layout,
+    coords,
+    group,
+    check_replicas,
+    *,
+    to_host: bool,
+    incremental: Incremental | None = None,
 ) -> tuple[_LocalPlan, BaseException | None]:
     """This rank's plan of a save over ``group`` (collective: every rank takes part, whatever
     happened to it before), and the error that stops it (None: none)."""
@@ -371,7 +397,12 @@ def _plan_save(
     except Exception as e:  # reported to rank 0 so that no rank waits forever
         error = e
     holders, divergent = (
-        _plain_holders(flat or {}, group, check_replicas=check_replicas and error is None)
+        _plain_holders(
+            flat or {},
+            group,
+            check_replicas=check_replicas and error is None,
+            unchecked=incremental.frozen if incremental and incremental.base else frozenset(),
+        )
         if spec is None
         else ({}, "")
     )
@@ -390,27 +421,43 @@ def _plan_save(
     return plan, error
 
 
+def _set_aside_frozen(
+    path: str, plan: _LocalPlan, error: BaseException | None, group
+) -> BaseException | None:
+    """Take the frozen shards the base holds out of ``plan.writes`` (into ``plan.held``) before
+    anything is staged; the error that stops the save (None: none)."""
+    if error is not None or plan.incremental is None:
+        return error
+    try:
+        plan.writes, plan.held = plan.incremental.frozen_part(path, coll.rank(group), plan.writes)
+    except Exception as e:  # reported to rank 0 like any other
+        return e
+    return None
+
+
 def _write_and_commit(path: str, plan: _LocalPlan, error: BaseException | None, group) -> None:
     """Write this rank's data file, agree with every rank, commit on rank 0, raise on failure."""
     me = coll.rank(group)
     file = None
     writes, refs, hashes = plan.writes, {}, None
+    spans: dict[str, tuple[int, int]] = {}
     if error is None and plan.incremental is not None:
         try:
             writes, refs, hashes = plan.incremental.split(path, me, plan.writes)
+            refs.update((k, b.ref) for k, b in plan.held.items())
         except Exception as e:
             error = e
-    if error is None and plan.writes:
+    if error is None and (plan.writes or plan.held):
         try:
             storage.makedirs(storage.join(path, DATA_DIR))
             file = data_file_name(me)  # written even when it references every shard it holds
-            write_datafile(storage.join(path, *file.split("/")), writes, hashes=hashes)
+            write_datafile(storage.join(path, *file.split("/")), writes, hashes=hashes, spans=spans)
         except Exception as e:
             error, file = e, None
     report = SaveReport(
         error=_error_text(error) if error is not None else None,
         file=file,
-        count=len(plan.writes) if error is None else 0,
+        count=len(plan.writes) + len(plan.held) if error is None else 0,
         tensors=plan.tensors if error is None else {},
         values=plan.values if error is None else {},
         spec=plan.spec if error is None else None,
@@ -421,7 +468,9 @@ def _write_and_commit(path: str, plan: _LocalPlan, error: BaseException | None, 
     if me == 0:
         try:
             manifest = build_manifest([SaveReport.from_json(r) for r in reports], path)
-            commit_manifest(path, manifest)
+            data = manifest.dumps()
+            commit_manifest(path, manifest, data)
+            outcome["manifest_sha256"] = hashlib.sha256(data).hexdigest()
         except Exception as e:
             outcome = {"ok": False, "error": str(e)}
     outcome = coll.broadcast_json(outcome, group)
@@ -429,6 +478,12 @@ def _write_and_commit(path: str, plan: _LocalPlan, error: BaseException | None, 
         raise error
     if not outcome["ok"]:
         raise SaveError(outcome["error"])
+    if plan.incremental is not None and hashes is not None:  # the base of the next save
+        kinds = {k: (DTYPE_TO_ST[t.dtype], tuple(t.shape)) for k, t in plan.writes}
+        kinds.update((k, (b.dtype, b.shape)) for k, b in plan.held.items())
+        plan.incremental.remember(
+            path, me, outcome["manifest_sha256"], writes, spans, file, refs, hashes, kinds
+        )
 
 
 def save_local_states(

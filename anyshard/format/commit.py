@@ -210,13 +210,15 @@ def refuse_committed(path: str) -> None:
         )
 
 
-def commit_manifest(path: str, manifest: Manifest) -> None:
-    """Write ``manifest`` into ``path``, atomically and exclusively: a concurrent save to the
-    same path cannot commit over it (`SaveError`)."""
+def commit_manifest(path: str, manifest: Manifest, data: bytes | None = None) -> None:
+    """Write ``manifest`` (serialised as ``data``, when given) into ``path``, atomically and
+    exclusively: a concurrent save to the same path cannot commit over it (`SaveError`)."""
     storage.makedirs(path)  # a save of JSON values only has no data directory
     try:
         storage.write_bytes_atomic(
-            storage.join(path, MANIFEST_NAME), manifest.dumps(), exclusive=True
+            storage.join(path, MANIFEST_NAME),
+            manifest.dumps() if data is None else data,
+            exclusive=True,
         )
     except FileExistsError:
         raise SaveError(

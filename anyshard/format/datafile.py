@@ -143,9 +143,11 @@ def write_datafile(
     *,
     threads: int = 4,
     hashes: dict[str, str] | None = None,
+    spans: dict[str, tuple[int, int]] | None = None,
 ) -> int:
     """Write ``shards`` (contiguous CPU tensors) into a new safetensors file, recording
-    ``hashes[name]`` (SHA-256, hex) where given; returns its size."""
+    ``hashes[name]`` (SHA-256, hex) where given; returns its size, and fills ``spans`` (when
+    given) with each shard's absolute byte range in the file."""
     views = [tensor_bytes(t) for _, t in shards]
     blocks = [block_size(tuple(t.shape), t.element_size()) for _, t in shards]
     pool = io_pool(threads)
@@ -154,6 +156,11 @@ def write_datafile(
     raw = header_bytes(layout, dict(zip((n for n, _ in shards), crcs, strict=True)), hashes)
     offset = sum(mv.nbytes for mv in views)
     raw += b" " * (-len(raw) % 8)
+    if spans is not None:
+        at = 8 + len(raw)
+        for (name, _), mv in zip(shards, views, strict=True):
+            spans[name] = (at, at + mv.nbytes)
+            at += mv.nbytes
     with storage.open_writer(path) as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)

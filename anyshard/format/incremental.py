@@ -9,7 +9,9 @@ holds the bytes and never chain. A base shard without a recorded hash is read an
 for byte. Names the caller declares frozen skip the hashing when the base records their hash.
 
 Everything here is per rank: no collective, nothing read beyond the base's manifest and the
-headers of the data files this rank's base shards lie in.
+headers of the data files this rank's base shards lie in; and not even those when this process
+saved the base itself (the Checkpointer's case): its index is remembered, keyed by the SHA-256 of
+the manifest it committed, and used when the base's manifest still has those bytes.
 """
 
 from __future__ import annotations
@@ -26,14 +28,29 @@ from anyshard.errors import AnyshardError, CorruptCheckpointError
 from anyshard.format import storage
 from anyshard.format.datafile import data_path, read_header, tensor_bytes
 from anyshard.format.dtypes import DTYPE_TO_ST
-from anyshard.format.manifest import Ref, check_ref_file, read_manifest
+from anyshard.format.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    Ref,
+    check_ref_file,
+    read_manifest,
+)
 from anyshard.format.pool import io_pool
 
 __all__ = ["Incremental", "sha256_of"]
 
+_POOL_BYTES = 4 << 20  # shards at least this large are hashed in the I/O pool, others inline
+_REMEMBERED = 8  # indexes of steps this process saved, kept for the saves based on them
+# (step path, rank) -> (SHA-256 of the step's manifest, the rank's stored shards there)
+_index_cache: dict[tuple[str, int], tuple[str, dict]] = {}
+
 
 def sha256_of(data: memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def _normal(path: str) -> str:
+    return path.rstrip("/") if storage.is_url(path) else os.path.abspath(os.path.normpath(path))
 
 
 def _basename(path: str) -> str:
@@ -65,27 +82,48 @@ class Incremental:
             return None
         return cls(base=None if base is None else str(base), frozen=frozenset(frozen or ()))
 
+    def frozen_part(
+        self, path: str, rank: int, writes: Sequence[tuple[str, torch.Tensor]]
+    ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, _BaseShard]]:
+        """``writes`` (this rank's stored shards, on any device) without the frozen ones that
+        the base holds with a recorded hash, and those: referenced without hashing, so that
+        an async save need not even stage them."""
+        if self.base is None or not self.frozen:
+            return list(writes), {}
+        return self._frozen_part(self._base_shards(path, rank), writes)
+
+    def _frozen_part(
+        self, base: dict[str, _BaseShard], writes: Sequence[tuple[str, torch.Tensor]]
+    ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, _BaseShard]]:
+        rest: list[tuple[str, torch.Tensor]] = []
+        held: dict[str, _BaseShard] = {}
+        for key, t in writes:
+            b = base.get(key)
+            if (
+                key in self.frozen
+                and b is not None
+                and b.ref.sha256
+                and b.dtype == DTYPE_TO_ST[t.dtype]
+                and b.shape == tuple(t.shape)
+            ):
+                held[key] = b
+            else:
+                rest.append((key, t))
+        return rest, held
+
     def split(
         self, path: str, rank: int, writes: Sequence[tuple[str, torch.Tensor]], *, threads: int = 4
     ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Ref], dict[str, str]]:
         """``writes`` (this rank's stored shards, contiguous host tensors) split into those to
         write, with their SHA-256, and references to the base's copies of the others."""
         base = self._base_shards(path, rank) if self.base is not None else {}
-        refs: dict[str, Ref] = {}
-        todo: list[tuple[str, torch.Tensor]] = []
-        for key, t in writes:
-            b = base.get(key)
-            same_kind = (
-                b is not None and b.dtype == DTYPE_TO_ST[t.dtype] and b.shape == tuple(t.shape)
-            )
-            if same_kind and key in self.frozen and b.ref.sha256:
-                refs[key] = b.ref
-            else:
-                todo.append((key, t))
+        todo, held = self._frozen_part(base, writes)
+        refs: dict[str, Ref] = {k: b.ref for k, b in held.items()}
         views = [tensor_bytes(t) for _, t in todo]
-        digests = list(io_pool(threads).map(sha256_of, views)) if len(views) > 1 else []
-        if len(views) == 1:
-            digests = [sha256_of(views[0])]
+        large = [i for i, v in enumerate(views) if v.nbytes >= _POOL_BYTES]
+        hashed = io_pool(threads).map(sha256_of, [views[i] for i in large])
+        pooled = dict(zip(large, hashed, strict=True))
+        digests = [pooled[i] if i in pooled else sha256_of(v) for i, v in enumerate(views)]
         out: list[tuple[str, torch.Tensor]] = []
         hashes: dict[str, str] = {}
         for (key, t), view, digest in zip(todo, views, digests, strict=True):
@@ -112,7 +150,16 @@ class Incremental:
                 "incremental save references files of an earlier step in the same directory "
                 f"({storage.parent(path)})"
             )
-        manifest = read_manifest(base)
+        try:
+            data = storage.read_bytes(storage.join(base, MANIFEST_NAME))
+        except (FileNotFoundError, IsADirectoryError):
+            read_manifest(base)  # raises the error that says what is there instead
+            raise
+        digest = hashlib.sha256(data).hexdigest()
+        known = _index_cache.get((_normal(base), rank))
+        if known is not None and known[0] == digest:
+            return known[1]
+        manifest = Manifest.loads(data, storage.join(base, MANIFEST_NAME))
         out: dict[str, _BaseShard] = {}
         refs = manifest.refs.get(rank, {})
         if rank in manifest.files:
@@ -138,6 +185,33 @@ class Incremental:
             if e is not None and (e.start, e.stop) == (ref.start, ref.stop):
                 out[key] = _BaseShard(ref, e.dtype, e.shape)
         return out
+
+    @staticmethod
+    def remember(
+        path: str,
+        rank: int,
+        manifest_sha256: str,
+        writes: Sequence[tuple[str, torch.Tensor]],
+        spans: dict[str, tuple[int, int]],
+        file: str | None,
+        refs: dict[str, Ref],
+        hashes: dict[str, str],
+        ref_kinds: dict[str, tuple[str, tuple[int, ...]]],
+    ) -> None:
+        """Keep the index of rank ``rank`` in the step this process just committed at ``path``
+        (its manifest's SHA-256 ``manifest_sha256``), for a save based on it."""
+        index: dict[str, _BaseShard] = {}
+        if file is not None:
+            rel = f"../{_basename(path)}/{file}"
+            for key, t in writes:
+                start, stop = spans[key]
+                ref = Ref(file=rel, start=start, stop=stop, sha256=hashes[key])
+                index[key] = _BaseShard(ref, DTYPE_TO_ST[t.dtype], tuple(t.shape))
+        for key, ref in refs.items():
+            index[key] = _BaseShard(ref, *ref_kinds[key])
+        while len(_index_cache) >= _REMEMBERED:
+            _index_cache.pop(next(iter(_index_cache)))
+        _index_cache[(_normal(path), rank)] = (manifest_sha256, index)
 
     @staticmethod
     def _same_bytes(path: str, b: _BaseShard, view: memoryview) -> bool:

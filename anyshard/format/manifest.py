@@ -283,14 +283,14 @@ def _check_relative(name: str, where: str) -> str:
     return name
 
 
-_HEX = frozenset("0123456789abcdef")
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
 # ../<a sibling step directory>/data/<a data file>: the only shape a reference may have
 _REF_RE = re.compile(r"^\.\./([A-Za-z0-9_][A-Za-z0-9._-]*)/data/([A-Za-z0-9_][A-Za-z0-9._-]*)$")
 
 
 def is_sha256(value: object) -> bool:
     """Whether ``value`` is a SHA-256 as headers and manifests record it: 64 lowercase hex."""
-    return isinstance(value, str) and len(value) == 64 and all(c in _HEX for c in value)
+    return isinstance(value, str) and _SHA256_RE.fullmatch(value) is not None
 
 
 def check_ref_file(name: object, where: str) -> str:

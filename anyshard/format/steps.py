@@ -24,8 +24,8 @@ import re
 from dataclasses import dataclass
 
 from anyshard.errors import AnyshardError
-from anyshard.format import storage
-from anyshard.format.manifest import MANIFEST_NAME, read_manifest
+from anyshard.format import storage, strict_json
+from anyshard.format.manifest import MANIFEST_NAME, check_ref_file, read_manifest
 
 __all__ = [
     "StepInfo",
@@ -137,7 +137,9 @@ def list_steps(root: str, *, refs: bool = False) -> list[StepInfo]:
         if s.committed:
             try:
                 manifest = read_manifest(s.path)
-                shared = sum(r.stop - r.start for per in manifest.refs.values() for r in per.values())
+                shared = sum(
+                    r.stop - r.start for per in manifest.refs.values() for r in per.values()
+                )
             except AnyshardError:
                 pass
         held = not s.committed and any(
@@ -173,15 +175,30 @@ def referenced_files(root: str, listed: list[StepInfo] | None = None) -> set[str
         if not s.committed:
             continue
         try:
-            manifest = read_manifest(s.path)
+            files = _ref_files(s.path)
         except FileNotFoundError:
-            continue
-        except AnyshardError:
-            if storage.exists(storage.join(s.path, MANIFEST_NAME)):
-                return None
             continue  # removed while listing
-        out.update(_norm(f) for f in manifest.ref_files(s.path))
+        if files is None:
+            return None
+        out.update(_norm(storage.join(storage.parent(s.path), *f.split("/")[1:])) for f in files)
     return out
+
+
+def _ref_files(path: str) -> set[str] | None:
+    """The files the manifest of the step at ``path`` references (``../STEP/data/FILE``), read
+    without checking the rest of the manifest (what a deletion needs), or None when the
+    manifest cannot be read as one."""
+    try:
+        j = strict_json.loads(storage.read_bytes(storage.join(path, MANIFEST_NAME)))
+        return {
+            check_ref_file(ref["file"], path)
+            for per in j.get("refs", {}).values()
+            for ref in per.values()
+        }
+    except FileNotFoundError:
+        raise
+    except (AnyshardError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def latest_committed(root: str) -> StepInfo | None:
@@ -231,11 +248,7 @@ def remove_steps(paths: list[str]) -> None:
     for path in paths:
         data = storage.join(path, "data")
         names = _listdir_or_empty(data)
-        held = (
-            names
-            if keep is None
-            else [n for n in names if _norm(storage.join(data, n)) in keep]
-        )
+        held = names if keep is None else [n for n in names if _norm(storage.join(data, n)) in keep]
         try:
             if not held:
                 storage.remove_tree(path)

@@ -90,7 +90,9 @@ def match_fills(
     dtypes: dict[tuple[int, str], torch.dtype] = {}
     for (rank, key), shape in shapes.items():
         src = source[(rank, key)]
-        stored = check_stored(path, manifest, rank, key, headers[src], stored_dtype[(rank, key)], shape)
+        stored = check_stored(
+            path, manifest, rank, key, headers[src], stored_dtype[(rank, key)], shape
+        )
         dtype = ST_TO_DTYPE[stored.dtype]
         info[(src, key)] = StoredShardInfo(
             stored.start, stored.stop, dtype.itemsize, block=stored.block, crcs=stored.crcs

@@ -27,7 +27,10 @@ from anyshard.trainer_integration import Checkpointer
 def _state(seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     return {
-        "base": {"emb": torch.randn(300, 64, generator=g), "proj": torch.randn(64, 64, generator=g)},
+        "base": {
+            "emb": torch.randn(300, 64, generator=g),
+            "proj": torch.randn(64, 64, generator=g),
+        },
         "lora": {"a": torch.randn(8, 64, generator=g), "b": torch.zeros(64, 8)},
         "meta": {"step": 0},
     }
@@ -65,7 +68,9 @@ def test_unchanged_shards_are_referenced_and_read_back_bit_exact(tmp_path):
     m = _manifest(s2)
     assert m["format_version"] == 3
     assert sorted(m["refs"]["0"]) == ["base.emb", "base.proj"]
-    assert all(r["file"] == "../step-1/data/rank-00000.safetensors" for r in m["refs"]["0"].values())
+    assert all(
+        r["file"] == "../step-1/data/rank-00000.safetensors" for r in m["refs"]["0"].values()
+    )
     # the new step's own data file holds only the adapters
     assert _data_bytes(s2) < 0.1 * _data_bytes(s1)
     _assert_state(s2, state)
@@ -323,3 +328,59 @@ def test_a_missing_referenced_file_is_a_clear_error(tmp_path):
         view.get_tensor("base.emb")
     with anyshard.open(s2) as view:  # what the step holds itself still reads
         assert view.get_tensor("lora.a").shape == (8, 64)
+
+
+def test_the_remembered_index_of_a_base_equals_the_one_read_from_storage(tmp_path):
+    """The index a process keeps of a step it committed is what reading the step gives; a base
+    replaced since (another manifest at the same path) is read again."""
+    state = _state()
+    s1, s2 = str(tmp_path / "step-1"), str(tmp_path / "step-2")
+    anyshard.save(s1, state, content_hash=True)
+    _step(state, 1)
+    anyshard.save(s2, state, base=s1)
+    _step(state, 2)
+    anyshard.save(str(tmp_path / "step-3"), state, base=s2)  # from the remembered index
+    incremental._index_cache.clear()
+    anyshard.save(str(tmp_path / "step-4"), state, base=s2)  # read from storage
+    got = [_manifest(str(tmp_path / s))["refs"] for s in ("step-3", "step-4")]
+    assert got[0] == got[1] and "lora.a" not in got[0]["0"]
+    # step 2 replaced by a plain save at the same path (nothing remembered of it): the index
+    # remembered of the old step 2 (references into step 1) no longer applies
+    shutil.rmtree(s2)
+    anyshard.save(s2, state)
+    anyshard.save(str(tmp_path / "step-5"), state, base=s2)
+    refs = _manifest(str(tmp_path / "step-5"))["refs"]["0"]
+    assert {r["file"] for r in refs.values()} == {"../step-2/data/rank-00000.safetensors"}
+    _assert_state(str(tmp_path / "step-5"), state)
+
+
+def test_the_example_in_docs_api_md_runs(capsys):
+    doc = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "api.md")
+    blocks = open(doc).read().split("```python\n")[1:]
+    example = next(b.split("```")[0] for b in blocks if "content_hash=True" in b)
+    exec(compile(example, "docs/api.md", "exec"), {})
+    assert capsys.readouterr().out.strip() == "['base']"
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_an_async_save_never_stages_the_frozen_shards_its_base_holds(tmp_path, monkeypatch, defer):
+    from anyshard.api import async_save
+
+    state = _state()
+    s1, s2 = str(tmp_path / "step-1"), str(tmp_path / "step-2")
+    anyshard.save(s1, state, content_hash=True)
+    staged: list[str] = []
+    real = async_save.stage
+    monkeypatch.setattr(
+        async_save,
+        "stage",
+        lambda writes, *a: staged.extend(k for k, _ in writes) or real(writes, *a),
+    )
+    _step(state, 1)
+    handle = anyshard.save(
+        s2, state, base=s1, frozen=["base.emb", "base.proj"], async_=True, defer_staging=defer
+    )
+    handle.result()
+    assert sorted(staged) == ["lora.a", "lora.b"]
+    assert sorted(_manifest(s2)["refs"]["0"]) == ["base.emb", "base.proj"]
+    _assert_state(s2, state)

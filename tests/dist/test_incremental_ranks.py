@@ -2,7 +2,7 @@
 references every shard that did not change, and loads bit-exact under other layouts (torch's own
 full tensors are the truth), also once its base has been deleted by retention.
 
-Run: python -m pytest tests/dist/test_incremental.py -q
+Run: python -m pytest tests/dist/test_incremental_ranks.py -q
 """
 
 from __future__ import annotations
