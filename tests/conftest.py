@@ -29,12 +29,23 @@ def pool8(tmp_path_factory):
     yield from _pool(8, tmp_path_factory)
 
 
-# --- a real S3-compatible server on loopback (moto), for tests of s3:// URLs ---------------------
+# --- S3 on loopback: SeaweedFS, a real object store; moto's mock behind the fault proxy ----------
 
 
 @pytest.fixture(scope="session")
-def s3_server():
-    """moto's standalone S3 server on 127.0.0.1, one process for the whole session."""
+def s3_server(tmp_path_factory):
+    """SeaweedFS (master, volume server, filer, S3 gateway) on 127.0.0.1, started once for the
+    whole session, its data in a temporary directory."""
+    from anyshard.trainer_integration.seaweed import SeaweedServer
+
+    root = tmp_path_factory.mktemp("seaweedfs")
+    with SeaweedServer(str(root)) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def moto_server():
+    """moto's standalone S3 server on 127.0.0.1: the mock behind `s3_proxy`'s injected faults."""
     sys.path.insert(0, os.path.dirname(__file__))
     from s3_server import MotoServer
 
@@ -63,14 +74,14 @@ def s3(s3_server, monkeypatch):
 
 
 @pytest.fixture
-def s3_proxy(s3_server, monkeypatch):
-    """An `S3Proxy` (request log, fault injection) in front of the server, with AWS_ENDPOINT_URL
-    pointing at it; ``s3_proxy.bucket`` is ``s3://<a fresh bucket>``."""
+def s3_proxy(moto_server, monkeypatch):
+    """An `S3Proxy` (request log, fault injection) in front of moto's server, with
+    AWS_ENDPOINT_URL pointing at it; ``s3_proxy.bucket`` is ``s3://<a fresh bucket>``."""
     import s3fs
     from s3_server import S3Proxy
 
-    with S3Proxy(s3_server.endpoint) as proxy:
-        _point_aws_at({**s3_server.env(), "AWS_ENDPOINT_URL": proxy.endpoint}, monkeypatch)
-        proxy.bucket = "s3://" + s3_server.create_bucket()
+    with S3Proxy(moto_server.endpoint) as proxy:
+        _point_aws_at({**moto_server.env(), "AWS_ENDPOINT_URL": proxy.endpoint}, monkeypatch)
+        proxy.bucket = "s3://" + moto_server.create_bucket()
         yield proxy
     s3fs.S3FileSystem.clear_instance_cache()

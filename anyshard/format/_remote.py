@@ -151,8 +151,13 @@ def retry(
         except (FileNotFoundError, FileExistsError, EOFError, StorageError):
             raise
         except Exception as e:
-            if _http(e)[1] == "InvalidRange":
+            status, code = _http(e)
+            if code == "InvalidRange":
                 raise EOFError(f"{what} reaches past the end of the object") from None
+            if status == 412 or code == "PreconditionFailed":  # a conditional PUT: it exists
+                raise FileExistsError(f"{url} exists") from None
+            if code == "NoSuchBucket":
+                raise FileNotFoundError(f"{url}: no such bucket") from None
             if not is_transient(e):
                 raise StorageError(f"{url}: {what} failed: {_why(e)}") from e
             last = e

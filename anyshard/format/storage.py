@@ -209,10 +209,21 @@ def write_bytes_atomic(path: str, data: bytes, *, exclusive: bool = False) -> No
         raise
     except FileNotFoundError:
         raise _no_bucket(path) from None
-    except StorageError:
+    except StorageError as e:
+        if is_url(path) and _bucket_missing(path):  # some stores answer 403, not NoSuchBucket
+            raise _no_bucket(path) from e
         raise
     except OSError as e:
         raise StorageError(f"cannot write {path}: {e}") from e
+
+
+def _bucket_missing(path: str) -> bool:
+    """Whether the bucket of the URL ``path`` does not exist (False when that cannot be told)."""
+    try:
+        fs, p = _fs(path)
+        return not fs.exists(p.split("/", 1)[0])
+    except Exception:
+        return False
 
 
 def _write_url(path: str, data: bytes, exclusive: bool) -> None:

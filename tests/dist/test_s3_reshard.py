@@ -45,11 +45,11 @@ def test_tiered_checkpointer_uploads_and_a_replacement_node_restores_from_s3(
     assert pool4.run(TASKS, "tiered_restore_task", env, root, local) == [[4, True]] * 4
 
 
-def test_four_ranks_save_and_load_through_random_faults(pool4, s3_server, s3_proxy):
+def test_four_ranks_save_and_load_through_random_faults(pool4, moto_server, s3_proxy):
     """A fifth of S3 requests fail (503, 500, dropped, stalled) while 4 ranks save and reshard-
     load: every round is bit-exact or fails with a clean error, and every commit verifies."""
     env = {
-        **s3_server.env(),
+        **moto_server.env(),
         "AWS_ENDPOINT_URL": s3_proxy.endpoint,
         "AWS_MAX_ATTEMPTS": "1",  # botocore's own retries off: anyshard's are tested
         "ANYSHARD_STORAGE_DEADLINE": "20",

