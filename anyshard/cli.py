@@ -499,16 +499,13 @@ def _ls(args) -> int:
 
 
 def _gc(args) -> int:
-    from anyshard.format import storage
     from anyshard.format.steps import remove_debris
 
     _root_must_exist(args.root)
-    removed = remove_debris(args.root, dry_run=args.dry_run)
+    removed, kept = remove_debris(args.root, dry_run=args.dry_run, report_kept=True)
     verb = "would remove" if args.dry_run else "removed"
-    kept = []
     for path in removed:
-        if not args.dry_run and storage.exists(path):
-            kept.append(path)
+        if path in kept:
             print(f"kept {path}: it holds data files that committed steps reference")
         else:
             print(f"{verb} {path}")

@@ -123,10 +123,12 @@ def list_steps(root: str, *, refs: bool = False) -> list[StepInfo]:
         if not m:
             continue
         path = storage.join(root, name)
+        size = _tree_bytes(path)
+        if storage.is_url(path) and not size:
+            continue  # an object store's directory is its objects: one without bytes is gone
+            # (a filer-backed store such as SeaweedFS lists its folder markers for a while)
         committed = storage.exists(storage.join(path, MANIFEST_NAME))
-        out.append(
-            StepInfo(step=int(m.group(1)), path=path, committed=committed, bytes=_tree_bytes(path))
-        )
+        out.append(StepInfo(step=int(m.group(1)), path=path, committed=committed, bytes=size))
     out.sort(key=lambda s: s.step)
     if not refs:
         return out
@@ -226,16 +228,18 @@ def remove_step(path: str) -> None:
     remove_steps([path])
 
 
-def remove_steps(paths: list[str]) -> None:
+def remove_steps(paths: list[str]) -> list[str]:
     """Remove step directories of one root.
 
     Each manifest goes first, durably: a removal interrupted at any moment leaves at worst an
     uncommitted step (debris), never a committed one whose data files are gone. Then each data
     file goes unless a committed step of the root references it; a directory that keeps such
-    files stays (uncommitted) until a later removal finds them unreferenced.
+    files stays (uncommitted) until a later removal finds them unreferenced. Returns the
+    directories kept so.
     """
+    kept: list[str] = []
     if not paths:
-        return
+        return kept
     for path in paths:
         manifest = storage.join(path, MANIFEST_NAME)
         try:
@@ -249,6 +253,8 @@ def remove_steps(paths: list[str]) -> None:
         data = storage.join(path, "data")
         names = _listdir_or_empty(data)
         held = names if keep is None else [n for n in names if _norm(storage.join(data, n)) in keep]
+        if held:
+            kept.append(path)
         try:
             if not held:
                 storage.remove_tree(path)
@@ -258,10 +264,12 @@ def remove_steps(paths: list[str]) -> None:
                     storage.remove_file(storage.join(data, name))
         except FileNotFoundError:
             pass
+    return kept
 
 
-def remove_debris(root: str, *, dry_run: bool = False) -> list[str]:
-    """Remove uncommitted steps older than the newest commit; return their paths, sorted by step.
+def remove_debris(root: str, *, dry_run: bool = False, report_kept: bool = False):
+    """Remove uncommitted steps older than the newest commit; return their paths, sorted by step
+    (with ``report_kept``, also those of them kept for files committed steps reference).
 
     Uncommitted steps newer than the newest commit are left alone: one may be a save in
     progress. Names not of the form ``step-*`` are never touched. With ``dry_run``, only report.
@@ -277,6 +285,5 @@ def remove_debris(root: str, *, dry_run: bool = False) -> list[str]:
     [2, 3]
     """
     removed = [s.path for s in find_debris(list_steps(root))]
-    if not dry_run:
-        remove_steps(removed)
-    return removed
+    kept = remove_steps(removed) if not dry_run else []
+    return (removed, kept) if report_kept else removed

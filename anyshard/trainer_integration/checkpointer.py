@@ -360,8 +360,7 @@ class Checkpointer:
     def _clear_stale_here(path: str) -> str | None:
         """Rank 0's part of `_clear_stale`: why the step directory cannot be reused, or None."""
         if storage.exists(path) and not storage.exists(storage.join(path, MANIFEST_NAME)):
-            steps.remove_step(path)
-            if storage.exists(path) and storage.listdir(storage.join(path, "data")):
+            if steps.remove_steps([path]):
                 return (
                     f"{path}: holds data files that committed steps of {storage.parent(path)} "
                     "reference (it was an incremental base, since deleted); saving this step "
