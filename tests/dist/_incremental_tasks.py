@@ -7,6 +7,7 @@ from _layouts import _flat, _write_truth, full, train_state
 from torch.distributed.tensor import DTensor
 
 import anyshard
+from anyshard.api.load import load_reporting
 
 
 def incremental_save_task(layout: str, base: str, ckpt: str, truth_dir: str, seed: int) -> dict:
@@ -26,3 +27,24 @@ def incremental_save_task(layout: str, base: str, ckpt: str, truth_dir: str, see
     manifest = anyshard.open(ckpt).manifest
     rank = torch.distributed.get_rank()
     return {"referenced": sorted(manifest.refs.get(rank, {})), "world": manifest.world_size}
+
+
+def read_once_load_task(layout: str, ckpt: str, truth_dir: str, seed: int, read_once: bool) -> dict:
+    """Load ``ckpt`` into ``layout`` with or without read-once forwarding; check every tensor
+    against torch's full tensors; return the bytes this rank fetched from storage."""
+    import json
+    import os
+
+    from safetensors.torch import load_file
+
+    state = train_state(layout, seed)
+    report = load_reporting(ckpt, state, read_once=read_once)
+    truth = load_file(os.path.join(truth_dir, "truth.safetensors"))
+    with open(os.path.join(truth_dir, "values.json")) as f:
+        values = json.load(f)
+    for k, v in _flat(state):
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(full(v), truth[k]), f"{k} differs after a read-once load"
+        else:
+            assert json.loads(json.dumps(v)) == values[k], k
+    return {"read": report.bytes_read, "forwarded": report.forwarded}

@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import anyshard
+from anyshard.api.load import load_reporting
 
 # name -> (placements saved under (dp_shard, tp), placements loaded under (tp,)); a tp4 column
 # of "w" is a part of each row of a stored shard (strided reads), "emb" is uneven at every level
@@ -144,3 +145,19 @@ def faulty_round_task(env: dict[str, str], url: str, seed: int) -> str:
     except StorageError as e:
         return f"load failed: {type(e).__name__}"
     return "ok"
+
+
+def replicated_load_task(env: dict[str, str], url: str, read_once) -> int:
+    """Save a 1 MiB tensor sharded over 4 ranks to ``url`` (once), then load it replicated on
+    every rank (``read_once``: None for the default); check it; return the bytes fetched."""
+    use_environment(env)
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    g = torch.Generator().manual_seed(5)
+    full = torch.randn(1024, 256, generator=g)
+    if not anyshard.format.storage.exists(f"{url}/manifest.json"):
+        dist.barrier()
+        anyshard.save(url, {"w": distribute_tensor(full, mesh, [Shard(0)])})
+    state = {"w": distribute_tensor(torch.zeros_like(full), mesh, [Replicate()])}
+    report = load_reporting(url, state, read_once=read_once)
+    assert torch.equal(state["w"].to_local(), full), f"rank {dist.get_rank()}: w differs"
+    return report.bytes_read

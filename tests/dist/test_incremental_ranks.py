@@ -1,6 +1,7 @@
 """Incremental checkpoints across ranks: a step saved on top of another under FSDP2 x TP
 references every shard that did not change, and loads bit-exact under other layouts (torch's own
-full tensors are the truth), also once its base has been deleted by retention.
+full tensors are the truth), also once its base has been deleted by retention; and a load into
+a replicated layout fetches each stored byte once per job, forwarding it between replicas.
 
 Run: python -m pytest tests/dist/test_incremental_ranks.py -q
 """
@@ -55,3 +56,16 @@ def test_it_stays_loadable_once_retention_deleted_its_base(pool4, saved):
     checked = pool4.run(LAYOUTS, "load_check_task", "ddp2_tp2", ckpt, truth, 7)
     assert all(n > 10 for n in checked), checked
     assert verify_checkpoint(ckpt).shards > 0
+
+
+def test_a_replicated_target_fetches_each_stored_byte_once_and_forwards_it(pool4, saved):
+    """ddp2 x tp2: every tensor is replicated over dp_replicate. Without forwarding each replica
+    fetches the same bytes; with it the replicas fetch halves and exchange them, bit-exact."""
+    _, ckpt, truth, _ = saved
+    plain = pool4.run(TASKS, "read_once_load_task", "ddp2_tp2", ckpt, truth, 8, False)
+    once = pool4.run(TASKS, "read_once_load_task", "ddp2_tp2", ckpt, truth, 8, True)
+    assert all(r["forwarded"] > 0 for r in once), once
+    direct, forwarded = sum(r["read"] for r in plain), sum(r["read"] for r in once)
+    # two replicas: each fetches about half of what it needs (these shards are small: a read
+    # of part of one widens to its one checksum block, hence not exactly half)
+    assert forwarded < 0.6 * direct, (forwarded, direct)
