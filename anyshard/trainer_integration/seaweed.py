@@ -93,11 +93,15 @@ class SeaweedServer:
             "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
         }
 
-    def _spawn(self, name: str, args: list[str]) -> None:
+    def _spawn(self, name: str, args: list[str], cwd: str | None = None) -> None:
         log = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
         self._logs[name] = log
         self._procs[name] = subprocess.Popen(
-            [self._weed, *args], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+            [self._weed, *args],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=cwd,
         )
 
     def _volume_args(self) -> list[str]:
@@ -110,7 +114,7 @@ class SeaweedServer:
             f"-port={p['volume']}",
             f"-port.grpc={p['volume_grpc']}",
             f"-dir={os.path.join(self.data_dir, 'volume')}",
-            "-max=100",
+            "-max=1000",  # volumes are sparse files: a bound, not a reservation
             f"-master=127.0.0.1:{p['master']}.{p['master_grpc']}",
         ]
 
@@ -129,6 +133,11 @@ class SeaweedServer:
         master = f"127.0.0.1:{p['master']}.{p['master_grpc']}"
         os.makedirs(os.path.join(self.data_dir, "master"), exist_ok=True)
         os.makedirs(os.path.join(self.data_dir, "filer"), exist_ok=True)
+        # one volume per new bucket (SeaweedFS grows 7 by default, and a run that creates many
+        # buckets, as a test suite does, would exhaust the volume server): read from the
+        # master's working directory
+        with open(os.path.join(self.data_dir, "master", "master.toml"), "w") as f:
+            f.write("[master.volume_growth]\ncopy_1 = 1\ncopy_2 = 2\ncopy_3 = 3\ncopy_other = 1\n")
         self._spawn(
             "master",
             [
@@ -141,6 +150,7 @@ class SeaweedServer:
                 "-volumeSizeLimitMB=256",
                 "-telemetry=false",
             ],
+            cwd=os.path.join(self.data_dir, "master"),
         )
         self._spawn("volume", self._volume_args())
         self._spawn(
