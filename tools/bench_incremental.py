@@ -132,9 +132,17 @@ def run(kind: str, root: str, cfg: ModelConfig, args) -> dict:
     }
 
 
-def time_loads(runs: dict[str, dict], reps: int) -> dict[str, float]:
+def _drop_caches() -> None:
+    """Empty the page cache (root only): the next load reads from the device."""
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("1\n")
+
+
+def time_loads(runs: dict[str, dict], reps: int, cold: bool = False) -> dict[str, float]:
     """Median time of ``anyshard.load`` of each run's last step, the runs interleaved; every
-    load is checked bit-exact against the state the run saved."""
+    load is checked bit-exact against the state the run saved. With ``cold``, the page cache
+    is dropped before each load."""
     times: dict[str, list[float]] = {k: [] for k in runs}
     kinds = list(runs)
     targets = {}
@@ -148,6 +156,8 @@ def time_loads(runs: dict[str, dict], reps: int) -> dict[str, float]:
     for rep in range(reps):  # each rep starts at another kind: no kind always follows another
         for kind in kinds[rep % len(kinds) :] + kinds[: rep % len(kinds)]:
             final, target = runs[kind]["final"], targets[kind]
+            if cold:
+                _drop_caches()
             t = time.perf_counter()
             anyshard.load(runs[kind]["last"], target)
             times[kind].append(time.perf_counter() - t)
@@ -171,6 +181,11 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--loads", type=int, default=10)
+    ap.add_argument(
+        "--cold",
+        action="store_true",
+        help="drop the page cache before each load from disk (needs root): loads read the device",
+    )
     ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -191,7 +206,7 @@ def main() -> int:
         tmps = {k: tempfile.mkdtemp(prefix="bench-incremental-", dir=bases[where]) for k in kinds}
         try:
             runs = {k: run(k, os.path.join(tmps[k], "ckpt"), cfg, args) for k in kinds}
-            loads = time_loads(runs, args.loads)
+            loads = time_loads(runs, args.loads, cold=args.cold and where == "disk")
         finally:
             for tmp in tmps.values():
                 shutil.rmtree(tmp, ignore_errors=True)
