@@ -793,7 +793,7 @@ def write_docs(path: str, section_lines: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description="Async save blocking time vs a sync save (local disk, tmpfs), and S3 save/load "
-        "throughput vs raw s3fs (moto's server on loopback), on one state.",
+        "throughput vs raw s3fs (moto's or SeaweedFS's server on loopback, --server), on one state.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--gib", type=float, default=1.0, help="size of the big tensors in all, GiB")
@@ -890,7 +890,7 @@ def main(argv: list[str] | None = None) -> int:
             local_deadline = deadline - (0.6 * args.budget_s if "s3" in parts else 0)
             local = bench_local(state, regimes, args.reps, local_deadline, log)
         if "s3" in parts:
-            log("2. S3 (moto server on 127.0.0.1) vs raw s3fs")
+            log(f"2. S3 ({args.server} on 127.0.0.1) vs raw s3fs")
             s3 = bench_s3(state, args.reps, deadline, log, args.same_layout, args.server)
     finally:
         for d in regimes.values():
