@@ -216,7 +216,8 @@ def _cut(moves: list[Move], tensors: Mapping[str, TensorSides], cap: int) -> lis
 def schedule(plan: Plan, budget: int) -> list[list[tuple[int, int, list[Move]]]]:
     """The messages of ``plan`` in rounds: each round a list of ``(src, dst, moves)``, with at
     most ``budget`` bytes sent plus received per rank (a message larger than the budget, which
-    only a single element can make, goes alone). Messages between two ranks keep their order.
+    only a single element can make, is the only one its two ranks handle in its round; other
+    ranks' messages may share the round). Messages between two ranks keep their order.
     A pure function of the plan: every rank computes the same rounds."""
     rounds: list[list[tuple[int, int, list[Move]]]] = []
     used: list[dict[int, int]] = []  # per round: bytes in flight per rank
