@@ -32,7 +32,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
-from markdown_section import replace_section  # noqa: E402
+from markdown_section import replace_section, rerun_command  # noqa: E402
 
 DOC = os.path.join(ROOT, "docs", "benchmarks.md")
 BEGIN, END = "<!-- async_blocking:begin -->", "<!-- async_blocking:end -->"
@@ -149,8 +149,7 @@ def main() -> int:
     lines.append(f"| - | no checkpoints | 0 | - | - | {step * 1000:.0f} ms | 100% |")
     print("\n".join(lines))
     if args.write_docs:
-        cmd = "python tools/bench_async_blocking.py " + " ".join(sys.argv[1:])
-        cmd = cmd.replace(" --write-docs", "").strip() + " --write-docs"
+        cmd = rerun_command(__file__)
         body = [
             "## Async saves that do not stall a step (`tools/bench_async_blocking.py`)",
             "",

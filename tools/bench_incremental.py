@@ -37,7 +37,7 @@ from torch import nn
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
-from markdown_section import replace_section  # noqa: E402
+from markdown_section import replace_section, rerun_command  # noqa: E402
 
 import anyshard  # noqa: E402
 from anyshard.format.steps import list_steps  # noqa: E402
@@ -259,8 +259,7 @@ def main() -> int:
     print("\n".join(lines + [""] + verdicts + [""] + disk))
     if args.write_docs:
         params = sum(v.numel() for v in lora_model(cfg, args.rank).state_dict().values())
-        cmd = "python tools/bench_incremental.py " + " ".join(sys.argv[1:])
-        cmd = cmd.replace(" --write-docs", "").strip() + " --write-docs"
+        cmd = rerun_command(__file__)
         body = [
             "## Incremental checkpoints in LoRA fine-tuning (`tools/bench_incremental.py`)",
             "",

@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
-from markdown_section import replace_section  # noqa: E402
+from markdown_section import replace_section, rerun_command  # noqa: E402
 
 DOC = os.path.join(ROOT, "docs", "benchmarks.md")
 BEGIN, END = "<!-- read_once:begin -->", "<!-- read_once:end -->"
@@ -169,8 +169,7 @@ def main() -> int:
         lines.append(f"| {world} | {system} | {s:.2f} | {rel:.2f}x | {fetched:.2f}x |")
     print("\n".join(lines))
     if args.write_docs:
-        cmd = "python tools/bench_read_once.py " + " ".join(sys.argv[1:])
-        cmd = cmd.replace(" --write-docs", "").strip() + " --write-docs"
+        cmd = rerun_command(__file__)
         body = [
             "## Read once per job: a replicated load from an object store (`tools/bench_read_once.py`)",
             "",

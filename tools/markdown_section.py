@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 
 def replace_section(
@@ -28,3 +29,10 @@ def replace_section(
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         f.write(new)
+
+
+def rerun_command(tool: str) -> str:
+    """The command line that reproduces this run of ``tool`` (a file in tools/) and writes its
+    section: ``python tools/NAME ARGS --write-docs``."""
+    cmd = f"python tools/{os.path.basename(tool)} " + " ".join(sys.argv[1:])
+    return cmd.replace(" --write-docs", "").strip() + " --write-docs"

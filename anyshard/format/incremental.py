@@ -20,7 +20,7 @@ import hashlib
 import os
 import posixpath
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -49,10 +49,6 @@ def sha256_of(data: memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _normal(path: str) -> str:
-    return path.rstrip("/") if storage.is_url(path) else os.path.abspath(os.path.normpath(path))
-
-
 def _basename(path: str) -> str:
     if storage.is_url(path):
         return posixpath.basename(path.rstrip("/"))
@@ -74,6 +70,8 @@ class Incremental:
 
     base: str | None = None
     frozen: frozenset[str] = frozenset()
+    # (path, rank) -> the base's shards, read once per save (before staging, and at writing)
+    _read: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, base: str | None, frozen: Collection[str] | None, hashed: bool):
@@ -142,6 +140,11 @@ class Incremental:
 
     def _base_shards(self, path: str, rank: int) -> dict[str, _BaseShard]:
         """Rank ``rank``'s stored shards in the base: key -> where the bytes lie."""
+        if (path, rank) not in self._read:
+            self._read[(path, rank)] = self._read_base_shards(path, rank)
+        return self._read[(path, rank)]
+
+    def _read_base_shards(self, path: str, rank: int) -> dict[str, _BaseShard]:
         base = self.base
         assert base is not None
         if storage.parent(base) != storage.parent(path) or _basename(base) == _basename(path):
@@ -156,7 +159,7 @@ class Incremental:
             read_manifest(base)  # raises the error that says what is there instead
             raise
         digest = hashlib.sha256(data).hexdigest()
-        known = _index_cache.get((_normal(base), rank))
+        known = _index_cache.get((storage.normalize(base), rank))
         if known is not None and known[0] == digest:
             return known[1]
         manifest = Manifest.loads(data, storage.join(base, MANIFEST_NAME))
@@ -211,7 +214,7 @@ class Incremental:
             index[key] = _BaseShard(ref, *ref_kinds[key])
         while len(_index_cache) >= _REMEMBERED:
             _index_cache.pop(next(iter(_index_cache)))
-        _index_cache[(_normal(path), rank)] = (manifest_sha256, index)
+        _index_cache[(storage.normalize(path), rank)] = (manifest_sha256, index)
 
     @staticmethod
     def _same_bytes(path: str, b: _BaseShard, view: memoryview) -> bool:

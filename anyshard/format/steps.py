@@ -19,7 +19,6 @@ Run the examples: ``python -m pytest --doctest-modules anyshard/format/steps.py`
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 
@@ -145,7 +144,7 @@ def list_steps(root: str, *, refs: bool = False) -> list[StepInfo]:
             except AnyshardError:
                 pass
         held = not s.committed and any(
-            _norm(storage.join(s.path, "data", f)) in referenced
+            storage.normalize(storage.join(s.path, "data", f)) in referenced
             for f in _listdir_or_empty(storage.join(s.path, "data"))
         )
         listed.append(
@@ -159,13 +158,6 @@ def list_steps(root: str, *, refs: bool = False) -> list[StepInfo]:
             )
         )
     return listed
-
-
-def _norm(path: str) -> str:
-    """``path`` in one spelling, to compare references with listed files."""
-    if storage.is_url(path):
-        return path.rstrip("/")
-    return os.path.abspath(os.path.normpath(path))
 
 
 def referenced_files(root: str, listed: list[StepInfo] | None = None) -> set[str] | None:
@@ -182,7 +174,10 @@ def referenced_files(root: str, listed: list[StepInfo] | None = None) -> set[str
             continue  # removed while listing
         if files is None:
             return None
-        out.update(_norm(storage.join(storage.parent(s.path), *f.split("/")[1:])) for f in files)
+        out.update(
+            storage.normalize(storage.join(storage.parent(s.path), *f.split("/")[1:]))
+            for f in files
+        )
     return out
 
 
@@ -252,7 +247,11 @@ def remove_steps(paths: list[str]) -> list[str]:
     for path in paths:
         data = storage.join(path, "data")
         names = _listdir_or_empty(data)
-        held = names if keep is None else [n for n in names if _norm(storage.join(data, n)) in keep]
+        held = (
+            names
+            if keep is None
+            else [n for n in names if storage.normalize(storage.join(data, n)) in keep]
+        )
         if held:
             kept.append(path)
         try:

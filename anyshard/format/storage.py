@@ -29,6 +29,7 @@ __all__ = [
     "join",
     "listdir",
     "makedirs",
+    "normalize",
     "open_writer",
     "parent",
     "read_bytes",
@@ -56,6 +57,14 @@ def join(root: str, *parts: str) -> str:
     if is_url(root):
         return posixpath.join(root.rstrip("/"), *parts)
     return os.path.join(_local(root), *parts)
+
+
+def normalize(path: str) -> str:
+    """``path`` in one spelling (absolute, normalised; a URL without a trailing slash), so that
+    two spellings of one file compare equal."""
+    if is_url(path):
+        return path.rstrip("/")
+    return os.path.abspath(os.path.normpath(_local(path)))
 
 
 def parent(path: str) -> str:
