@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 __all__ = [
+    "PeerGroup",
     "active",
     "all_equal",
     "all_gather_json",
@@ -20,20 +22,84 @@ __all__ = [
 ]
 
 
+class PeerGroup:
+    """A process group over processes that need not share a torch.distributed world: the
+    ranks of one replica group and those of another (each its own job, with its own default
+    process group), met through a store that all of them reach.
+
+    Member ranks run from 0 to ``size - 1``; this process's world ranks map to member ranks
+    ``world_offset + world_rank``, so the device meshes of its DTensors translate into member
+    ranks. Only what `anyshard.redistribute` needs is offered: all-gather, broadcast and
+    point-to-point messages. Gloo on CPU; NCCL when ``device`` is a CUDA device.
+    """
+
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        size: int,
+        *,
+        world_offset: int = 0,
+        timeout: timedelta = timedelta(seconds=60),
+        device: torch.device | str = "cpu",
+    ):
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} is not in a group of {size}")
+        self.rank, self.size, self.world_offset = rank, size, world_offset
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            self.pg = dist.ProcessGroupNCCL(store, rank, size, opts)
+        else:
+            self.pg = dist.ProcessGroupGloo(store, rank, size, timeout)
+
+    def member_rank(self, world_rank: int) -> int:
+        """The member rank of this process's world rank ``world_rank``."""
+        return self.world_offset + world_rank
+
+    def all_gather(self, outs: list[torch.Tensor], tensor: torch.Tensor) -> None:
+        self.pg.allgather([outs], [tensor]).wait()
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        self.pg.broadcast(tensor, src).wait()
+
+    def exchange(
+        self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]
+    ) -> list:
+        """Post every send and receive (tensor, member rank) at once; returns the works to
+        wait on. Messages between two ranks arrive in the order they were posted."""
+        works = [self.pg.send([t], to, 0) for t, to in sends]
+        return works + [self.pg.recv([t], frm, 0) for t, frm in recvs]
+
+    def shutdown(self) -> None:
+        abort = getattr(self.pg, "abort", None) or getattr(self.pg, "shutdown", None)
+        if abort is not None:
+            abort()
+
+
 def active(group=None) -> bool:
+    if isinstance(group, PeerGroup):
+        return True
     return dist.is_available() and dist.is_initialized()
 
 
 def rank(group=None) -> int:
+    if isinstance(group, PeerGroup):
+        return group.rank
     return dist.get_rank(group) if active(group) else 0
 
 
 def world_size(group=None) -> int:
+    if isinstance(group, PeerGroup):
+        return group.size
     return dist.get_world_size(group) if active(group) else 1
 
 
 def device(group) -> torch.device:
     """The device collectives of ``group`` take their tensors on (CUDA for NCCL)."""
+    if isinstance(group, PeerGroup):
+        return group.device
     backend = dist.get_backend(group)
     if "nccl" in str(backend) and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
@@ -81,24 +147,39 @@ def gather_json(obj: Any, group=None, dst: int = 0) -> list[Any] | None:
     return [_decode(t, s) for t, s in zip(outs, sizes, strict=True)]
 
 
+def _broadcast(t: torch.Tensor, src: int, group) -> None:
+    if isinstance(group, PeerGroup):
+        group.broadcast(t, src)
+    else:
+        dist.broadcast(
+            t, src=dist.get_global_rank(group, src) if group is not None else src, group=group
+        )
+
+
+def _all_gather(outs: list[torch.Tensor], t: torch.Tensor, group) -> None:
+    if isinstance(group, PeerGroup):
+        group.all_gather(outs, t)
+    else:
+        dist.all_gather(outs, t, group=group)
+
+
 def broadcast_json(obj: Any, group=None, src: int = 0) -> Any:
     """``obj`` of group rank ``src`` on every rank."""
     if not active(group):
         return obj
     dev = device(group)
-    src_global = dist.get_global_rank(group, src) if group is not None else src
     payload = _encode(obj, dev) if rank(group) == src else None
     length = torch.tensor(
         [payload.numel() if payload is not None else 0], dtype=torch.int64, device=dev
     )
-    dist.broadcast(length, src=src_global, group=group)
+    _broadcast(length, src, group)
     buf = (
         payload
         if payload is not None
         else torch.empty(int(length.item()), dtype=torch.uint8, device=dev)
     )
     if int(length.item()):
-        dist.broadcast(buf, src=src_global, group=group)
+        _broadcast(buf, src, group)
     return _decode(buf, int(length.item()))
 
 
@@ -110,7 +191,7 @@ def all_equal(digest: bytes, group=None) -> bool:
     mine = torch.zeros(32, dtype=torch.uint8, device=dev)
     mine[: len(digest)] = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(dev)
     outs = [torch.empty(32, dtype=torch.uint8, device=dev) for _ in range(world_size(group))]
-    dist.all_gather(outs, mine, group=group)
+    _all_gather(outs, mine, group)
     return all(torch.equal(o, outs[0]) for o in outs)
 
 
@@ -127,7 +208,7 @@ def all_gather_json(obj: Any, group=None) -> list[Any]:
     mine = torch.frombuffer(bytearray(hashlib.sha256(data).digest()), dtype=torch.uint8).to(dev)
     n = world_size(group)
     digests = [torch.empty(32, dtype=torch.uint8, device=dev) for _ in range(n)]
-    dist.all_gather(digests, mine, group=group)
+    _all_gather(digests, mine, group)
     keys = [bytes(d.cpu().numpy()) for d in digests]
     first: dict[bytes, int] = {}
     for r, k in enumerate(keys):

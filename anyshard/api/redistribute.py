@@ -338,20 +338,28 @@ def _execute(plan: Plan, rounds: list[Round], src: _Side, dst: _Side, group) -> 
         _copy_local(plan, src, dst)
         return
     dev = coll.device(group)
+    peers = group if isinstance(group, coll.PeerGroup) else None
 
     def peer(r: int) -> int:
         return dist.get_global_rank(group, r) if group is not None else r
 
     for i, rnd in enumerate(rounds):
-        ops, finish = [], []
+        sends: list[tuple[torch.Tensor, int]] = []
+        recvs: list[tuple[torch.Tensor, int]] = []
+        finish = []
         for to, moves in rnd.send:
-            ops += [dist.P2POp(dist.isend, t, peer(to), group) for t in _outgoing(moves, src, dev)]
+            sends += [(t, to) for t in _outgoing(moves, src, dev)]
         for frm, moves in rnd.recv:
             for t, done in _incoming(moves, dst, dev):
-                ops.append(dist.P2POp(dist.irecv, t, peer(frm), group))
+                recvs.append((t, frm))
                 if done is not None:
                     finish.append(done)
-        reqs = dist.batch_isend_irecv(ops)
+        if peers is not None:
+            reqs = peers.exchange(sends, recvs)
+        else:
+            ops = [dist.P2POp(dist.isend, t, peer(to), group) for t, to in sends]
+            ops += [dist.P2POp(dist.irecv, t, peer(frm), group) for t, frm in recvs]
+            reqs = dist.batch_isend_irecv(ops)
         if i == 0:
             _copy_local(plan, src, dst)
         for req in reqs:

@@ -87,6 +87,9 @@ def stored_mapping(
 
 
 def _group_rank(global_rank: int, group) -> int:
+    member_rank = getattr(group, "member_rank", None)  # a PeerGroup across worlds
+    if member_rank is not None:
+        return member_rank(global_rank)
     if group is None or not dist.is_initialized():
         return global_rank
     return dist.get_group_rank(group, global_rank)
