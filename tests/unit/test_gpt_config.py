@@ -176,7 +176,7 @@ def test_a_type_error_shows_the_default_as_an_example():
         (
             ["--trian.steps", "3"],
             "--trian.steps: unknown section 'trian'; did you mean 'train'? "
-            "valid sections: model, parallel, train, checkpoint, fault",
+            "valid sections: model, parallel, train, checkpoint, fault, ft",
         ),
         (
             ["--train.stpes=3"],
@@ -186,7 +186,7 @@ def test_a_type_error_shows_the_default_as_an_example():
         (
             ["--rundir", "x"],
             "--rundir: unknown section or key 'rundir'; did you mean 'run_dir'? "
-            "valid sections and top-level keys: model, parallel, train, checkpoint, fault, run_dir",
+            "valid sections and top-level keys: model, parallel, train, checkpoint, fault, ft, run_dir",
         ),
         (["--train.a.b=1"], "--train.a.b: unknown key 'a.b' in [train]; valid keys of [train]:"),
     ],
@@ -362,6 +362,7 @@ def test_dump_toml_leaves_none_out_and_writes_run_dir_before_the_tables():
         "[train]",
         "[checkpoint]",
         "[fault]",
+        "[ft]",
     ]
     assert not any(line.startswith(("local_dir", "kill_rank", "kill_step")) for line in lines)
 
@@ -369,7 +370,7 @@ def test_dump_toml_leaves_none_out_and_writes_run_dir_before_the_tables():
 def test_config_to_dict_holds_json_values_per_section():
     values = config_to_dict(SAMPLE)
     assert values["parallel"]["pp_schedule"] == "GPipe" and values["fault"]["kill_rank"] == 3
-    assert set(values) == {"model", "parallel", "train", "checkpoint", "fault", "run_dir"}
+    assert set(values) == {"model", "parallel", "train", "checkpoint", "fault", "ft", "run_dir"}
 
 
 def test_a_config_is_frozen_and_copies_as_spawned_ranks_receive_it():

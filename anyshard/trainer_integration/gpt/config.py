@@ -2,7 +2,7 @@
 
 Precedence, lowest first: the defaults below (sized so a step takes about a second on 2 CPU cores
 with 2 to 4 ranks), the TOML file (tables ``[model]``, ``[parallel]``, ``[train]``,
-``[checkpoint]``, ``[fault]`` and the top-level key ``run_dir``), the overrides
+``[checkpoint]``, ``[fault]``, ``[ft]`` and the top-level key ``run_dir``), the overrides
 (``--train.steps 10`` or ``--train.steps=10``), and last the environment variable
 ``ANYSHARD_FAULT="rank:step[:mode]"`` (e.g. ``1:7:sigkill``), which sets the fault to inject
 without editing the config, so a test or a shell can crash one run of an unchanged command.
@@ -38,11 +38,13 @@ __all__ = [
     "Config",
     "ConfigError",
     "FaultConfig",
+    "FtConfig",
     "ModelConfig",
     "ParallelConfig",
     "TrainConfig",
     "config_to_dict",
     "dump_toml",
+    "heal_parallel",
     "load_config",
     "loads_config",
     "parse_fault_env",
@@ -185,14 +187,33 @@ class FaultConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class FtConfig:
+    """FT-HSDP on torchft: the job is ``replicas`` replica groups, each its own launch with the
+    ``parallel`` layout inside and gradients averaged across groups every step. A group that
+    fails restarts alone and heals from a healthy group (`anyshard.redistribute`, any layout)."""
+
+    replicas: int = 1  # replica groups; 1 runs without torchft
+    replica: int = 0  # this group's index in [0, replicas) (the launcher sets it)
+    lighthouse: str = ""  # the torchft lighthouse, http://HOST:PORT (the launcher starts one)
+    # "dim=n,...": the layout a group takes when it restarts after a fault (same world size),
+    # so that it heals into another layout than the healthy groups'
+    heal_layout: str | None = None
+    timeout_s: float = 30.0  # collectives, quorums and heals across groups
+    # log a digest of the whole logical state after each heal (both sides) and at the end:
+    # a check that heals are bit-identical; it gathers every tensor
+    check_heals: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
 class Config:
-    """A whole run: the five sections and where the logs go."""
+    """A whole run: the six sections and where the logs go."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    ft: FtConfig = field(default_factory=FtConfig)
     run_dir: str = "runs/demo"  # where logs go
 
     def validate(self) -> None:
@@ -212,7 +233,7 @@ class Config:
             raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
-_SECTIONS = ("model", "parallel", "train", "checkpoint", "fault")
+_SECTIONS = ("model", "parallel", "train", "checkpoint", "fault", "ft")
 
 # The interval of each number, checked first: the rules between values divide by them.
 _RANGES = {
@@ -232,6 +253,7 @@ _RANGES = {
     },
     "checkpoint": dict.fromkeys(("every_steps", "keep_last"), "[1, inf)"),
     "fault": {"kill_rank": "[0, inf)", "kill_step": "[1, inf)"},  # None: no fault
+    "ft": {"replicas": "[1, inf)", "replica": "[0, inf)", "timeout_s": "(0, inf)"},
 }
 _CHOICES = [
     ("parallel", "pp_schedule", ("1F1B", "GPipe")),
@@ -387,7 +409,57 @@ def _problems(cfg: Config) -> list[str]:
         problems += _model_problems(m) + _split_problems(m, p) + _batch_problems(m, p, t)
         problems += _fault_problems(cfg.fault, p, t)
         problems += _relayout_problems(cfg)
+        problems += _ft_problems(cfg)
     return sorted(problems)
+
+
+def heal_parallel(cfg: Config) -> ParallelConfig | None:
+    """The layout of ``ft.heal_layout`` (dims left out are 1); None when it is not set."""
+    if cfg.ft.heal_layout is None:
+        return None
+    found = dataclasses.replace(cfg.parallel, relayout_at=f"1:{cfg.ft.heal_layout}").relayout()
+    return None if found is None else found[1]
+
+
+def _ft_problems(cfg: Config) -> list[str]:
+    f, p, t = cfg.ft, cfg.parallel, cfg.train
+    problems = []
+    if f.replica >= f.replicas:
+        problems.append(
+            f"ft.replica ({f.replica}) is not a group of ft.replicas ({f.replicas}); "
+            f"set it below {f.replicas}"
+        )
+    if f.replicas > 1:
+        if p.dp_replicate > 1:
+            problems.append(
+                f"parallel.dp_replicate ({p.dp_replicate}) and ft.replicas ({f.replicas}) are "
+                "both set: under torchft the replica groups are the replicate dimension; set "
+                "dp_replicate = 1"
+            )
+        if t.global_batch % (f.replicas * p.dp_size):
+            problems.append(
+                f"train.global_batch ({t.global_batch}) is not divisible by ft.replicas * "
+                f"the data-parallel degree = {f.replicas} * {p.dp_size}; set it to a multiple "
+                f"of {f.replicas * p.dp_size}"
+            )
+    try:
+        heal = heal_parallel(cfg)
+    except ConfigError as e:
+        text = str(e).replace("parallel.relayout_at '1:", "ft.heal_layout '")
+        text = text.replace("STEP:dim=n", "dim=n").replace("e.g. 20:", "e.g. ")
+        return problems + [text]
+    if heal is not None:
+        where = f"ft.heal_layout ({f.heal_layout})"
+        if heal.world_size != p.world_size:
+            problems.append(
+                f"{where} has {heal.world_size} ranks, a group {p.world_size}: torchft reduces "
+                "across groups rank by rank, so every group has the same number of ranks"
+            )
+        problems += [
+            f"{where}: {x}"
+            for x in _split_problems(cfg.model, heal) + _batch_problems(cfg.model, heal, t)
+        ]
+    return problems
 
 
 def _relayout_problems(cfg: Config) -> list[str]:

@@ -16,17 +16,30 @@ trainer is the same: ``torchrun ... -m anyshard.trainer_integration.gpt.train`` 
 Options before the trainer's: ``--nproc-per-node N``, ``--max-restarts R``, ``--rdzv-endpoint
 HOST:PORT`` (default: a free port on 127.0.0.1); every other word goes to the trainer
 (``--config``, ``--stop-at``, ``--section.key value``).
+
+FT-HSDP: ``--replicas G`` runs G replica groups of ``--nproc-per-node`` ranks, each under its
+own elastic agent (so a fault restarts only its group), and a torchft lighthouse on 127.0.0.1
+that they all report to (``--heartbeat-ms``: how soon a silent group is dropped).
+``--fault REPLICA:RANK:STEP[:MODE]`` kills RANK of group REPLICA at STEP in its first attempt.
+
+    python -m anyshard.trainer_integration.gpt.launch --replicas 2 --nproc-per-node 2 \
+        --max-restarts 1 --fault 1:1:10 --parallel.dp_shard 2 --ft.heal_layout tp=2
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
+import shutil
+import socket
+import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Sequence
 
-__all__ = ["PRELOAD", "launch", "main"]
+__all__ = ["PRELOAD", "launch", "launch_replicas", "main", "start_lighthouse"]
 
 # imported once by the forkserver, so that a rank (and a restarted rank) starts with them
 PRELOAD = (
@@ -74,6 +87,88 @@ def launch(
     elastic_launch(config, entrypoint=_rank_main)(list(trainer_args))
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_lighthouse(
+    *, heartbeat_ms: int = 1000, join_ms: int = 100
+) -> tuple[subprocess.Popen, str]:
+    """Start torchft's lighthouse on a free port of 127.0.0.1; returns it and its address.
+    A group that stops heartbeating for ``heartbeat_ms`` leaves the quorum; ``join_ms`` is how
+    long a quorum waits for heartbeating stragglers."""
+    binary = shutil.which("torchft_lighthouse") or os.path.join(
+        os.path.dirname(sys.executable), "torchft_lighthouse"
+    )
+    if not os.path.exists(binary):
+        raise FileNotFoundError(
+            "torchft_lighthouse not found; install torchft (pip install 'anyshard[demo]' or "
+            "pip install torchft)"
+        )
+    port = _free_port()
+    cmd = [binary, "--min_replicas", "1", "--bind", f"127.0.0.1:{port}"]
+    cmd += ["--heartbeat_timeout_ms", str(heartbeat_ms), "--join_timeout_ms", str(join_ms)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if proc.poll() is not None or time.time() > deadline:
+                proc.kill()
+                raise RuntimeError(
+                    f"torchft_lighthouse did not start on 127.0.0.1:{port}"
+                ) from None
+            time.sleep(0.05)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def launch_replicas(
+    replicas: int,
+    nproc: int,
+    trainer_args: Sequence[str],
+    *,
+    max_restarts: int = 0,
+    faults: Sequence[str] = (),
+    heartbeat_ms: int = 1000,
+) -> int:
+    """FT-HSDP: ``replicas`` groups of ``nproc`` ranks, each under its own elastic agent (a
+    process of its own), with a torchft lighthouse; ``faults`` are REPLICA:RANK:STEP[:MODE].
+    Returns 0 when every group finished, else 1."""
+    per_group: dict[int, str] = {}
+    for f in faults:
+        head, _, rest = f.partition(":")
+        if not head.isdigit() or not rest or not 0 <= int(head) < replicas:
+            raise ValueError(
+                f"--fault {f!r}: expected REPLICA:RANK:STEP[:MODE], REPLICA < {replicas}"
+            )
+        per_group[int(head)] = rest
+    lighthouse, address = start_lighthouse(heartbeat_ms=heartbeat_ms)
+    procs = []
+    try:
+        for g in range(replicas):
+            env = dict(os.environ)
+            env.pop("ANYSHARD_FAULT", None)
+            if g in per_group:
+                env["ANYSHARD_FAULT"] = per_group[g]
+            cmd = [sys.executable, "-m", "anyshard.trainer_integration.gpt.launch"]
+            cmd += ["--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts)]
+            cmd += [*trainer_args, "--ft.replicas", str(replicas), "--ft.replica", str(g)]
+            cmd += ["--ft.lighthouse", address]
+            procs.append(subprocess.Popen(cmd, env=env))
+        codes = [p.wait() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        lighthouse.kill()
+        lighthouse.wait()
+    return 0 if all(c == 0 for c in codes) else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m anyshard.trainer_integration.gpt.launch",
@@ -86,9 +181,44 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--max-restarts", type=int, default=0, help="restarts of the group after a failure"
     )
     p.add_argument("--rdzv-endpoint", default="127.0.0.1:0", help="rendezvous HOST:PORT")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="FT-HSDP: replica groups of --nproc-per-node ranks, each restarted alone (torchft)",
+    )
+    p.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="REPLICA:RANK:STEP[:MODE]",
+        help="with --replicas: kill RANK of group REPLICA at STEP (its first attempt)",
+    )
+    p.add_argument(
+        "--heartbeat-ms",
+        type=int,
+        default=1000,
+        help="with --replicas: the lighthouse drops a group silent this long (default 1000)",
+    )
     args, trainer_args = p.parse_known_args(argv)
     if args.nproc_per_node < 1:
         p.error("--nproc-per-node must be at least 1")
+    if args.replicas < 1:
+        p.error("--replicas must be at least 1")
+    if args.replicas > 1:
+        try:
+            return launch_replicas(
+                args.replicas,
+                args.nproc_per_node,
+                trainer_args,
+                max_restarts=args.max_restarts,
+                faults=args.fault,
+                heartbeat_ms=args.heartbeat_ms,
+            )
+        except (ValueError, FileNotFoundError, RuntimeError) as e:
+            p.error(str(e))
+    if args.fault:
+        p.error("--fault needs --replicas; set ANYSHARD_FAULT=RANK:STEP for a single group")
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:

@@ -258,6 +258,10 @@ class TrainStep:
         self.model, self.par, self.optimizer = model, par, optimizer
         self.expert_params = expert_params
         self.grad_clip = grad_clip
+        # called between backward and the optimizer step with the model; returns whether to
+        # apply the step (FT-HSDP sets it: the cross-group gradient average and commit vote)
+        self.replica_sync: Callable[[nn.Module], bool] | None = None
+        self.committed = True  # whether the last call applied its optimizer step
         self.schedule = None
         if par.cfg.pp > 1:
             from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -314,9 +318,13 @@ class TrainStep:
                 self.schedule.step()
         self._sync_tied_grads()
         self._sync_expert_grads()
-        if self.grad_clip > 0:
-            self._clip()
-        self.optimizer.step()
+        self.committed = True
+        if self.replica_sync is not None:  # FT-HSDP: average over replica groups, then vote
+            self.committed = self.replica_sync(self.model)
+        if self.committed:
+            if self.grad_clip > 0:
+                self._clip()
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         # the global mean: every data rank's (and cp chunk's) last-stage loss, averaged
         if dist.is_initialized() and dist.get_world_size() > 1:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from anyshard.api.redistribute import redistribute
 from anyshard.trainer_integration.checkpointer import Checkpointer
-from anyshard.trainer_integration.gpt.config import Config, load_config
+from anyshard.trainer_integration.gpt.config import Config, heal_parallel, load_config
 from anyshard.trainer_integration.gpt.data import DataLoader, load_corpus
 from anyshard.trainer_integration.gpt.parallel import (
     TrainStep,
@@ -209,13 +209,16 @@ def build_training(cfg: Config):
 
 
 def _loader(cfg: Config, par) -> DataLoader:
+    """This rank's data: under FT-HSDP each replica group takes its own share of every step's
+    global batch (a group that sits a step out leaves its share unread, as torchft does)."""
     t = cfg.train
+    groups, group = cfg.ft.replicas, cfg.ft.replica
     return DataLoader(
         load_corpus(),
         seq_len=t.seq_len,
         global_batch=t.global_batch,
-        dp_rank=par.data_rank,
-        dp_size=par.data_size,
+        dp_rank=group * par.data_size + par.data_rank,
+        dp_size=groups * par.data_size,
         seed=t.seed,
     )
 
@@ -251,6 +254,14 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
     the layout has more than one rank."""
     started = time.time()
     rank = dist.get_rank() if dist.is_initialized() else 0
+    if cfg.ft.replicas > 1:
+        # each replica group logs into its own folder; a restarted group may take another layout
+        cfg = dataclasses.replace(
+            cfg, run_dir=os.path.join(cfg.run_dir, f"replica-{cfg.ft.replica}")
+        )
+        heal = heal_parallel(cfg)
+        if heal is not None and _attempt() > 0:
+            cfg = dataclasses.replace(cfg, parallel=heal)
     torch.manual_seed(cfg.train.seed)
     par, model, optimizer, step_fn = build_training(cfg)
     built = time.time()
@@ -272,6 +283,13 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
     restored = ckpt.restore_latest({"train": state}, strict=cfg.parallel.pp == 1)
     restore_s = time.time() - before_restore
     layout = _layout_name(cfg)
+    replicas = None
+    if cfg.ft.replicas > 1:
+        from anyshard.trainer_integration.gpt.replicas import ReplicaGroup
+
+        replicas = ReplicaGroup(cfg, state, layout)
+        replicas.restored(state.step)
+        step_fn.replica_sync = replicas.sync
     kill_rank, kill_step, mode, armed = _fault(cfg)
     fault_file = os.path.join(cfg.run_dir, "fault.json")
     losses: list[float] = []
@@ -290,6 +308,13 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
             if rank == 0:
                 event = {"event": "relayout", "step": state.step, "from": old, "to": layout}
                 _append(os.path.join(cfg.run_dir, "events.jsonl"), {**event, **cost})
+        if replicas is not None:
+            healed = replicas.start_step()  # may fill the state from a healthy group
+            if healed is not None and rank == 0:
+                event = {**healed, "step": state.step, "layout": layout, "attempt": _attempt()}
+                _append(os.path.join(cfg.run_dir, "events.jsonl"), {**event, "time": time.time()})
+            if state.step >= end:
+                break
         optimizer, loader = state.optimizer, state.loader
         for group in optimizer.param_groups:
             group["lr"] = lr_at(
@@ -305,6 +330,12 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
                 raise RuntimeError(f"injected fault on rank {rank} at step {state.step}")
             os.kill(os.getpid(), signal.SIGKILL)
         loss = step_fn(inputs, targets)
+        if not step_fn.committed:  # the quorum did not commit: redo this step's batch
+            loader.samples_consumed -= loader.global_batch
+            if rank == 0:
+                event = {"event": "uncommitted", "step": state.step, "time": time.time()}
+                _append(os.path.join(cfg.run_dir, "events.jsonl"), event)
+            continue
         state.step += 1
         losses.append(loss)
         if rank == 0:
@@ -324,6 +355,7 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
                     "layout": layout,
                     "world_size": dist.get_world_size() if dist.is_initialized() else 1,
                     "attempt": _attempt(),
+                    "pid": os.getpid(),
                     "restored_step": restored,
                     "startup_to_first_step_s": time.time() - started,
                     # where a start goes: process start to `run` (imports, process group),
@@ -344,8 +376,16 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
             ckpt.prepare({"train": state})
             ckpt.blocked_s += time.perf_counter() - start
         first = False
-        saves += ckpt.save(state.step, {"train": state})
+        if replicas is None or replicas.is_primary():  # one replica group writes checkpoints
+            saves += ckpt.save(state.step, {"train": state})
     ckpt.wait()
+    final_digest = None
+    if replicas is not None:
+        if cfg.ft.check_heals:
+            from anyshard.trainer_integration.gpt.replicas import state_digest
+
+            final_digest = state_digest(state)
+        replicas.shutdown()
     # how long checkpointing held training up (the slowest rank): save calls (planning; a sync
     # save's whole write), optimizer steps waiting for a staging copy, faulting in the buffers
     on = "cuda" if dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
@@ -355,6 +395,9 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
     if rank == 0 and losses:
         event = {"event": "end", "step": state.step, "attempt": _attempt(), "saves": saves}
         event["ckpt_blocked_s"] = float(blocked)
+        if replicas is not None:
+            event["reduce_s"] = replicas.reduce_s
+            event["digest"] = final_digest
         _append(os.path.join(cfg.run_dir, "events.jsonl"), event)
     return losses
 
