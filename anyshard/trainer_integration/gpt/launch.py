@@ -87,6 +87,18 @@ def launch(
     elastic_launch(config, entrypoint=_rank_main)(list(trainer_args))
 
 
+def _die_with_parent() -> None:
+    """In a child: receive SIGTERM when the launcher dies (Linux), so that no group outlives a
+    launcher that was killed."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -110,7 +122,9 @@ def start_lighthouse(
     port = _free_port()
     cmd = [binary, "--min_replicas", "1", "--bind", f"127.0.0.1:{port}"]
     cmd += ["--heartbeat_timeout_ms", str(heartbeat_ms), "--join_timeout_ms", str(join_ms)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent
+    )
     deadline = time.time() + 30
     while True:
         try:
@@ -158,7 +172,7 @@ def launch_replicas(
             cmd += ["--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts)]
             cmd += [*trainer_args, "--ft.replicas", str(replicas), "--ft.replica", str(g)]
             cmd += ["--ft.lighthouse", address]
-            procs.append(subprocess.Popen(cmd, env=env))
+            procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent))
         codes = [p.wait() for p in procs]
     finally:
         for p in procs:

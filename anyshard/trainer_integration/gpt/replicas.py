@@ -64,6 +64,25 @@ def state_digest(state) -> str | None:
     return hashlib.sha256(repr(sorted(merged.items())).encode()).hexdigest()
 
 
+def _forget_previous_manager(rank: int) -> None:
+    """A restarted group meets in the store its previous attempt used (torchrun's agent store
+    outlives the ranks), where the dead Manager's address still stands: rank 0 removes it, and
+    no rank builds its Manager before that (otherwise a rank would dial the dead one)."""
+    from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
+
+    if rank == 0:
+        store = dist.TCPStore(
+            os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            wait_for_workers=False,
+        )
+        for key in (MANAGER_ADDR_KEY, REPLICA_ID_KEY):
+            store.delete_key(key)
+    if dist.is_initialized():
+        dist.barrier()
+
+
 class ReplicaGroup:
     """This rank's part in FT-HSDP: the torchft Manager of its group, the heal transport, and
     the cross-group gradient average that `TrainStep` calls before the optimizer step."""
@@ -87,6 +106,7 @@ class ReplicaGroup:
             store_port=int(os.environ["MASTER_PORT"]),
             timeout=timeout,
         )
+        _forget_previous_manager(rank)
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout),
             load_state_dict=self._load,

@@ -1,0 +1,254 @@
+"""The FT-HSDP scenario of ``anyshard demo``, and the summary of a run's logs.
+
+Two replica groups of 2 ranks (dp_shard=2 inside each) train on torchft with a lighthouse on
+127.0.0.1. Rank 1 of group 1 is SIGKILLed; only group 1 restarts (its elastic agent), under
+``tp=2`` this time, and heals from group 0 over the network (`anyshard.redistribute`, nothing
+pickled) while group 0 keeps stepping. `summarize` reads what the groups logged and reports
+phases, faults (recovery, the healthy groups' stall, where the heal came from and into which
+layout), restarts of healthy processes, lost steps (steps the healthy groups redid) and goodput.
+
+The healthy groups' stall per fault is the time from their step at the fault to their step
+after the heal, less as many steps at their pace before the fault; goodput is one less the
+stalls over the healthy groups' training time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["plot", "print_summary", "run_ft_hsdp", "summarize"]
+
+LAUNCH = "anyshard.trainer_integration.gpt.launch"
+
+
+def _records(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _replicas(run_dir: str) -> list[int]:
+    names = (
+        [n for n in os.listdir(run_dir) if n.startswith("replica-")]
+        if os.path.isdir(run_dir)
+        else []
+    )
+    return sorted(int(n.split("-", 1)[1]) for n in names)
+
+
+def run_ft_hsdp(
+    run_dir: str,
+    *,
+    steps: int,
+    kill_step: int,
+    heal_layout: str | None = "tp=2",
+    extra: Sequence[str] = (),
+    log: Callable[[str], None] = print,
+) -> int:
+    """Run the scenario into ``run_dir``; returns the launcher's exit code."""
+    cmd = [sys.executable, "-m", LAUNCH, "--replicas", "2", "--nproc-per-node", "2"]
+    cmd += ["--max-restarts", "1", "--fault", f"1:1:{kill_step}"]
+    cmd += ["--parallel.dp_shard", "2", "--train.steps", str(steps)]
+    cmd += ["--checkpoint.every_steps", "5", "--checkpoint.root", os.path.join(run_dir, "ckpt")]
+    cmd += ["--ft.check_heals", "true", "--run_dir", run_dir, *extra]
+    if heal_layout:
+        cmd += ["--ft.heal_layout", heal_layout]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env.pop("ANYSHARD_FAULT", None)
+    shown: dict[int, int] = {}
+    with open(os.path.join(run_dir, "ft-hsdp.log"), "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        while proc.poll() is None:
+            time.sleep(0.5)
+            _progress(run_dir, shown, log)
+        _progress(run_dir, shown, log)
+    return proc.returncode
+
+
+def _progress(run_dir: str, shown: dict[int, int], log) -> None:
+    for r in _replicas(run_dir):
+        recs = _records(os.path.join(run_dir, f"replica-{r}", "losses.jsonl"))
+        for x in recs[shown.get(r, 0) :]:
+            log(
+                f"  group {r}  step {x['step']:3d}  loss {x['loss']:.4f}  "
+                f"[{x['layout']}, attempt {x['attempt']}]"
+            )
+        shown[r] = len(recs)
+        events = _records(os.path.join(run_dir, f"replica-{r}", "events.jsonl"))
+        key = -1 - r
+        for e in events[shown.get(key, 0) :]:
+            if e["event"] == "heal" and e["attempt"] > 0:
+                log(
+                    f"  group {r} healed from {e['source']} at step {e['step']} into "
+                    f"{e['layout']}: {e['received_bytes'] / 2**20:.1f} MiB in {e['heal_s']:.2f} s"
+                )
+            elif e["event"] == "start" and e["attempt"] > 0:
+                log(f"  group {r} restarted (its own agent), layout {e['layout']}")
+        shown[key] = len(events)
+
+
+def _median_interval(times: list[float]) -> float:
+    gaps = [b - a for a, b in zip(times[:-1], times[1:], strict=True)]
+    return statistics.median(gaps) if gaps else 0.0
+
+
+def summarize(run_dir: str) -> dict[str, Any]:
+    """The summary of an FT-HSDP run from its groups' logs (see the module docstring)."""
+    groups = {
+        r: {
+            "events": _records(os.path.join(run_dir, f"replica-{r}", "events.jsonl")),
+            "losses": _records(os.path.join(run_dir, f"replica-{r}", "losses.jsonl")),
+            "faults": _records(os.path.join(run_dir, f"replica-{r}", "fault.json")),
+        }
+        for r in _replicas(run_dir)
+    }
+    phases = []
+    for r, g in groups.items():
+        for e in g["events"]:
+            if e["event"] != "start":
+                continue
+            mine = [x["step"] for x in g["losses"] if x["attempt"] == e["attempt"]]
+            phases.append(
+                {
+                    "replica": r,
+                    "attempt": e["attempt"],
+                    "layout": e["layout"],
+                    "world_size": e["world_size"],
+                    "first_step": min(mine, default=None),
+                    "last_step": max(mine, default=None),
+                }
+            )
+    failed = {r for r, g in groups.items() if g["faults"]}
+    healthy = [r for r in groups if r not in failed]
+    faults = []
+    for r in sorted(failed):
+        g = groups[r]
+        for f in [x for x in g["faults"] if not x.get("recovered")]:
+            restart = next(
+                (e for e in g["events"] if e["event"] == "start" and e["attempt"] > 0), None
+            )
+            heal = next((e for e in g["events"] if e["event"] == "heal" and e["attempt"] > 0), None)
+            stalls = []
+            for h in healthy:
+                times = {x["step"]: x["time"] for x in groups[h]["losses"]}
+                # a step's time before the fault is the baseline (the groups in one layout)
+                before = [times[s] for s in sorted(times) if s <= f["step"]]
+                median = _median_interval(before if len(before) > 2 else sorted(times.values()))
+                end = heal["step"] + 1 if heal else f["step"] + 1
+                if f["step"] in times and end in times:
+                    stalls.append(times[end] - times[f["step"]] - (end - f["step"]) * median)
+            faults.append(
+                {
+                    "step": f["step"],
+                    "replica": r,
+                    "rank": f["rank"],
+                    "recovery_s": restart.get("recovery_s") if restart else None,
+                    "healthy_stall_s": max(stalls) if stalls else None,
+                    "heal_source": "peer" if heal else "storage",
+                    "heal_layout": restart["layout"] if restart else None,
+                    "heal_step": heal["step"] if heal else None,
+                    "heal_s": heal["heal_s"] if heal else None,
+                    "heal_bytes": heal["received_bytes"] if heal else None,
+                    "heal_bit_identical": _heal_matches(groups, heal) if heal else None,
+                }
+            )
+    healthy_restarts = sum(
+        1 for r in healthy for e in groups[r]["events"] if e["event"] == "start" and e["attempt"]
+    )
+    lost = sum(1 for r in healthy for e in groups[r]["events"] if e["event"] == "uncommitted")
+    goodput = None
+    if healthy:  # the share of the healthy groups' training time not lost to the faults
+        times = sorted(x["time"] for x in groups[healthy[0]]["losses"])
+        lost_s = sum(f["healthy_stall_s"] or 0.0 for f in faults)
+        if len(times) > 1 and times[-1] > times[0]:
+            goodput = max(0.0, 1.0 - lost_s / (times[-1] - times[0]))
+    return {
+        "scenario": "ft-hsdp",
+        "phases": phases,
+        "faults": faults,
+        "healthy_restarts": healthy_restarts,
+        "lost_steps": lost,
+        "goodput": goodput,
+    }
+
+
+def _heal_matches(groups: dict, heal: dict) -> bool | None:
+    """Whether the state the healer holds after the heal has the digest of what was sent."""
+    if "digest" not in heal:
+        return None
+    for g in groups.values():
+        for e in g["events"]:
+            if e["event"] == "heal_sent" and e["step"] == heal["step"] and "digest" in e:
+                return e["digest"] == heal["digest"]
+    return None
+
+
+def print_summary(summary: dict[str, Any], log: Callable[[str], None] = print) -> None:
+    log("")
+    log(f"{'group':>5} {'attempt':>7} {'layout':16} {'ranks':>5} {'steps':>9}")
+    for p in summary["phases"]:
+        steps = f"{p['first_step']}-{p['last_step']}" if p["first_step"] is not None else "-"
+        log(f"{p['replica']:>5} {p['attempt']:>7} {p['layout']:16} {p['world_size']:>5} {steps:>9}")
+    for f in summary["faults"]:
+        log(
+            f"fault: group {f['replica']} rank {f['rank']} killed at step {f['step']}; it restarted "
+            f"alone under {f['heal_layout']} and healed from the {f['heal_source']}"
+            + (
+                f" at step {f['heal_step']} ({(f['heal_bytes'] or 0) / 2**20:.1f} MiB in "
+                f"{f['heal_s']:.2f} s, bit-identical: {f['heal_bit_identical']})"
+                if f["heal_source"] == "peer"
+                else ""
+            )
+        )
+        rec = f"{f['recovery_s']:.1f} s" if f["recovery_s"] is not None else "-"
+        stall = f"{f['healthy_stall_s']:.2f} s" if f["healthy_stall_s"] is not None else "-"
+        log(f"       recovery {rec}; the healthy group's stall {stall}")
+    goodput = f"{summary['goodput']:.1%}" if summary["goodput"] is not None else "-"
+    log(
+        f"healthy restarts {summary['healthy_restarts']}; lost steps {summary['lost_steps']}; "
+        f"goodput {goodput}"
+    )
+
+
+def plot(run_dir: str, summary: dict[str, Any]) -> str | None:
+    """``RUN_DIR/loss.png``: each group's loss, the fault and the heal marked."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    for r in _replicas(run_dir):
+        recs = _records(os.path.join(run_dir, f"replica-{r}", "losses.jsonl"))
+        for attempt in sorted({x["attempt"] for x in recs}):
+            mine = [x for x in recs if x["attempt"] == attempt]
+            label = f"group {r}, {mine[0]['layout']}" + (" (restarted)" if attempt else "")
+            ax.plot([x["step"] for x in mine], [x["loss"] for x in mine], marker=".", label=label)
+    for f in summary["faults"]:
+        ax.axvline(f["step"], color="red", linestyle="--", label=f"group {f['replica']} killed")
+        if f["heal_step"] is not None:
+            ax.axvline(
+                f["heal_step"],
+                color="green",
+                linestyle=":",
+                label=f"healed from a peer into {f['heal_layout']}",
+            )
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (each group's own batch)")
+    ax.set_title("anyshard demo: FT-HSDP, one replica group fails and heals alone")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = os.path.join(run_dir, "loss.png")
+    fig.savefig(path)
+    plt.close(fig)
+    return path
