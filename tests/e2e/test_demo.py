@@ -8,7 +8,7 @@ import json
 import os
 import subprocess
 
-SHORT = ["--steps-a", "8", "--steps-b", "12", "--kill-step", "5"]
+SHORT = ["--scenario", "restart", "--steps-a", "8", "--steps-b", "12", "--kill-step", "5"]
 
 
 def demo(run_dir: str, *extra: str, env=None) -> subprocess.CompletedProcess:
@@ -38,6 +38,12 @@ def test_demo_shows_fault_restart_relayout_and_continued_loss(tmp_path):
     assert {r["layout"] for r in recs if r["step"] > 8} == {"tp=2"}
     assert recs[-1]["loss"] < recs[0]["loss"]
     assert os.path.getsize(os.path.join(run_dir, "loss.png")) > 1000
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        summary = json.load(f)
+    assert summary["scenario"] == "restart" and summary["faults"][0]["step"] == 5
+    assert summary["faults"][0]["heal_source"] == "storage"
+    assert summary["healthy_restarts"] == 3  # the whole group restarted with the failed rank
+    assert [p["layout"] for p in summary["phases"]] == ["pp=2 dp_shard=2"] * 2 + ["tp=2"]
 
 
 def test_demo_recovers_from_s3_when_local_copies_are_gone(tmp_path, s3_server, monkeypatch):
@@ -48,3 +54,30 @@ def test_demo_recovers_from_s3_when_local_copies_are_gone(tmp_path, s3_server, m
     assert "recovering from S3" in out.stdout
     recs = losses(run_dir)
     assert [r["step"] for r in recs][-4:] == [9, 10, 11, 12]
+
+
+def test_demo_ft_hsdp_writes_the_summary_of_a_peer_heal(tmp_path):
+    run_dir = str(tmp_path / "demo-ft")
+    out = subprocess.run(
+        ["anyshard", "demo", "--run-dir", run_dir, "--scenario", "ft-hsdp"]
+        + ["--ft-steps", "24", "--ft-kill-step", "6"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "healed from the peer" in out.stdout
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        summary = json.load(f)
+    assert summary["scenario"] == "ft-hsdp"
+    assert summary["healthy_restarts"] == 0
+    (fault,) = summary["faults"]
+    assert fault["step"] == 6 and fault["replica"] == 1
+    assert fault["heal_source"] == "peer" and fault["heal_layout"] == "tp=2"
+    assert fault["heal_bit_identical"] is True
+    assert fault["recovery_s"] > 0 and fault["healthy_stall_s"] is not None
+    for phase in summary["phases"]:
+        assert {"layout", "world_size", "first_step", "last_step"} <= set(phase)
+    assert max(p["last_step"] for p in summary["phases"]) == 24
+    assert 0 < summary["goodput"] <= 1 and summary["lost_steps"] >= 0
+    assert os.path.getsize(os.path.join(run_dir, "loss.png")) > 1000

@@ -1,6 +1,9 @@
-"""``anyshard demo``: train, lose a rank, restart, resume, then relaunch under another layout.
+"""``anyshard demo``: training through faults, in two scenarios (``--scenario``, default both).
 
-The scenario, on local CPU processes launched by torch's elastic agent (torchrun's, through
+**ft-hsdp** (`anyshard.trainer_integration.gpt.ft_demo`): two replica groups on torchft; one
+loses a rank, restarts alone under another layout and heals from the other over the network.
+
+**restart**, on local CPU processes launched by torch's elastic agent (torchrun's, through
 `anyshard.trainer_integration.gpt.launch`, whose ranks are forked from a process that has
 imported torch, so that a restart does not import it again):
 
@@ -178,27 +181,8 @@ def _plot(
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="anyshard demo",
-        description="Train the reference GPT on local CPU ranks, kill a rank, restart, resume, "
-        "then relaunch under another layout and world size.",
-    )
-    p.add_argument(
-        "--run-dir", default="runs/demo", help="where checkpoints and logs go (emptied first)"
-    )
-    p.add_argument("--storage", choices=("local", "s3"), default="local")
-    p.add_argument("--steps-a", type=int, default=20, help="steps of phase A (4 ranks)")
-    p.add_argument("--steps-b", type=int, default=40, help="total steps after phase B (2 ranks)")
-    p.add_argument("--kill-step", type=int, default=10, help="step at which rank 3 is killed")
-    args = p.parse_args(argv)
-
-    def log(msg: str) -> None:
-        print(msg, flush=True)
-
-    run_dir = os.path.abspath(args.run_dir)
-    shutil.rmtree(run_dir, ignore_errors=True)
-    os.makedirs(run_dir)
+def _restart(args, run_dir: str, log) -> dict | None:
+    """The restart scenario into ``run_dir``; its summary, or None when a phase failed."""
     server = None
     if args.storage == "s3":
         server, bucket = _start_s3(run_dir, log)
@@ -223,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             rc = _launch(phase, args.steps_b, run_dir, storage, log)
             if rc != 0:
                 log(f"phase {phase.name} failed (exit {rc}); see {run_dir}/phase-{phase.name}.log")
-                return 1
+                return None
     finally:
         if server is not None:
             server.stop()
@@ -237,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     log(
         f"{'launch':8} {'layout':24} {'ranks':>5} {'attempt':>7} {'restored':>8} {'recovery':>9} {'lost':>4} {'steps':>9} {'loss':>15}"
     )
+    phases_out = []
     for e, nxt in zip(events, [*events[1:], None], strict=True):
         mine = [
             r for r in losses
@@ -250,6 +235,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{'restart' if e['attempt'] else 'launch':8} {e['layout']:24} {e['world_size']:>5} {e['attempt']:>7} "
             f"{str(e['restored_step'] or '-'):>8} {rec:>9} {str(e.get('lost_steps', '-')):>4} {steps:>9} {loss:>15}"
         )
+        phases_out.append(
+            {
+                "layout": e["layout"],
+                "world_size": e["world_size"],
+                "attempt": e["attempt"],
+                "first_step": mine[0]["step"] if mine else None,
+                "last_step": mine[-1]["step"] if mine else None,
+            }
+        )
     relayout = (
         min((r["step"] for r in losses if r["layout"] == "tp=2"), default=args.steps_a + 1) - 1
     )
@@ -259,6 +253,123 @@ def main(argv: list[str] | None = None) -> int:
         f"fault at step {fault_step}; relayout at step {relayout}; total {time.time() - started:.0f} s"
     )
     log(f"loss curve: {png}" if png else "loss curve: install matplotlib for loss.png")
+    return _restart_summary(events, losses, faults, phases_out)
+
+
+def _restart_summary(events, losses, faults, phases) -> dict:
+    """The restart scenario's summary: every rank of the group restarts on a fault, so the
+    healthy ranks stall for the whole recovery and redo the steps since the last checkpoint."""
+    restart = next((e for e in events if e["attempt"] > 0), None)
+    out_faults, lost_s = [], 0.0
+    first_layout = [r for r in losses if r["attempt"] == 0 and r["layout"] == events[0]["layout"]]
+    gaps = [b["time"] - a["time"] for a, b in zip(first_layout[:-1], first_layout[1:], strict=True)]
+    step_s = sorted(gaps)[len(gaps) // 2] if gaps else 0.0
+    for f in faults:
+        if f.get("recovered") is None and restart is not None:
+            recovery = restart.get("recovery_s")
+            lost = restart.get("lost_steps", 0)
+            lost_s += (recovery or 0.0) + lost * step_s
+            out_faults.append(
+                {
+                    "step": f["step"],
+                    "replica": 0,
+                    "rank": f["rank"],
+                    "recovery_s": recovery,
+                    "healthy_stall_s": recovery,  # the healthy ranks restart with the group
+                    "heal_source": "storage",
+                    "heal_layout": restart["layout"],
+                }
+            )
+    span = losses[-1]["time"] - losses[0]["time"] if len(losses) > 1 else 0.0
+    healthy_restarts = sum(
+        (e["world_size"] - 1) for e in events if e["attempt"] > 0
+    )  # every rank that did not fail was restarted too
+    return {
+        "scenario": "restart",
+        "phases": phases,
+        "faults": out_faults,
+        "healthy_restarts": healthy_restarts,
+        "lost_steps": sum(e.get("lost_steps", 0) for e in events),
+        "goodput": max(0.0, 1.0 - lost_s / span) if span > 0 else None,
+    }
+
+
+def _ft_hsdp(args, run_dir: str, log) -> dict | None:
+    from anyshard.trainer_integration.gpt import ft_demo
+
+    log(
+        f"FT-HSDP: 2 replica groups x 2 ranks (dp_shard=2) on torchft, to step {args.ft_steps}; "
+        f"group 1 loses rank 1 at step {args.ft_kill_step}, restarts alone under tp=2 and heals "
+        "from group 0"
+    )
+    rc = ft_demo.run_ft_hsdp(run_dir, steps=args.ft_steps, kill_step=args.ft_kill_step, log=log)
+    if rc != 0:
+        log(f"FT-HSDP failed (exit {rc}); see {run_dir}/ft-hsdp.log")
+        return None
+    summary = ft_demo.summarize(run_dir)
+    ft_demo.print_summary(summary, log)
+    png = ft_demo.plot(run_dir, summary)
+    log(f"loss curve: {png}" if png else "loss curve: install matplotlib for loss.png")
+    return summary
+
+
+SCENARIOS = ("restart", "ft-hsdp")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="anyshard demo",
+        description="Train the reference GPT on local CPU ranks through faults. restart: kill a "
+        "rank, the group restarts and resumes from its checkpoint, then relaunches under "
+        "another layout and world size. ft-hsdp: two replica groups on torchft; one loses a "
+        "rank, restarts alone under another layout and heals from the other over the network "
+        "while it keeps training. Each writes RUN_DIR/summary.json and RUN_DIR/loss.png.",
+    )
+    p.add_argument(
+        "--run-dir", default="runs/demo", help="where checkpoints and logs go (emptied first)"
+    )
+    p.add_argument(
+        "--scenario",
+        choices=(*SCENARIOS, "all"),
+        default="all",
+        help="which to run (default all: each into RUN_DIR/<scenario>)",
+    )
+    p.add_argument("--storage", choices=("local", "s3"), default="local")
+    p.add_argument("--steps-a", type=int, default=20, help="restart: steps of phase A (4 ranks)")
+    p.add_argument(
+        "--steps-b", type=int, default=40, help="restart: total steps after phase B (2 ranks)"
+    )
+    p.add_argument("--kill-step", type=int, default=10, help="restart: step rank 3 is killed at")
+    p.add_argument("--ft-steps", type=int, default=40, help="ft-hsdp: steps of the run")
+    p.add_argument(
+        "--ft-kill-step", type=int, default=10, help="ft-hsdp: step group 1 loses a rank at"
+    )
+    args = p.parse_args(argv)
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    run_dir = os.path.abspath(args.run_dir)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    os.makedirs(run_dir)
+    names = SCENARIOS if args.scenario == "all" else (args.scenario,)
+    summaries = []
+    for name in names:
+        where = os.path.join(run_dir, name) if len(names) > 1 else run_dir
+        os.makedirs(where, exist_ok=True)
+        if len(names) > 1:
+            log(f"== scenario {name} ({where})")
+        summary = (_restart if name == "restart" else _ft_hsdp)(args, where, log)
+        if summary is None:
+            return 1
+        with open(os.path.join(where, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+        summaries.append(summary)
+        log("")
+    if len(names) > 1:
+        with open(os.path.join(run_dir, "summary.json"), "w") as f:
+            json.dump({"scenarios": summaries}, f, indent=1)
+    log(f"summary: {os.path.join(run_dir, 'summary.json')}")
     return 0
 
 
