@@ -131,11 +131,14 @@ def summarize(run_dir: str) -> dict[str, Any]:
     faults = []
     for r in sorted(failed):
         g = groups[r]
-        for f in [x for x in g["faults"] if not x.get("recovered")]:
+        kills = [x for x in g["faults"] if not x.get("recovered")]
+        for k, f in enumerate(kills):  # the k-th fault is followed by attempt k + 1
             restart = next(
-                (e for e in g["events"] if e["event"] == "start" and e["attempt"] > 0), None
+                (e for e in g["events"] if e["event"] == "start" and e["attempt"] == k + 1), None
             )
-            heal = next((e for e in g["events"] if e["event"] == "heal" and e["attempt"] > 0), None)
+            heal = next(
+                (e for e in g["events"] if e["event"] == "heal" and e["attempt"] == k + 1), None
+            )
             stalls = []
             for h in healthy:
                 times = {x["step"]: x["time"] for x in groups[h]["losses"]}

@@ -20,7 +20,8 @@ HOST:PORT`` (default: a free port on 127.0.0.1); every other word goes to the tr
 FT-HSDP: ``--replicas G`` runs G replica groups of ``--nproc-per-node`` ranks, each under its
 own elastic agent (so a fault restarts only its group), and a torchft lighthouse on 127.0.0.1
 that they all report to (``--heartbeat-ms``: how soon a silent group is dropped).
-``--fault REPLICA:RANK:STEP[:MODE]`` kills RANK of group REPLICA at STEP in its first attempt.
+``--fault REPLICA:RANK:STEP[:MODE]`` kills RANK of group REPLICA at STEP; the k-th ``--fault``
+of a group strikes in its k-th attempt (give it ``--max-restarts`` at least that many).
 
     python -m anyshard.trainer_integration.gpt.launch --replicas 2 --nproc-per-node 2 \
         --max-restarts 1 --fault 1:1:10 --parallel.dp_shard 2 --ft.heal_layout tp=2
@@ -152,22 +153,23 @@ def launch_replicas(
     """FT-HSDP: ``replicas`` groups of ``nproc`` ranks, each under its own elastic agent (a
     process of its own), with a torchft lighthouse; ``faults`` are REPLICA:RANK:STEP[:MODE].
     Returns 0 when every group finished, else 1."""
-    per_group: dict[int, str] = {}
+    per_group: dict[int, list[str]] = {}
     for f in faults:
         head, _, rest = f.partition(":")
         if not head.isdigit() or not rest or not 0 <= int(head) < replicas:
             raise ValueError(
                 f"--fault {f!r}: expected REPLICA:RANK:STEP[:MODE], REPLICA < {replicas}"
             )
-        per_group[int(head)] = rest
+        per_group.setdefault(int(head), []).append(rest)
     lighthouse, address = start_lighthouse(heartbeat_ms=heartbeat_ms)
     procs = []
     try:
         for g in range(replicas):
             env = dict(os.environ)
             env.pop("ANYSHARD_FAULT", None)
-            if g in per_group:
-                env["ANYSHARD_FAULT"] = per_group[g]
+            env.pop("ANYSHARD_FAULTS", None)
+            if g in per_group:  # the k-th fault of a group strikes in its k-th attempt
+                env["ANYSHARD_FAULTS"] = ",".join(per_group[g])
             cmd = [sys.executable, "-m", "anyshard.trainer_integration.gpt.launch"]
             cmd += ["--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts)]
             cmd += [*trainer_args, "--ft.replicas", str(replicas), "--ft.replica", str(g)]
