@@ -1,12 +1,21 @@
-"""Goodput of the reference trainer with injected faults: recovery time, lost steps, goodput.
+"""Goodput of the reference trainer with injected faults: recovery, stalls, lost steps, goodput.
 
-Runs the demo configuration (4 CPU ranks, pp=2 x dp_shard=2, the default model, an asynchronous
-checkpoint every 2 steps, launched as ``anyshard demo`` launches it: ``--launcher warm``, or
-``--launcher torchrun`` for new interpreters at every restart) twice, in one invocation: once
-without faults, once with rank 3 SIGKILLed once per ``--fault-every`` steps (the elastic agent
-restarts the group each time). Goodput is useful step time
-(steps x the median step time of the fault-free run) over the wall time of the whole job,
-launch included.
+One invocation runs the same fault schedule (one SIGKILL per ``--fault-every`` steps, the
+default model, an asynchronous checkpoint every 2 steps) under each of ``--modes``, each once
+without faults and once with them:
+
+- ``restart`` (a): the demo's job, 4 ranks pp=2 x dp_shard=2 under torch's elastic agent
+  (``--launcher warm``, as ``anyshard demo`` launches it, or ``torchrun``): rank 3 dies and the
+  whole group restarts from its newest checkpoint;
+- ``ft`` (b): FT-HSDP on torchft, 2 replica groups x 2 ranks (dp_shard=2); rank 1 of group 1
+  dies, group 1 alone restarts and heals from group 0 (`anyshard.redistribute`) while group 0
+  keeps training;
+- ``ft-relayout`` (c): the same, but group 1 comes back under tp=2 and heals into that layout.
+
+Goodput is useful step time (steps x the median step time of the mode's fault-free run) over
+the wall time of the whole job, launch included. FT-HSDP rows also give the healthy group's
+stall per fault, the failed group's recovery and what each heal moved; ``--heal-gib`` measures
+the heal rate of a larger replica state (dp_shard=2 -> tp=2, two groups of 2 ranks).
 
     python tools/bench_goodput.py                    # 100 steps, a fault every 50
     python tools/bench_goodput.py --write-docs       # also replace the section in docs/benchmarks.md
@@ -75,6 +84,38 @@ def launch(
     return wall
 
 
+def launch_ft(
+    run_dir: str,
+    steps: int,
+    faults: list[int],
+    extra: list[str],
+    heal_layout: str | None,
+    heartbeat_ms: int,
+) -> float:
+    """FT-HSDP: 2 replica groups x 2 ranks (dp_shard=2), group 1 killed at each of ``faults``."""
+    cmd = [
+        sys.executable, "-m", "anyshard.trainer_integration.gpt.launch",
+        "--replicas", "2", "--nproc-per-node", "2", "--max-restarts", str(len(faults)),
+        "--heartbeat-ms", str(heartbeat_ms),
+        *[x for s in faults for x in ("--fault", f"1:1:{s}")],
+        "--parallel.dp_shard", "2",
+        "--train.steps", str(steps),
+        "--checkpoint.keep_last", "2",
+        "--checkpoint.root", os.path.join(run_dir, "ckpt"),
+        "--run_dir", run_dir,
+        *(["--ft.heal_layout", heal_layout] if heal_layout else []),
+        *extra,
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("ANYSHARD_FAULT", "ANYSHARD_FAULTS")}
+    env["OMP_NUM_THREADS"] = "1"
+    t = time.perf_counter()
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+    wall = time.perf_counter() - t
+    if out.returncode != 0:
+        raise SystemExit(f"FT-HSDP training failed ({out.returncode}):\n{out.stderr[-4000:]}")
+    return wall
+
+
 def records(path: str) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -92,6 +133,122 @@ def _phases(event: dict) -> str:
     p = event.get("process_to_run_s")
     head = f"{p:.1f}" if p is not None else "?"
     return f"{head} / {event['build_s']:.1f} / {event['restore_s']:.1f} s"
+
+
+def _heal_worker(role: str, rank: int, port: int, src_port: int, out: str, gib: float) -> None:
+    """One rank of a replica group for the heal-rate measurement: the source holds ``gib`` GiB
+    of fp32 state in dp_shard=2 (rows), the healer receives it in tp=2 (columns)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from anyshard.trainer_integration.ft import AnyshardTransport
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, wait_for_workers=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore("w/", store), rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("g",))
+    place = [Shard(0)] if role == "source" else [Shard(1)]
+    n = max(1, int(gib * 2**30 / 4 / (4096 * 4096)))  # 64 MiB tensors
+    state = {}
+    for i in range(n):
+        local_shape = (2048, 4096) if role == "source" else (4096, 2048)
+        local = torch.full(local_shape, float(i)) if role == "source" else torch.empty(local_shape)
+        state[f"w{i}"] = DTensor.from_local(
+            local, mesh, place, shape=(4096, 4096), stride=(4096, 1)
+        )
+    timeout = datetime.timedelta(seconds=300)
+    tr = AnyshardTransport(
+        state=lambda: {"default": state},
+        replica_id=role,
+        group_rank=rank,
+        group_world_size=2,
+        store_addr="127.0.0.1",
+        store_port=port,
+        timeout=timeout,
+    )
+    meta = tr.metadata()
+    if role == "source":
+        with open(f"{out}.meta{rank}", "w") as f:
+            f.write(meta)
+        tr.send_checkpoint(
+            [1],
+            1,
+            {"user": {"default": state}, "torchft": {"step": 1, "batches_committed": 2}},
+            timeout,
+        )
+    else:
+        path = f"{out}.meta{rank}".replace("healer", "source")
+        while not os.path.exists(path):
+            time.sleep(0.05)
+        time.sleep(0.2)
+        t = time.perf_counter()
+        tr.recv_checkpoint(0, open(path).read(), 1, timeout)
+        took = time.perf_counter() - t
+        ok = all(bool((v.to_local() == float(int(k[1:]))).all()) for k, v in state.items())
+        with open(f"{out}.{rank}.json", "w") as f:
+            json.dump({"seconds": took, "bytes": n * 4096 * 4096 * 4, "ok": ok}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def heal_rate(gib: float) -> dict:
+    """Heal a ``gib`` GiB replica state from a 2-rank group (dp_shard=2) into another (tp=2)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        src_port, dst_port = _port(), _port()
+        procs = [
+            ctx.Process(
+                target=_heal_worker, args=(role, r, port, src_port, os.path.join(tmp, role), gib)
+            )
+            for role, port in (("source", src_port), ("healer", dst_port))
+            for r in range(2)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(600)
+        if any(p.exitcode != 0 for p in procs):
+            raise SystemExit("the heal-rate measurement failed")
+        got = [json.load(open(os.path.join(tmp, f"healer.{r}.json"))) for r in range(2)]
+    if not all(g["ok"] for g in got):
+        raise SystemExit("the healed state differs from the source's")
+    seconds = max(g["seconds"] for g in got)
+    return {"gib": got[0]["bytes"] / 2**30, "seconds": seconds}
+
+
+def _ft_columns(
+    steps: int, faults: list[int], extra: list[str], heal_layout, heartbeat_ms: int, tmp: str
+):
+    from anyshard.trainer_integration.gpt.ft_demo import summarize
+
+    tag = heal_layout or "same"
+    clean_dir, faulty_dir = os.path.join(tmp, f"ft-clean-{tag}"), os.path.join(tmp, f"ft-{tag}")
+    clean_wall = launch_ft(clean_dir, steps, [], extra, None, heartbeat_ms)
+    faulty_wall = launch_ft(faulty_dir, steps, faults, extra, heal_layout, heartbeat_ms)
+    clean = records(os.path.join(clean_dir, "replica-0", "losses.jsonl"))
+    faulty = records(os.path.join(faulty_dir, "replica-0", "losses.jsonl"))
+    step = statistics.median(step_times(clean))
+    summary = summarize(faulty_dir)
+    return {
+        "clean_wall": clean_wall,
+        "faulty_wall": faulty_wall,
+        "step": step,
+        "faulty_step": statistics.median(step_times(faulty)),
+        "goodput_clean": steps * step / clean_wall,
+        "goodput_faulty": steps * step / faulty_wall,
+        "summary": summary,
+    }
+
+
+def _fmt(values, form: str) -> str:
+    values = [v for v in values if v is not None]
+    return ", ".join(form.format(v) for v in values) or "-"
 
 
 def main() -> int:
@@ -112,11 +269,68 @@ def main() -> int:
         help="warm: anyshard.trainer_integration.gpt.launch (torch's elastic agent, ranks forked "
         "from a process with torch imported), as the demo runs; torchrun: new interpreters",
     )
+    p.add_argument(
+        "--modes",
+        default="restart,ft,ft-relayout",
+        help="comma-separated: restart (a: the whole group restarts), ft (b: FT-HSDP, the "
+        "failed group heals into its layout), ft-relayout (c: it heals into tp=2)",
+    )
+    p.add_argument("--heartbeat-ms", type=int, default=1000, help="FT-HSDP: lighthouse timeout")
+    p.add_argument(
+        "--heal-gib",
+        type=float,
+        default=1.0,
+        help="state size of the heal-rate measurement (0: skip)",
+    )
     p.add_argument("--write-docs", action="store_true")
     args, trainer_args = p.parse_known_args()
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     extra = ["--checkpoint.every_steps", str(args.every), *trainer_args]
     extra += ["--checkpoint.async_", "true"] if args.async_ else []
-    faults = [(3, s) for s in range(args.fault_every // 2, args.steps, args.fault_every)]
+    fault_steps = list(range(args.fault_every // 2, args.steps, args.fault_every))
+    sections = []
+    if "restart" in modes:
+        sections.append(_restart_table(args, extra, fault_steps))
+    ft = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode, heal in (("ft", None), ("ft-relayout", "tp=2")):
+            if mode in modes:
+                ft[mode] = _ft_columns(args.steps, fault_steps, extra, heal, args.heartbeat_ms, tmp)
+    rate = heal_rate(args.heal_gib) if args.heal_gib > 0 else None
+    if ft or rate:
+        sections.append(_ft_table(args, ft, fault_steps, rate))
+    for title, rows, head in sections:
+        width = max(len(r[0]) for r in rows)
+        print(title)
+        print(f"{'':{width}}  " + "  ".join(f"{h:>22}" for h in head))
+        for name, *cells in rows:
+            print(f"{name:{width}}  " + "  ".join(f"{c:>22}" for c in cells))
+        print()
+    if args.write_docs:
+        cmd = "python tools/bench_goodput.py " + " ".join(sys.argv[1:])
+        body = [f"Command: `{cmd}` ({time.strftime('%Y-%m-%d')}, 2 CPU cores, gloo)", ""]
+        for title, rows, head in sections:
+            body += [f"{title}", "", "| | " + " | ".join(head) + " |"]
+            body += ["| --- |" + " --- |" * len(head)]
+            body += ["| " + " | ".join(r) + " |" for r in rows]
+            body += [""]
+        section = "\n".join([BEGIN, *body[:-1], END])
+        text = open(DOC).read()
+        if BEGIN in text:
+            text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END) :]
+        else:
+            text += (
+                "\n\n## Goodput of the reference trainer with faults (`tools/bench_goodput.py`)\n\n"
+                + section
+                + "\n"
+            )
+        with open(DOC, "w") as f:
+            f.write(text)
+    return 0
+
+
+def _restart_table(args, extra, fault_steps):
+    faults = [(3, s) for s in fault_steps]
     with tempfile.TemporaryDirectory() as tmp:
         clean_dir, faulty_dir = os.path.join(tmp, "clean"), os.path.join(tmp, "faulty")
         clean_wall = launch(clean_dir, args.steps, [], extra, args.launcher)
@@ -145,38 +359,49 @@ def main() -> int:
             ", ".join(_phases(e) for e in recoveries) or "-",
         ),
         ("lost steps per fault", "-", ", ".join(str(e["lost_steps"]) for e in recoveries) or "-"),
+        ("healthy ranks restarted per fault", "-", "3 (the whole group)"),
         ("steps run in all", f"{len(clean)}", f"{len(faulty)}"),
         ("goodput (useful step time / wall time)", f"{useful / clean_wall:.0%}", f"{useful / faulty_wall:.0%}"),
     ]  # fmt: skip
-    width = max(len(r[0]) for r in rows)
-    print(f"{'':{width}}  {'no fault':>14}  with faults")
-    for name, a, b in rows:
-        print(f"{name:{width}}  {a:>14}  {b}")
-    if args.write_docs:
-        cmd = "python tools/bench_goodput.py " + " ".join(sys.argv[1:])
-        table = ["| | no fault | with faults |", "| --- | --- | --- |"]
-        table += [f"| {n} | {a} | {b} |" for n, a, b in rows]
-        section = "\n".join(
-            [
-                BEGIN,
-                f"Command: `{cmd}` ({time.strftime('%Y-%m-%d')}, 2 CPU cores, gloo)",
-                "",
-                *table,
-                END,
-            ]
-        )
-        text = open(DOC).read()
-        if BEGIN in text:
-            text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END) :]
-        else:
-            text += (
-                "\n\n## Goodput of the reference trainer with faults (`tools/bench_goodput.py`)\n\n"
-                + section
-                + "\n"
+    return "(a) Whole-group restart (4 ranks, pp=2 x dp_shard=2)", rows, ["no fault", "with faults"]
+
+
+def _ft_table(args, ft, fault_steps, rate):
+    head, cols = [], []
+    names = {"ft": "(b) heal, same layout", "ft-relayout": "(c) heal into tp=2"}
+    for mode, c in ft.items():
+        head.append(names[mode])
+        cols.append(c)
+    rows = []
+    if cols:
+        f = [c["summary"]["faults"] for c in cols]
+        rows = [
+            ("replica groups x ranks", *["2 x 2 (dp_shard=2)"] * len(cols)),
+            ("faults (group 1, rank 1, SIGKILL) at steps", *[", ".join(map(str, fault_steps))] * len(cols)),
+            ("wall time, no fault / with faults", *[f"{c['clean_wall']:.1f} s / {c['faulty_wall']:.1f} s" for c in cols]),
+            ("median step, no fault / with faults", *[f"{c['step'] * 1000:.0f} / {c['faulty_step'] * 1000:.0f} ms" for c in cols]),
+            ("goodput, no fault / with faults", *[f"{c['goodput_clean']:.1%} / {c['goodput_faulty']:.1%}" for c in cols]),
+            ("goodput with faults / without", *[f"{c['goodput_faulty'] / c['goodput_clean']:.1%}" for c in cols]),
+            ("healthy group's stall per fault", *[_fmt([x["healthy_stall_s"] for x in fs], "{:.2f} s") for fs in f]),
+            ("failed group's recovery (kill -> first step)", *[_fmt([x["recovery_s"] for x in fs], "{:.1f} s") for fs in f]),
+            ("heal source, layout", *[_fmt([f"{x['heal_source']}, {x['heal_layout']}" for x in fs], "{}") for fs in f]),
+            ("bytes moved per heal", *[_fmt([x["heal_bytes"] and x["heal_bytes"] / 2**20 for x in fs], "{:.1f} MiB") for fs in f]),
+            ("heal time (quorum + transfer)", *[_fmt([x["heal_s"] for x in fs], "{:.2f} s") for fs in f]),
+            ("heal bit-identical (state digests)", *[_fmt([x["heal_bit_identical"] for x in fs], "{}") for fs in f]),
+            ("healthy processes restarted", *[str(c["summary"]["healthy_restarts"]) for c in cols]),
+            ("steps the healthy group redid", *[str(c["summary"]["lost_steps"]) for c in cols]),
+        ]  # fmt: skip
+    if rate:
+        per = rate["seconds"] / rate["gib"]
+        rows.append(
+            (
+                f"heal of a {rate['gib']:.2f} GiB replica state, dp_shard=2 -> tp=2",
+                *[f"{rate['seconds']:.2f} s ({per:.2f} s per GiB)"] * max(1, len(cols)),
             )
-        with open(DOC, "w") as f:
-            f.write(text)
-    return 0
+        )
+        if not cols:
+            head = ["heal rate"]
+    return "FT-HSDP on torchft (2 replica groups; the failed group restarts alone)", rows, head
 
 
 if __name__ == "__main__":
