@@ -146,8 +146,10 @@ def _heal_worker(role: str, rank: int, port: int, src_port: int, out: str, gib: 
     from torch.distributed.tensor import DTensor, Shard
 
     from anyshard.trainer_integration.ft import AnyshardTransport
+    from anyshard.ucl.library import preload
 
     torch.set_num_threads(1)
+    preload()  # as the trainer's ranks have it: the launcher's forkserver builds the parsers
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, wait_for_workers=False)
     dist.init_process_group("gloo", store=dist.PrefixStore("w/", store), rank=rank, world_size=2)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("g",))

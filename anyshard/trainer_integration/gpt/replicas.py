@@ -4,7 +4,8 @@ Each replica group is its own launch (its own ranks, store and process group) wi
 configured layout inside (FSDP2, TP, PP). One torchft ``Manager`` per rank keeps the group in
 the quorum that the lighthouse computes every step; gradients are averaged across the groups
 that take part (torchft's fault-tolerant process group), and a step is applied only where the
-quorum commits it. A group that comes back after a fault is caught up from a healthy group by
+quorum commits it. The groups of a step's quorum split its global batch between them, so every
+sample is trained on once whether one group or all of them take part. A group that comes back after a fault is caught up from a healthy group by
 `AnyshardTransport` (`anyshard.redistribute` across the two groups: model, optimizer, step,
 data position and RNG, into whatever layout the group now has; nothing pickled).
 
@@ -165,6 +166,20 @@ class ReplicaGroup:
         if self.cfg.ft.check_heals:
             out["digest"] = state_digest(self.state)
         return out
+
+    def data_share(self, data_rank: int, data_size: int) -> tuple[int, int]:
+        """This rank's (dp_rank, dp_size) in this step's global batch: the groups in the quorum
+        split the whole batch between them, so a step processes every sample of its batch
+        whatever the number of groups (the configured share when the batch does not split)."""
+        t, p = self.cfg.train, self.cfg.parallel
+        n, r = self.manager.num_participants(), self.manager.participating_rank()
+        size = n * data_size
+        fits = r is not None and n > 0 and t.global_batch % size == 0
+        if fits and p.pp > 1:
+            fits = (t.global_batch // size) % p.microbatches == 0
+        if not fits:
+            return self.replica * data_size + data_rank, self.cfg.ft.replicas * data_size
+        return r * data_size + data_rank, size
 
     def is_primary(self) -> bool:
         """Whether this group writes the storage checkpoints (the quorum's first replica)."""

@@ -210,7 +210,7 @@ def build_training(cfg: Config):
 
 def _loader(cfg: Config, par) -> DataLoader:
     """This rank's data: under FT-HSDP each replica group takes its own share of every step's
-    global batch (a group that sits a step out leaves its share unread, as torchft does)."""
+    global batch (`ReplicaGroup.data_share` adjusts it to the groups of each step's quorum)."""
     t = cfg.train
     groups, group = cfg.ft.replicas, cfg.ft.replica
     return DataLoader(
@@ -315,6 +315,9 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
                 _append(os.path.join(cfg.run_dir, "events.jsonl"), {**event, "time": time.time()})
             if state.step >= end:
                 break
+            state.loader.dp_rank, state.loader.dp_size = replicas.data_share(
+                par.data_rank, par.data_size
+            )
         optimizer, loader = state.optimizer, state.loader
         for group in optimizer.param_groups:
             group["lr"] = lr_at(
