@@ -95,6 +95,9 @@ class ParallelConfig:
     # "STEP:dim=n,dim=n": after STEP steps, switch the running job to that layout over the same
     # ranks (dims left out are 1), moving its state over the network (anyshard.redistribute)
     relayout_at: str | None = None
+    # when the job runs on another number of ranks than these degrees multiply to (an elastic
+    # job that lost or regained a node), choose a layout for it (`layouts.choose_layout`)
+    auto: bool = False
 
     def relayout(self) -> tuple[int, ParallelConfig] | None:
         """The step and layout of ``relayout_at``; `ConfigError` when it does not parse.

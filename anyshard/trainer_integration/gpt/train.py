@@ -262,6 +262,20 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
         heal = heal_parallel(cfg)
         if heal is not None and _attempt() > 0:
             cfg = dataclasses.replace(cfg, parallel=heal)
+    chosen = None
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if cfg.parallel.auto and cfg.parallel.world_size != world:
+        from anyshard.trainer_integration.gpt.layouts import choose_layout, layout_text
+
+        chosen = choose_layout(cfg, world)
+        cfg = dataclasses.replace(cfg, parallel=chosen.parallel)
+        if rank == 0:
+            print(
+                f"layout for {world} ranks: {layout_text(chosen.parallel)} ("
+                + "; ".join(chosen.reasons)
+                + ")",
+                flush=True,
+            )
     torch.manual_seed(cfg.train.seed)
     par, model, optimizer, step_fn = build_training(cfg)
     built = time.time()
@@ -367,6 +381,8 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
                     "build_s": built - started,
                     "restore_s": restore_s,
                 }
+                if chosen is not None:
+                    event["layout_reasons"] = list(chosen.reasons)
                 if os.path.exists(fault_file):
                     last = [json.loads(x) for x in open(fault_file)][-1]
                     if last["time"] < started + 1e-9 and not last.get("recovered"):

@@ -1,0 +1,160 @@
+"""Choose a layout for a world size: what an elastic job does when it re-forms on fewer or more
+ranks than its configured layout has.
+
+`choose_layout` enumerates every mesh (pp, dp_replicate, dp_shard, ep, cp, tp) whose degrees
+multiply to the world size, keeps those the model splits over evenly and the batch divides
+over (the rules `Config.validate` applies), estimates each one's memory per rank (parameters,
+gradients and AdamW's two moments in fp32, sharded by pp x tp x dp_shard x ep x cp), drops those
+over the budget, and prefers, in order: the configured layout itself; keeping the configured
+pp, tp, ep and cp degrees (they shape the model's code paths; data parallelism absorbs the
+change); sharding over replicating (less memory); fewer pipeline stages. It says why.
+
+>>> from anyshard.trainer_integration.gpt.config import Config, ParallelConfig
+>>> cfg = Config(parallel=ParallelConfig(pp=2, dp_shard=2))
+>>> choice = choose_layout(cfg, 2, memory_bytes=1 << 30)
+>>> choice.parallel.dims()
+(('pp', 2), ('dp_replicate', 1), ('dp_shard', 1), ('ep', 1), ('cp', 1), ('tp', 1))
+>>> print(choice.reasons[0])
+the configured layout pp=2 x dp_shard=2 needs 4 ranks, 2 run
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import os
+from dataclasses import dataclass
+
+from anyshard.trainer_integration.gpt.config import (
+    MESH_ORDER,
+    Config,
+    ParallelConfig,
+    _batch_problems,
+    _split_problems,
+)
+
+__all__ = ["Choice", "choose_layout", "layout_text", "parameter_count"]
+
+# fp32 parameter, gradient and AdamW's two moments
+BYTES_PER_PARAMETER = 16
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The layout chosen for a world size, and why (the first reason is the situation)."""
+
+    parallel: ParallelConfig
+    reasons: tuple[str, ...]
+    bytes_per_rank: int
+
+
+def layout_text(p: ParallelConfig) -> str:
+    """``pp=2 x dp_shard=2`` (the degrees that are not 1), or ``single``."""
+    parts = [f"{d}={getattr(p, d)}" for d in MESH_ORDER if getattr(p, d) > 1]
+    return " x ".join(parts) or "single"
+
+
+def parameter_count(cfg: Config) -> int:
+    """The model's parameters, from its config (no model is built)."""
+    m = cfg.model
+    head = m.dim // m.n_heads
+    attn = m.dim * m.n_heads * head * 2 + m.dim * m.n_kv_heads * head * 2
+    mlp = 3 * m.dim * m.ffn_dim * max(1, m.n_experts) + (m.dim * m.n_experts if m.n_experts else 0)
+    layer = attn + mlp + 2 * m.dim
+    embed = m.vocab_size * m.dim * (1 if m.tie_embeddings else 2)
+    return m.n_layers * layer + embed + m.dim
+
+
+def _default_budget() -> int:
+    """Memory one rank may use: the accelerator's, else this host's memory shared by its ranks."""
+    import torch
+
+    if torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory * 0.9)
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 16 << 30
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return int(total * 0.8 / max(1, local))
+
+
+def _candidates(world: int):
+    """Every assignment of degrees to the six mesh dims that multiplies to ``world``."""
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    for degrees in itertools.product(divisors, repeat=len(MESH_ORDER)):
+        if math.prod(degrees) == world:
+            yield dict(zip(MESH_ORDER, degrees, strict=True))
+
+
+def choose_layout(cfg: Config, world: int, *, memory_bytes: int | None = None) -> Choice:
+    """The layout for ``world`` ranks (see the module docstring); `ValueError` when none fits,
+    naming why the closest ones do not."""
+    want = cfg.parallel
+    budget = memory_bytes if memory_bytes is not None else _default_budget()
+    params = parameter_count(cfg)
+    if want.world_size == world:
+        situation = f"the configured layout {layout_text(want)} fits {world} ranks"
+    else:
+        situation = (
+            f"the configured layout {layout_text(want)} needs {want.world_size} ranks, {world} run"
+        )
+    rejected: list[str] = []
+    scored = []
+    for sizes in _candidates(world):
+        p = dataclasses.replace(want, **sizes, relayout_at=None)
+        problems = _split_problems(cfg.model, p) + _batch_problems(cfg.model, p, cfg.train)
+        if p.cp > 1 and cfg.model.n_experts:
+            problems.append("context parallelism is not combined with experts here")
+        shards = p.pp * p.tp * p.dp_shard * p.ep * p.cp
+        need = params * BYTES_PER_PARAMETER // shards
+        if need > budget:
+            problems.append(
+                f"{need / 2**20:.0f} MiB per rank exceeds the {budget / 2**20:.0f} MiB budget"
+            )
+        if problems:
+            rejected.append(f"{layout_text(p)}: {problems[0]}")
+            continue
+        keeps = sum(getattr(p, d) == getattr(want, d) for d in ("pp", "tp", "ep", "cp"))
+        score = (
+            p == dataclasses.replace(want, relayout_at=None),
+            keeps,
+            p.dp_shard >= p.dp_replicate,  # shard rather than replicate
+            -p.pp,
+            -p.tp,
+            -p.cp,
+            p.dp_shard,
+        )
+        scored.append((score, p, need))
+    if not scored:
+        raise ValueError(
+            f"no layout of {world} ranks fits the model and batch ({situation}):\n  "
+            + "\n  ".join(rejected[:8])
+        )
+    scored.sort(key=lambda x: x[0], reverse=True)
+    _, best, need = scored[0]
+    reasons = [situation]
+    if best == dataclasses.replace(want, relayout_at=None):
+        reasons.append("kept it")
+    else:
+        kept = [
+            f"{d}={getattr(best, d)}"
+            for d in ("pp", "tp", "ep", "cp")
+            if getattr(best, d) == getattr(want, d) and getattr(want, d) > 1
+        ]
+        changed = [
+            f"{d} {getattr(want, d)} -> {getattr(best, d)}"
+            for d in MESH_ORDER
+            if getattr(best, d) != getattr(want, d)
+        ]
+        if kept:
+            reasons.append(f"kept the configured {', '.join(kept)}")
+        reasons.append(
+            f"changed {', '.join(changed)}; {len(scored)} layouts fit, {len(rejected)} do not"
+        )
+    reasons.append(
+        f"about {need / 2**20:.1f} MiB per rank for parameters, gradients and AdamW state "
+        f"(budget {budget / 2**20:.0f} MiB)"
+    )
+    return Choice(best, tuple(reasons), need)
