@@ -1,7 +1,11 @@
-"""``anyshard demo``: training through faults, in two scenarios (``--scenario``, default both).
+"""``anyshard demo``: training through faults, in three scenarios (``--scenario``, default all).
 
 **ft-hsdp** (`anyshard.trainer_integration.gpt.ft_demo`): two replica groups on torchft; one
 loses a rank, restarts alone under another layout and heals from the other over the network.
+
+**elastic**: two nodes (a torchft replica group each); one is lost and the job goes on at half
+its size, the survivors taking over its share of every batch; the node comes back, heals from
+the survivors' memory and the job grows back.
 
 **restart**, on local CPU processes launched by torch's elastic agent (torchrun's, through
 `anyshard.trainer_integration.gpt.launch`, whose ranks are forked from a process that has
@@ -304,7 +308,7 @@ def _ft_hsdp(args, run_dir: str, log) -> dict | None:
     )
     rc = ft_demo.run_ft_hsdp(run_dir, steps=args.ft_steps, kill_step=args.ft_kill_step, log=log)
     if rc != 0:
-        log(f"FT-HSDP failed (exit {rc}); see {run_dir}/ft-hsdp.log")
+        log(f"FT-HSDP failed (exit {rc}); see {run_dir}/launch.log")
         return None
     summary = ft_demo.summarize(run_dir)
     ft_demo.print_summary(summary, log)
@@ -313,7 +317,33 @@ def _ft_hsdp(args, run_dir: str, log) -> dict | None:
     return summary
 
 
-SCENARIOS = ("restart", "ft-hsdp")
+def _elastic(args, run_dir: str, log) -> dict | None:
+    from anyshard.trainer_integration.gpt import ft_demo
+
+    log(
+        f"elastic: 2 nodes x 2 ranks (a torchft replica group each, dp_shard=2), to step "
+        f"{args.ft_steps}; node 1 is lost at step {args.ft_kill_step} (agent and ranks) and "
+        f"comes back {args.back_s:g} s later: the job goes on at 2 ranks, then 4"
+    )
+    rc = ft_demo.run_ft_hsdp(
+        run_dir,
+        steps=args.ft_steps,
+        heal_layout=None,
+        lose=(args.ft_kill_step, args.back_s),
+        log=log,
+    )
+    if rc != 0:
+        log(f"elastic failed (exit {rc}); see {run_dir}/launch.log")
+        return None
+    summary = ft_demo.summarize(run_dir, "elastic")
+    ft_demo.print_summary(summary, log)
+    png = ft_demo.plot(run_dir, summary)
+    log(f"loss curve: {png}" if png else "loss curve: install matplotlib for loss.png")
+    return summary
+
+
+SCENARIOS = ("restart", "ft-hsdp", "elastic")
+RUNNERS = {"restart": _restart, "ft-hsdp": _ft_hsdp, "elastic": _elastic}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -323,7 +353,9 @@ def main(argv: list[str] | None = None) -> int:
         "rank, the group restarts and resumes from its checkpoint, then relaunches under "
         "another layout and world size. ft-hsdp: two replica groups on torchft; one loses a "
         "rank, restarts alone under another layout and heals from the other over the network "
-        "while it keeps training. Each writes RUN_DIR/summary.json and RUN_DIR/loss.png.",
+        "while it keeps training. elastic: a node (one of two) is lost and comes back; the job "
+        "goes on at half its size and grows back, healing the returning node from memory. "
+        "Each writes RUN_DIR/summary.json and RUN_DIR/loss.png.",
     )
     p.add_argument(
         "--run-dir", default="runs/demo", help="where checkpoints and logs go (emptied first)"
@@ -342,7 +374,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill-step", type=int, default=10, help="restart: step rank 3 is killed at")
     p.add_argument("--ft-steps", type=int, default=40, help="ft-hsdp: steps of the run")
     p.add_argument(
-        "--ft-kill-step", type=int, default=10, help="ft-hsdp: step group 1 loses a rank at"
+        "--ft-kill-step",
+        type=int,
+        default=10,
+        help="ft-hsdp: step group 1 loses a rank at; elastic: step node 1 is lost at",
+    )
+    p.add_argument(
+        "--back-s", type=float, default=5.0, help="elastic: seconds until the lost node returns"
     )
     args = p.parse_args(argv)
 
@@ -359,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(where, exist_ok=True)
         if len(names) > 1:
             log(f"== scenario {name} ({where})")
-        summary = (_restart if name == "restart" else _ft_hsdp)(args, where, log)
+        summary = RUNNERS[name](args, where, log)
         if summary is None:
             return 1
         with open(os.path.join(where, "summary.json"), "w") as f:

@@ -48,14 +48,21 @@ def run_ft_hsdp(
     run_dir: str,
     *,
     steps: int,
-    kill_step: int,
+    kill_step: int | None = None,
     heal_layout: str | None = "tp=2",
+    lose: tuple[int, float] | None = None,
     extra: Sequence[str] = (),
     log: Callable[[str], None] = print,
 ) -> int:
-    """Run the scenario into ``run_dir``; returns the launcher's exit code."""
+    """Run the scenario into ``run_dir``: rank 1 of group 1 killed at ``kill_step`` (ft-hsdp),
+    or group 1's node lost at step ``lose[0]`` and back ``lose[1]`` seconds later (elastic);
+    returns the launcher's exit code."""
     cmd = [sys.executable, "-m", LAUNCH, "--replicas", "2", "--nproc-per-node", "2"]
-    cmd += ["--max-restarts", "1", "--fault", f"1:1:{kill_step}"]
+    cmd += ["--max-restarts", "1"]
+    if kill_step is not None:
+        cmd += ["--fault", f"1:1:{kill_step}"]
+    if lose is not None:
+        cmd += ["--lose-group", f"1:{lose[0]}:{lose[1]}"]
     cmd += ["--parallel.dp_shard", "2", "--train.steps", str(steps)]
     cmd += ["--checkpoint.every_steps", "5", "--checkpoint.root", os.path.join(run_dir, "ckpt")]
     cmd += ["--ft.check_heals", "true", "--run_dir", run_dir, *extra]
@@ -64,7 +71,7 @@ def run_ft_hsdp(
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     env.pop("ANYSHARD_FAULT", None)
     shown: dict[int, int] = {}
-    with open(os.path.join(run_dir, "ft-hsdp.log"), "w") as out:
+    with open(os.path.join(run_dir, "launch.log"), "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         while proc.poll() is None:
             time.sleep(0.5)
@@ -90,6 +97,11 @@ def _progress(run_dir: str, shown: dict[int, int], log) -> None:
                     f"  group {r} healed from {e['source']} at step {e['step']} into "
                     f"{e['layout']}: {e['received_bytes'] / 2**20:.1f} MiB in {e['heal_s']:.2f} s"
                 )
+            elif e["event"] == "heal" and shown.get(key, 0) > 0:
+                log(
+                    f"  group {r} healed from {e['source']} at step {e['step']} into "
+                    f"{e['layout']}: {e['received_bytes'] / 2**20:.1f} MiB in {e['heal_s']:.2f} s"
+                )
             elif e["event"] == "start" and e["attempt"] > 0:
                 log(f"  group {r} restarted (its own agent), layout {e['layout']}")
         shown[key] = len(events)
@@ -100,8 +112,20 @@ def _median_interval(times: list[float]) -> float:
     return statistics.median(gaps) if gaps else 0.0
 
 
-def summarize(run_dir: str) -> dict[str, Any]:
-    """The summary of an FT-HSDP run from its groups' logs (see the module docstring)."""
+def _excess(times: dict[int, float], step: int, window: int = 5) -> float | None:
+    """How much longer the healthy group's step after ``step`` took than its steps just
+    before (the median of up to ``window`` of them)."""
+    if step not in times or step + 1 not in times:
+        return None
+    before = [times[s] for s in range(step - window, step + 1) if s in times]
+    if len(before) < 2:
+        return None
+    return times[step + 1] - times[step] - _median_interval(before)
+
+
+def summarize(run_dir: str, scenario: str = "ft-hsdp") -> dict[str, Any]:
+    """The summary of an FT-HSDP run from its groups' logs (see the module docstring).
+    ``scenario`` "elastic": the phases are the job's sizes (groups taking part x ranks)."""
     groups = {
         r: {
             "events": _records(os.path.join(run_dir, f"replica-{r}", "events.jsonl")),
@@ -116,6 +140,15 @@ def summarize(run_dir: str) -> dict[str, Any]:
             if e["event"] != "start":
                 continue
             mine = [x["step"] for x in g["losses"] if x["attempt"] == e["attempt"]]
+            if "time" in e:  # this launch's steps only (a lost group is launched anew)
+                began = e["time"] - e["startup_to_first_step_s"]
+                later = [
+                    x["time"] - x["startup_to_first_step_s"]
+                    for x in g["events"]
+                    if x["event"] == "start" and x.get("time", 0) > e["time"]
+                ]
+                end = min(later, default=float("inf"))
+                mine = [x["step"] for x in g["losses"] if began <= x["time"] < end]
             phases.append(
                 {
                     "replica": r,
@@ -128,31 +161,35 @@ def summarize(run_dir: str) -> dict[str, Any]:
             )
     failed = {r for r, g in groups.items() if g["faults"]}
     healthy = [r for r in groups if r not in failed]
+    if scenario == "elastic" and healthy:
+        phases = _world_phases(groups[healthy[0]]["losses"], groups[healthy[0]]["events"])
     faults = []
     for r in sorted(failed):
         g = groups[r]
         kills = [x for x in g["faults"] if not x.get("recovered")]
-        for k, f in enumerate(kills):  # the k-th fault is followed by attempt k + 1
+        for f in kills:  # what followed each fault: the group's next start and heal
             restart = next(
-                (e for e in g["events"] if e["event"] == "start" and e["attempt"] == k + 1), None
+                (e for e in g["events"] if e["event"] == "start" and e.get("time", 0) > f["time"]),
+                None,
             )
             heal = next(
-                (e for e in g["events"] if e["event"] == "heal" and e["attempt"] == k + 1), None
+                (e for e in g["events"] if e["event"] == "heal" and e.get("time", 0) > f["time"]),
+                None,
             )
             stalls = []
             for h in healthy:
                 times = {x["step"]: x["time"] for x in groups[h]["losses"]}
-                # a step's time before the fault is the baseline (the groups in one layout)
-                before = [times[s] for s in sorted(times) if s <= f["step"]]
-                median = _median_interval(before if len(before) > 2 else sorted(times.values()))
-                end = heal["step"] + 1 if heal else f["step"] + 1
-                if f["step"] in times and end in times:
-                    stalls.append(times[end] - times[f["step"]] - (end - f["step"]) * median)
+                parts = [_excess(times, f["step"])]
+                if heal is not None:
+                    parts.append(_excess(times, heal["step"]))
+                if all(x is not None for x in parts):
+                    stalls.append(sum(parts))
             faults.append(
                 {
                     "step": f["step"],
                     "replica": r,
                     "rank": f["rank"],
+                    "mode": f.get("mode", "sigkill"),
                     "recovery_s": restart.get("recovery_s") if restart else None,
                     "healthy_stall_s": max(stalls) if stalls else None,
                     "heal_source": "peer" if heal else "storage",
@@ -163,8 +200,8 @@ def summarize(run_dir: str) -> dict[str, Any]:
                     "heal_bit_identical": _heal_matches(groups, heal) if heal else None,
                 }
             )
-    healthy_restarts = sum(
-        1 for r in healthy for e in groups[r]["events"] if e["event"] == "start" and e["attempt"]
+    healthy_restarts = sum(  # every start of a healthy group after its first
+        max(0, sum(1 for e in groups[r]["events"] if e["event"] == "start") - 1) for r in healthy
     )
     lost = sum(1 for r in healthy for e in groups[r]["events"] if e["event"] == "uncommitted")
     goodput = None
@@ -174,13 +211,36 @@ def summarize(run_dir: str) -> dict[str, Any]:
         if len(times) > 1 and times[-1] > times[0]:
             goodput = max(0.0, 1.0 - lost_s / (times[-1] - times[0]))
     return {
-        "scenario": "ft-hsdp",
+        "scenario": scenario,
         "phases": phases,
         "faults": faults,
         "healthy_restarts": healthy_restarts,
         "lost_steps": lost,
         "goodput": goodput,
     }
+
+
+def _world_phases(losses: list[dict], events: list[dict]) -> list[dict]:
+    """The job's sizes over its steps: runs of steps with the same number of groups taking
+    part, each as (layout, world_size, first_step, last_step), the layout per group."""
+    start = next((e for e in events if e["event"] == "start"), None)
+    per_group = start["world_size"] if start else 1
+    phases: list[dict] = []
+    for x in losses:
+        n = x.get("groups", 1)
+        if phases and phases[-1]["groups"] == n:
+            phases[-1]["last_step"] = x["step"]
+        else:
+            phases.append(
+                {
+                    "groups": n,
+                    "layout": f"{n} x ({x['layout']})",
+                    "world_size": n * per_group,
+                    "first_step": x["step"],
+                    "last_step": x["step"],
+                }
+            )
+    return phases
 
 
 def _heal_matches(groups: dict, heal: dict) -> bool | None:
@@ -196,14 +256,28 @@ def _heal_matches(groups: dict, heal: dict) -> bool | None:
 
 def print_summary(summary: dict[str, Any], log: Callable[[str], None] = print) -> None:
     log("")
-    log(f"{'group':>5} {'attempt':>7} {'layout':16} {'ranks':>5} {'steps':>9}")
-    for p in summary["phases"]:
-        steps = f"{p['first_step']}-{p['last_step']}" if p["first_step"] is not None else "-"
-        log(f"{p['replica']:>5} {p['attempt']:>7} {p['layout']:16} {p['world_size']:>5} {steps:>9}")
+    if summary["scenario"] == "elastic":
+        log(f"{'groups':>6} {'layout':22} {'ranks':>5} {'steps':>9}")
+        for p in summary["phases"]:
+            steps = f"{p['first_step']}-{p['last_step']}"
+            log(f"{p['groups']:>6} {p['layout']:22} {p['world_size']:>5} {steps:>9}")
+    else:
+        log(f"{'group':>5} {'attempt':>7} {'layout':16} {'ranks':>5} {'steps':>9}")
+        for p in summary["phases"]:
+            steps = f"{p['first_step']}-{p['last_step']}" if p["first_step"] is not None else "-"
+            log(
+                f"{p['replica']:>5} {p['attempt']:>7} {p['layout']:16} {p['world_size']:>5} "
+                f"{steps:>9}"
+            )
     for f in summary["faults"]:
+        what = (
+            f"group {f['replica']} lost (its node: agent and ranks)"
+            if f["mode"] == "node lost"
+            else f"group {f['replica']} rank {f['rank']} killed"
+        )
         log(
-            f"fault: group {f['replica']} rank {f['rank']} killed at step {f['step']}; it restarted "
-            f"alone under {f['heal_layout']} and healed from the {f['heal_source']}"
+            f"fault: {what} at step {f['step']}; it came back alone under {f['heal_layout']} "
+            f"and healed from the {f['heal_source']}"
             + (
                 f" at step {f['heal_step']} ({(f['heal_bytes'] or 0) / 2**20:.1f} MiB in "
                 f"{f['heal_s']:.2f} s, bit-identical: {f['heal_bit_identical']})"

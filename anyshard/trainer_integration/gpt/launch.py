@@ -30,9 +30,11 @@ of a group strikes in its k-th attempt (give it ``--max-restarts`` at least that
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -141,6 +143,34 @@ def start_lighthouse(
     return proc, f"http://127.0.0.1:{port}"
 
 
+def _run_dir(trainer_args: Sequence[str]) -> str:
+    """The trainer's ``run_dir`` among its arguments (the config default when not given)."""
+    args = list(trainer_args)
+    for i, a in enumerate(args):
+        if a == "--run_dir" and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith("--run_dir="):
+            return a.split("=", 1)[1]
+    from anyshard.trainer_integration.gpt.config import Config
+
+    return Config().run_dir
+
+
+def _last_step(run_dir: str) -> int:
+    """The last step ``run_dir/losses.jsonl`` logs (0 before the first)."""
+    try:
+        with open(os.path.join(run_dir, "losses.jsonl"), "rb") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return 0
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError):
+            continue
+    return 0
+
+
 def launch_replicas(
     replicas: int,
     nproc: int,
@@ -149,10 +179,14 @@ def launch_replicas(
     max_restarts: int = 0,
     faults: Sequence[str] = (),
     heartbeat_ms: int = 1000,
+    lose: Sequence[tuple[int, int, float | None]] = (),
 ) -> int:
     """FT-HSDP: ``replicas`` groups of ``nproc`` ranks, each under its own elastic agent (a
     process of its own), with a torchft lighthouse; ``faults`` are REPLICA:RANK:STEP[:MODE].
-    Returns 0 when every group finished, else 1."""
+    ``lose`` holds (REPLICA, STEP, BACK_S): once the job logs STEP, that group's agent and ranks
+    are SIGKILLed together (a lost node: the others go on, smaller), and BACK_S seconds later
+    it is launched again and rejoins (None: it stays away). Returns 0 when every group
+    finished, else 1."""
     per_group: dict[int, list[str]] = {}
     for f in faults:
         head, _, rest = f.partition(":")
@@ -162,27 +196,57 @@ def launch_replicas(
             )
         per_group.setdefault(int(head), []).append(rest)
     lighthouse, address = start_lighthouse(heartbeat_ms=heartbeat_ms)
-    procs = []
+    run_dir = _run_dir(trainer_args)
+
+    def start(g: int) -> subprocess.Popen:
+        env = dict(os.environ)
+        env.pop("ANYSHARD_FAULT", None)
+        env.pop("ANYSHARD_FAULTS", None)
+        if g in per_group:  # the k-th fault of a group strikes in its k-th attempt
+            env["ANYSHARD_FAULTS"] = ",".join(per_group[g])
+        cmd = [sys.executable, "-m", "anyshard.trainer_integration.gpt.launch"]
+        cmd += ["--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts)]
+        cmd += [*trainer_args, "--ft.replicas", str(replicas), "--ft.replica", str(g)]
+        cmd += ["--ft.lighthouse", address]
+        return subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+
+    procs = {g: start(g) for g in range(replicas)}
+    pending = sorted(lose, key=lambda x: x[1])
+    returns: list[tuple[float, int]] = []
     try:
-        for g in range(replicas):
-            env = dict(os.environ)
-            env.pop("ANYSHARD_FAULT", None)
-            env.pop("ANYSHARD_FAULTS", None)
-            if g in per_group:  # the k-th fault of a group strikes in its k-th attempt
-                env["ANYSHARD_FAULTS"] = ",".join(per_group[g])
-            cmd = [sys.executable, "-m", "anyshard.trainer_integration.gpt.launch"]
-            cmd += ["--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts)]
-            cmd += [*trainer_args, "--ft.replicas", str(replicas), "--ft.replica", str(g)]
-            cmd += ["--ft.lighthouse", address]
-            procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent))
-        codes = [p.wait() for p in procs]
+        while any(p.poll() is None for p in procs.values()) or returns:
+            step = max(
+                (_last_step(os.path.join(run_dir, f"replica-{g}")) for g in procs), default=0
+            )
+            while pending and step >= pending[0][1]:
+                g, _, back = pending.pop(0)
+                if procs[g].poll() is None:  # the node is lost: its agent and ranks at once
+                    os.killpg(procs[g].pid, signal.SIGKILL)
+                    procs[g].wait()
+                    event = {"time": time.time(), "step": step, "rank": None, "mode": "node lost"}
+                    with open(os.path.join(run_dir, f"replica-{g}", "fault.json"), "a") as f:
+                        f.write(json.dumps(event) + "\n")
+                    print(
+                        f"launch: replica group {g} lost at step {step}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    if back is not None:
+                        returns.append((time.time() + back, g))
+            for when, g in list(returns):
+                if time.time() >= when:
+                    returns.remove((when, g))
+                    procs[g] = start(g)
+                    print(f"launch: replica group {g} back", file=sys.stderr, flush=True)
+            time.sleep(0.1)
+        codes = {g: p.returncode for g, p in procs.items()}
     finally:
-        for p in procs:
+        for p in procs.values():
             if p.poll() is None:
-                p.kill()
+                os.killpg(p.pid, signal.SIGKILL)
         lighthouse.kill()
         lighthouse.wait()
-    return 0 if all(c == 0 for c in codes) else 1
+    return 0 if all(c == 0 for c in codes.values()) else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -211,6 +275,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="with --replicas: kill RANK of group REPLICA at STEP (its first attempt)",
     )
     p.add_argument(
+        "--lose-group",
+        action="append",
+        default=[],
+        metavar="REPLICA:STEP[:BACK_S]",
+        help="with --replicas: SIGKILL group REPLICA's agent and ranks (a lost node) once the "
+        "job logs STEP; launch it again BACK_S seconds later",
+    )
+    p.add_argument(
         "--heartbeat-ms",
         type=int,
         default=1000,
@@ -223,6 +295,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--replicas must be at least 1")
     if args.replicas > 1:
         try:
+            lose = []
+            for item in args.lose_group:
+                parts = item.split(":")
+                if len(parts) not in (2, 3) or not 0 <= int(parts[0]) < args.replicas:
+                    raise ValueError(
+                        f"--lose-group {item!r}: expected REPLICA:STEP[:BACK_S], REPLICA < "
+                        f"{args.replicas}"
+                    )
+                back = float(parts[2]) if len(parts) == 3 else None
+                lose.append((int(parts[0]), int(parts[1]), back))
             return launch_replicas(
                 args.replicas,
                 args.nproc_per_node,
@@ -230,6 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 max_restarts=args.max_restarts,
                 faults=args.fault,
                 heartbeat_ms=args.heartbeat_ms,
+                lose=lose,
             )
         except (ValueError, FileNotFoundError, RuntimeError) as e:
             p.error(str(e))

@@ -294,7 +294,9 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
         ckpt.guard(state.optimizer)
     os.makedirs(cfg.run_dir, exist_ok=True)
     before_restore = time.time()
-    restored = ckpt.restore_latest({"train": state}, strict=cfg.parallel.pp == 1)
+    restored = None
+    if cfg.ft.replicas == 1:  # replica groups restore after their first quorum (below)
+        restored = ckpt.restore_latest({"train": state}, strict=cfg.parallel.pp == 1)
     restore_s = time.time() - before_restore
     layout = _layout_name(cfg)
     replicas = None
@@ -302,12 +304,12 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
         from anyshard.trainer_integration.gpt.replicas import ReplicaGroup
 
         replicas = ReplicaGroup(cfg, state, layout)
-        replicas.restored(state.step)
         step_fn.replica_sync = replicas.sync
     kill_rank, kill_step, mode, armed = _fault(cfg)
     fault_file = os.path.join(cfg.run_dir, "fault.json")
     losses: list[float] = []
     first = True
+    joined = False  # FT-HSDP: whether this group has been through its first quorum
     saves = 0
     end = t.steps if stop_at is None else min(t.steps, stop_at)
     switch = cfg.parallel.relayout()
@@ -324,6 +326,15 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
                 _append(os.path.join(cfg.run_dir, "events.jsonl"), {**event, **cost})
         if replicas is not None:
             healed = replicas.start_step()  # may fill the state from a healthy group
+            if not joined and (healed is None or healed["event"] != "heal"):
+                # no group is ahead (the whole job starts or restarts): the newest committed
+                # checkpoint is the state; a group that healed never reads storage (and so
+                # never races the writing group's retention)
+                before_restore = time.time()
+                restored = ckpt.restore_latest({"train": state}, strict=cfg.parallel.pp == 1)
+                replicas.restored(state.step)
+                restore_s = time.time() - before_restore
+            joined = True
             if healed is not None and rank == 0:
                 event = {**healed, "step": state.step, "layout": layout, "attempt": _attempt()}
                 _append(os.path.join(cfg.run_dir, "events.jsonl"), {**event, "time": time.time()})
@@ -356,22 +367,24 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
         state.step += 1
         losses.append(loss)
         if rank == 0:
-            _append(
-                os.path.join(cfg.run_dir, "losses.jsonl"),
-                {
-                    "step": state.step,
-                    "loss": loss,
-                    "layout": layout,
-                    "attempt": _attempt(),
-                    "time": time.time(),
-                },
-            )
+            record = {
+                "step": state.step,
+                "loss": loss,
+                "layout": layout,
+                "attempt": _attempt(),
+                "time": time.time(),
+            }
+            if replicas is not None:  # the groups that took part, and this group's data share
+                record["groups"] = replicas.manager.num_participants()
+                record["share"] = [loader.dp_rank // par.data_size, loader.dp_size // par.data_size]
+            _append(os.path.join(cfg.run_dir, "losses.jsonl"), record)
             if first:
                 event = {
                     "event": "start",
                     "layout": layout,
                     "world_size": dist.get_world_size() if dist.is_initialized() else 1,
                     "attempt": _attempt(),
+                    "time": time.time(),
                     "pid": os.getpid(),
                     "restored_step": restored,
                     "startup_to_first_step_s": time.time() - started,
