@@ -10,7 +10,10 @@ without faults and once with them:
 - ``ft`` (b): FT-HSDP on torchft, 2 replica groups x 2 ranks (dp_shard=2); rank 1 of group 1
   dies, group 1 alone restarts and heals from group 0 (`anyshard.redistribute`) while group 0
   keeps training;
-- ``ft-relayout`` (c): the same, but group 1 comes back under tp=2 and heals into that layout.
+- ``ft-relayout`` (c): the same, but group 1 comes back under tp=2 and heals into that layout;
+- ``elastic`` (d): group 1's whole node (agent and ranks) is lost; group 0 goes on alone on the
+  whole batch (4 -> 2 ranks) until the node is relaunched ``--back-s`` later and heals from
+  group 0's memory (2 -> 4 ranks).
 
 Goodput is useful step time (steps x the median step time of the mode's fault-free run) over
 the wall time of the whole job, launch included. FT-HSDP rows also give the healthy group's
@@ -91,13 +94,19 @@ def launch_ft(
     extra: list[str],
     heal_layout: str | None,
     heartbeat_ms: int,
+    lose_back_s: float | None = None,
 ) -> float:
-    """FT-HSDP: 2 replica groups x 2 ranks (dp_shard=2), group 1 killed at each of ``faults``."""
+    """FT-HSDP: 2 replica groups x 2 ranks (dp_shard=2), group 1 killed at each of ``faults``
+    (rank 1 SIGKILLed, or with ``lose_back_s`` its whole node, relaunched that much later)."""
+    if lose_back_s is None:
+        hits = [x for s in faults for x in ("--fault", f"1:1:{s}")]
+    else:
+        hits = [x for s in faults for x in ("--lose-group", f"1:{s}:{lose_back_s:g}")]
     cmd = [
         sys.executable, "-m", "anyshard.trainer_integration.gpt.launch",
         "--replicas", "2", "--nproc-per-node", "2", "--max-restarts", str(len(faults)),
         "--heartbeat-ms", str(heartbeat_ms),
-        *[x for s in faults for x in ("--fault", f"1:1:{s}")],
+        *hits,
         "--parallel.dp_shard", "2",
         "--train.steps", str(steps),
         "--checkpoint.keep_last", "2",
@@ -225,18 +234,28 @@ def heal_rate(gib: float) -> dict:
 
 
 def _ft_columns(
-    steps: int, faults: list[int], extra: list[str], heal_layout, heartbeat_ms: int, tmp: str
+    steps: int,
+    faults: list[int],
+    extra: list[str],
+    heal_layout,
+    heartbeat_ms: int,
+    tmp: str,
+    lose_back_s: float | None = None,
 ):
     from anyshard.trainer_integration.gpt.ft_demo import summarize
 
-    tag = heal_layout or "same"
-    clean_dir, faulty_dir = os.path.join(tmp, f"ft-clean-{tag}"), os.path.join(tmp, f"ft-{tag}")
-    clean_wall = launch_ft(clean_dir, steps, [], extra, None, heartbeat_ms)
-    faulty_wall = launch_ft(faulty_dir, steps, faults, extra, heal_layout, heartbeat_ms)
+    tag = "elastic" if lose_back_s is not None else heal_layout or "same"
+    clean_dir, faulty_dir = os.path.join(tmp, "ft-clean"), os.path.join(tmp, f"ft-{tag}")
+    if not os.path.exists(clean_dir):  # one fault-free run serves every FT-HSDP mode
+        _CLEAN_WALL[clean_dir] = launch_ft(clean_dir, steps, [], extra, None, heartbeat_ms)
+    clean_wall = _CLEAN_WALL[clean_dir]
+    faulty_wall = launch_ft(
+        faulty_dir, steps, faults, extra, heal_layout, heartbeat_ms, lose_back_s
+    )
     clean = records(os.path.join(clean_dir, "replica-0", "losses.jsonl"))
     faulty = records(os.path.join(faulty_dir, "replica-0", "losses.jsonl"))
     step = statistics.median(step_times(clean))
-    summary = summarize(faulty_dir)
+    summary = summarize(faulty_dir, "elastic" if lose_back_s is not None else "ft-hsdp")
     return {
         "clean_wall": clean_wall,
         "faulty_wall": faulty_wall,
@@ -246,6 +265,9 @@ def _ft_columns(
         "goodput_faulty": steps * step / faulty_wall,
         "summary": summary,
     }
+
+
+_CLEAN_WALL: dict[str, float] = {}
 
 
 def _fmt(values, form: str) -> str:
@@ -273,10 +295,13 @@ def main() -> int:
     )
     p.add_argument(
         "--modes",
-        default="restart,ft,ft-relayout",
+        default="restart,ft,ft-relayout,elastic",
         help="comma-separated: restart (a: the whole group restarts), ft (b: FT-HSDP, the "
-        "failed group heals into its layout), ft-relayout (c: it heals into tp=2)",
+        "failed group heals into its layout), ft-relayout (c: it heals into tp=2), elastic "
+        "(d: group 1's node is lost, the job goes on at 2 ranks, the node returns --back-s "
+        "later and heals: 4 -> 2 -> 4 ranks)",
     )
+    p.add_argument("--back-s", type=float, default=5.0, help="elastic: seconds a lost node is away")
     p.add_argument("--heartbeat-ms", type=int, default=1000, help="FT-HSDP: lighthouse timeout")
     p.add_argument(
         "--heal-gib",
@@ -295,9 +320,15 @@ def main() -> int:
         sections.append(_restart_table(args, extra, fault_steps))
     ft = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for mode, heal in (("ft", None), ("ft-relayout", "tp=2")):
+        for mode, heal, back in (
+            ("ft", None, None),
+            ("ft-relayout", "tp=2", None),
+            ("elastic", None, args.back_s),
+        ):
             if mode in modes:
-                ft[mode] = _ft_columns(args.steps, fault_steps, extra, heal, args.heartbeat_ms, tmp)
+                ft[mode] = _ft_columns(
+                    args.steps, fault_steps, extra, heal, args.heartbeat_ms, tmp, back
+                )
     rate = heal_rate(args.heal_gib) if args.heal_gib > 0 else None
     if ft or rate:
         sections.append(_ft_table(args, ft, fault_steps, rate))
@@ -370,7 +401,11 @@ def _restart_table(args, extra, fault_steps):
 
 def _ft_table(args, ft, fault_steps, rate):
     head, cols = [], []
-    names = {"ft": "(b) heal, same layout", "ft-relayout": "(c) heal into tp=2"}
+    names = {
+        "ft": "(b) heal, same layout",
+        "ft-relayout": "(c) heal into tp=2",
+        "elastic": "(d) elastic 4 -> 2 -> 4",
+    }
     for mode, c in ft.items():
         head.append(names[mode])
         cols.append(c)
@@ -379,13 +414,13 @@ def _ft_table(args, ft, fault_steps, rate):
         f = [c["summary"]["faults"] for c in cols]
         rows = [
             ("replica groups x ranks", *["2 x 2 (dp_shard=2)"] * len(cols)),
-            ("faults (group 1, rank 1, SIGKILL) at steps", *[", ".join(map(str, fault_steps))] * len(cols)),
+            ("faults (group 1: rank 1 SIGKILLed; (d): its node) at steps", *[", ".join(map(str, fault_steps))] * len(cols)),
             ("wall time, no fault / with faults", *[f"{c['clean_wall']:.1f} s / {c['faulty_wall']:.1f} s" for c in cols]),
             ("median step, no fault / with faults", *[f"{c['step'] * 1000:.0f} / {c['faulty_step'] * 1000:.0f} ms" for c in cols]),
             ("goodput, no fault / with faults", *[f"{c['goodput_clean']:.1%} / {c['goodput_faulty']:.1%}" for c in cols]),
             ("goodput with faults / without", *[f"{c['goodput_faulty'] / c['goodput_clean']:.1%}" for c in cols]),
             ("healthy group's stall per fault", *[_fmt([x["healthy_stall_s"] for x in fs], "{:.2f} s") for fs in f]),
-            ("failed group's recovery (kill -> first step)", *[_fmt([x["recovery_s"] for x in fs], "{:.1f} s") for fs in f]),
+            ("failed group's recovery (kill -> first step; (d): node away included)", *[_fmt([x["recovery_s"] for x in fs], "{:.1f} s") for fs in f]),
             ("heal source, layout", *[_fmt([f"{x['heal_source']}, {x['heal_layout']}" for x in fs], "{}") for fs in f]),
             ("bytes moved per heal", *[_fmt([x["heal_bytes"] and x["heal_bytes"] / 2**20 for x in fs], "{:.1f} MiB") for fs in f]),
             ("heal time (quorum + transfer)", *[_fmt([x["heal_s"] for x in fs], "{:.2f} s") for fs in f]),
