@@ -372,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         "--steps-b", type=int, default=40, help="restart: total steps after phase B (2 ranks)"
     )
     p.add_argument("--kill-step", type=int, default=10, help="restart: step rank 3 is killed at")
-    p.add_argument("--ft-steps", type=int, default=40, help="ft-hsdp: steps of the run")
+    p.add_argument("--ft-steps", type=int, default=40, help="ft-hsdp and elastic: steps of the run")
     p.add_argument(
         "--ft-kill-step",
         type=int,

@@ -272,7 +272,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="REPLICA:RANK:STEP[:MODE]",
-        help="with --replicas: kill RANK of group REPLICA at STEP (its first attempt)",
+        help="with --replicas: kill RANK of group REPLICA at STEP; a group's k-th --fault "
+        "strikes in its k-th attempt",
     )
     p.add_argument(
         "--lose-group",
