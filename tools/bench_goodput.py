@@ -309,6 +309,7 @@ def main() -> int:
         default=1.0,
         help="state size of the heal-rate measurement (0: skip)",
     )
+    p.add_argument("--heal-reps", type=int, default=3, help="repetitions of the heal-rate run")
     p.add_argument("--write-docs", action="store_true")
     args, trainer_args = p.parse_known_args()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -329,7 +330,11 @@ def main() -> int:
                 ft[mode] = _ft_columns(
                     args.steps, fault_steps, extra, heal, args.heartbeat_ms, tmp, back
                 )
-    rate = heal_rate(args.heal_gib) if args.heal_gib > 0 else None
+    rate = None
+    if args.heal_gib > 0:  # each in fresh processes; the median and the fastest
+        runs = [heal_rate(args.heal_gib) for _ in range(args.heal_reps)]
+        seconds = sorted(r["seconds"] for r in runs)
+        rate = {"gib": runs[0]["gib"], "seconds": statistics.median(seconds), "min": seconds[0]}
     if ft or rate:
         sections.append(_ft_table(args, ft, fault_steps, rate))
     for title, rows, head in sections:
@@ -432,8 +437,11 @@ def _ft_table(args, ft, fault_steps, rate):
         per = rate["seconds"] / rate["gib"]
         rows.append(
             (
-                f"heal of a {rate['gib']:.2f} GiB replica state, dp_shard=2 -> tp=2",
-                *[f"{rate['seconds']:.2f} s ({per:.2f} s per GiB)"] * max(1, len(cols)),
+                f"heal of a {rate['gib']:.2f} GiB replica state, dp_shard=2 -> tp=2 ({args.heal_reps} runs)",
+                *[
+                    f"{rate['seconds']:.2f} s median, {rate['min']:.2f} s fastest ({per:.2f} s per GiB)"
+                ]
+                * max(1, len(cols)),
             )
         )
         if not cols:
