@@ -197,6 +197,7 @@ class FtConfig:
 
     replicas: int = 1  # replica groups; 1 runs without torchft
     replica: int = 0  # this group's index in [0, replicas) (the launcher sets it)
+    min_replicas: int = 1  # the job steps only while at least this many groups take part
     lighthouse: str = ""  # the torchft lighthouse, http://HOST:PORT (the launcher starts one)
     # "dim=n,...": the layout a group takes when it restarts after a fault (same world size),
     # so that it heals into another layout than the healthy groups'
@@ -256,7 +257,12 @@ _RANGES = {
     },
     "checkpoint": dict.fromkeys(("every_steps", "keep_last"), "[1, inf)"),
     "fault": {"kill_rank": "[0, inf)", "kill_step": "[1, inf)"},  # None: no fault
-    "ft": {"replicas": "[1, inf)", "replica": "[0, inf)", "timeout_s": "(0, inf)"},
+    "ft": {
+        "replicas": "[1, inf)",
+        "replica": "[0, inf)",
+        "min_replicas": "[1, inf)",
+        "timeout_s": "(0, inf)",
+    },
 }
 _CHOICES = [
     ("parallel", "pp_schedule", ("1F1B", "GPipe")),
@@ -427,6 +433,11 @@ def heal_parallel(cfg: Config) -> ParallelConfig | None:
 def _ft_problems(cfg: Config) -> list[str]:
     f, p, t = cfg.ft, cfg.parallel, cfg.train
     problems = []
+    if f.min_replicas > f.replicas:
+        problems.append(
+            f"ft.min_replicas ({f.min_replicas}) exceeds ft.replicas ({f.replicas}): the job "
+            f"would never step; set it to at most {f.replicas}"
+        )
     if f.replica >= f.replicas:
         problems.append(
             f"ft.replica ({f.replica}) is not a group of ft.replicas ({f.replicas}); "

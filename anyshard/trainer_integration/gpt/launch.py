@@ -109,7 +109,7 @@ def _free_port() -> int:
 
 
 def start_lighthouse(
-    *, heartbeat_ms: int = 1000, join_ms: int = 100
+    *, heartbeat_ms: int = 1000, join_ms: int = 100, min_replicas: int = 1
 ) -> tuple[subprocess.Popen, str]:
     """Start torchft's lighthouse on a free port of 127.0.0.1; returns it and its address.
     A group that stops heartbeating for ``heartbeat_ms`` leaves the quorum; ``join_ms`` is how
@@ -123,7 +123,7 @@ def start_lighthouse(
             "pip install torchft)"
         )
     port = _free_port()
-    cmd = [binary, "--min_replicas", "1", "--bind", f"127.0.0.1:{port}"]
+    cmd = [binary, "--min_replicas", str(min_replicas), "--bind", f"127.0.0.1:{port}"]
     cmd += ["--heartbeat_timeout_ms", str(heartbeat_ms), "--join_timeout_ms", str(join_ms)]
     proc = subprocess.Popen(
         cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent
@@ -180,13 +180,15 @@ def launch_replicas(
     faults: Sequence[str] = (),
     heartbeat_ms: int = 1000,
     lose: Sequence[tuple[int, int, float | None]] = (),
+    min_replicas: int = 1,
 ) -> int:
     """FT-HSDP: ``replicas`` groups of ``nproc`` ranks, each under its own elastic agent (a
     process of its own), with a torchft lighthouse; ``faults`` are REPLICA:RANK:STEP[:MODE].
     ``lose`` holds (REPLICA, STEP, BACK_S): once the job logs STEP, that group's agent and ranks
     are SIGKILLed together (a lost node: the others go on, smaller), and BACK_S seconds later
-    it is launched again and rejoins (None: it stays away). Returns 0 when every group
-    finished, else 1."""
+    it is launched again and rejoins (None: it stays away). The job steps only while at least
+    ``min_replicas`` groups are in its quorum (a MIN:MAX job of ``min_replicas`` to ``replicas``
+    groups). Returns 0 when every group finished, else 1."""
     per_group: dict[int, list[str]] = {}
     for f in faults:
         head, _, rest = f.partition(":")
@@ -195,7 +197,7 @@ def launch_replicas(
                 f"--fault {f!r}: expected REPLICA:RANK:STEP[:MODE], REPLICA < {replicas}"
             )
         per_group.setdefault(int(head), []).append(rest)
-    lighthouse, address = start_lighthouse(heartbeat_ms=heartbeat_ms)
+    lighthouse, address = start_lighthouse(heartbeat_ms=heartbeat_ms, min_replicas=min_replicas)
     run_dir = _run_dir(trainer_args)
 
     def start(g: int) -> subprocess.Popen:
@@ -207,7 +209,7 @@ def launch_replicas(
         cmd = [sys.executable, "-m", "anyshard.trainer_integration.gpt.launch"]
         cmd += ["--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts)]
         cmd += [*trainer_args, "--ft.replicas", str(replicas), "--ft.replica", str(g)]
-        cmd += ["--ft.lighthouse", address]
+        cmd += ["--ft.lighthouse", address, "--ft.min_replicas", str(min_replicas)]
         return subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
 
     procs = {g: start(g) for g in range(replicas)}
@@ -284,6 +286,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "job logs STEP; launch it again BACK_S seconds later",
     )
     p.add_argument(
+        "--min-replicas",
+        type=int,
+        default=1,
+        help="with --replicas: the fewest groups the job steps with (default 1)",
+    )
+    p.add_argument(
         "--heartbeat-ms",
         type=int,
         default=1000,
@@ -314,6 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 faults=args.fault,
                 heartbeat_ms=args.heartbeat_ms,
                 lose=lose,
+                min_replicas=args.min_replicas,
             )
         except (ValueError, FileNotFoundError, RuntimeError) as e:
             p.error(str(e))

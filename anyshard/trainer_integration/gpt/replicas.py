@@ -112,7 +112,7 @@ class ReplicaGroup:
             pg=ProcessGroupGloo(timeout=timeout),
             load_state_dict=self._load,
             state_dict=self._state_dict,
-            min_replica_size=1,
+            min_replica_size=f.min_replicas,
             use_async_quorum=False,
             timeout=timeout,
             quorum_timeout=timeout,
