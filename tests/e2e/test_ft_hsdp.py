@@ -65,19 +65,23 @@ def test_a_killed_group_heals_from_the_healthy_one(tmp_path, heal_layout):
         assert ends[0]["digest"] == ends[1]["digest"]
 
 
-def _global_losses(run_dir) -> dict[int, float]:
-    """The job's loss per step: each group logs the mean over its share of the batch."""
+def _global_losses(run_dir) -> tuple[dict[int, float], list[int]]:
+    """The job's loss at each step all of whose groups logged it (each logs the mean over its
+    share of the batch), and every step any group logged. A group killed after a step's
+    gradient all-reduce but before its log line leaves that step with one share missing."""
     per: dict[int, list] = {}
     for r in (0, 1):
         path = os.path.join(run_dir, f"replica-{r}", "losses.jsonl")
         for line in open(path):
             x = json.loads(line)
-            per.setdefault(x["step"], []).append((x["loss"], x["share"][1]))
+            per.setdefault(x["step"], []).append((x["loss"], x["share"][1], x["groups"]))
     out = {}
     for step, parts in per.items():
-        assert abs(sum(1 / n for _, n in parts) - 1) < 1e-9, (step, parts)  # the whole batch
-        out[step] = sum(loss / n for loss, n in parts)
-    return out
+        # the groups of the step's quorum split its whole batch: 1 / groups each
+        assert all(n == groups for _, n, groups in parts), (step, parts)
+        if len(parts) == parts[0][2]:
+            out[step] = sum(loss / n for loss, n, _ in parts)
+    return out, sorted(per)
 
 
 def _launch(run, steps: int, *extra: str):
@@ -110,9 +114,11 @@ def test_elastic_a_lost_node_leaves_and_returns_4_2_4(tmp_path):
     # the returning group read no checkpoint: it healed from memory
     back = [e for e in _events(elastic, 1) if e["event"] == "start"][-1]
     assert back["restored_step"] is None
-    got, want = _global_losses(elastic), _global_losses(plain)
-    assert sorted(got) == sorted(want) == list(range(1, 81))  # every step once, exact position
-    worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in want)
+    (got, steps), (want, plain_steps) = _global_losses(elastic), _global_losses(plain)
+    assert steps == plain_steps == list(range(1, 81))  # every step once, exact position
+    common = sorted(set(got) & set(want))
+    assert len(common) >= 78, common  # at most the step of the loss lacks a share's log line
+    worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in common)
     assert worst < 1e-4, worst
     ends = [e["digest"] for r in (0, 1) for e in _events(elastic, r) if e["event"] == "end"]
     assert len(ends) == 2 and ends[0] == ends[1]
