@@ -307,12 +307,27 @@ def plot(run_dir: str, summary: dict[str, Any]) -> str | None:
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
     for r in _replicas(run_dir):
         recs = _records(os.path.join(run_dir, f"replica-{r}", "losses.jsonl"))
-        for attempt in sorted({x["attempt"] for x in recs}):
-            mine = [x for x in recs if x["attempt"] == attempt]
-            label = f"group {r}, {mine[0]['layout']}" + (" (restarted)" if attempt else "")
-            ax.plot([x["step"] for x in mine], [x["loss"] for x in mine], marker=".", label=label)
+        runs: list[list[dict]] = []  # a line per stretch of consecutive steps of one layout
+        for x in recs:
+            last = runs[-1][-1] if runs else None
+            if last and x["step"] == last["step"] + 1 and x["layout"] == last["layout"]:
+                runs[-1].append(x)
+            else:
+                runs.append([x])
+        color = None
+        for k, mine in enumerate(runs):
+            label = f"group {r}, {mine[0]['layout']}" + (" (after its fault)" if k else "")
+            line = ax.plot(
+                [x["step"] for x in mine],
+                [x["loss"] for x in mine],
+                marker=".",
+                label=label if k == 0 or mine[0]["layout"] != runs[0][0]["layout"] else None,
+                color=color,
+            )[0]
+            color = color or line.get_color()
     for f in summary["faults"]:
-        ax.axvline(f["step"], color="red", linestyle="--", label=f"group {f['replica']} killed")
+        what = "lost (node)" if f.get("mode") == "node lost" else "killed"
+        ax.axvline(f["step"], color="red", linestyle="--", label=f"group {f['replica']} {what}")
         if f["heal_step"] is not None:
             ax.axvline(
                 f["heal_step"],
@@ -322,7 +337,11 @@ def plot(run_dir: str, summary: dict[str, Any]) -> str | None:
             )
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (each group's own batch)")
-    ax.set_title("anyshard demo: FT-HSDP, one replica group fails and heals alone")
+    ax.set_title(
+        "anyshard demo: elastic, a node leaves and returns (4 -> 2 -> 4 ranks)"
+        if summary["scenario"] == "elastic"
+        else "anyshard demo: FT-HSDP, one replica group fails and heals alone"
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     path = os.path.join(run_dir, "loss.png")
