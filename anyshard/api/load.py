@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from anyshard.api import collectives as coll
 from anyshard.api.spec_state import spec_fills
@@ -154,6 +155,10 @@ def load_reporting(
     problems = _key_problems(flat, manifest) if strict else []
     if read_once is None:
         read_once = read_once_pays(path, process_group)
+    mesh = None  # plain tensors, whole on every rank, are replicated over the whole group
+    if read_once and dist.is_available() and dist.is_initialized():
+        if dist.get_world_size(process_group) > 1:
+            mesh = _world_mesh(process_group)
     split: dict[str, tuple[Any, Any]] = {}  # fqn -> (the part this rank fetches, the target)
     fills: list[Fill] = []
     meshes: dict = {}  # device mesh -> what layouts need of it, for this call only
@@ -177,9 +182,13 @@ def load_reporting(
                     f"{fqn}: dtype {value.dtype} in the state dict, {stored} in the checkpoint (pass cast=True to convert)"
                 )
                 continue
-            part = _replica_part(value) if read_once else None
+            part = None
+            if read_once:
+                target = value if hasattr(value, "device_mesh") else _as_replicated(value, mesh)
+                part = _replica_part(target)
+                if part is not None:
+                    split[fqn] = (part, target)
             if part is not None:
-                split[fqn] = (part, value)
                 value = part
             layout = layout_of(fqn, value, process_group, meshes)
             fills.append(Fill(fqn, layout.local, layout.shard().pieces))
@@ -206,6 +215,25 @@ def load_reporting(
         if fqn in manifest.values:
             leaf.replace(manifest.values[fqn])
     return LoadReport(bytes_read=plan.bytes_read, forwarded=len(split))
+
+
+def _world_mesh(process_group):
+    """A 1-d DeviceMesh over ``process_group`` (no new process group is made)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    group = process_group or dist.group.WORLD
+    device = "cuda" if "nccl" in str(dist.get_backend(group)) else "cpu"
+    return DeviceMesh.from_group(group, device, mesh_dim_names=("read_once",))
+
+
+def _as_replicated(value: torch.Tensor, mesh) -> torch.Tensor:
+    """A plain tensor that every rank passes whole, as the replicated DTensor it is: its local
+    tensor is ``value`` itself, so that filling the DTensor fills ``value``."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if mesh is None or value.numel() == 0:
+        return value
+    return DTensor.from_local(value, mesh, [Replicate()], run_check=False)
 
 
 def _replica_part(value: torch.Tensor):

@@ -147,17 +147,27 @@ def faulty_round_task(env: dict[str, str], url: str, seed: int) -> str:
     return "ok"
 
 
-def replicated_load_task(env: dict[str, str], url: str, read_once) -> int:
+def replicated_load_task(env: dict[str, str], url: str, read_once, plain: bool = False) -> int:
     """Save a 1 MiB tensor sharded over 4 ranks to ``url`` (once), then load it replicated on
-    every rank (``read_once``: None for the default); check it; return the bytes fetched."""
+    every rank (``read_once``: None for the default) as a replicated DTensor, or (``plain``) as
+    a plain tensor that every rank passes whole, with a small plain one beside it; check it;
+    return the bytes fetched."""
     use_environment(env)
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
     g = torch.Generator().manual_seed(5)
     full = torch.randn(1024, 256, generator=g)
+    norm = torch.randn(3, generator=g)  # smaller than the ranks: not split
     if not anyshard.format.storage.exists(f"{url}/manifest.json"):
         dist.barrier()
-        anyshard.save(url, {"w": distribute_tensor(full, mesh, [Shard(0)])})
-    state = {"w": distribute_tensor(torch.zeros_like(full), mesh, [Replicate()])}
+        anyshard.save(url, {"w": distribute_tensor(full, mesh, [Shard(0)]), "norm": norm})
+    if plain:
+        state = {"w": torch.zeros_like(full), "norm": torch.zeros(3)}
+    else:
+        state = {"w": distribute_tensor(torch.zeros_like(full), mesh, [Replicate()])}
+        state["norm"] = distribute_tensor(torch.zeros(3), mesh, [Replicate()])
     report = load_reporting(url, state, read_once=read_once)
-    assert torch.equal(state["w"].to_local(), full), f"rank {dist.get_rank()}: w differs"
+    w = state["w"] if plain else state["w"].to_local()
+    assert torch.equal(w, full), f"rank {dist.get_rank()}: w differs"
+    n = state["norm"] if plain else state["norm"].to_local()
+    assert torch.equal(n, norm), f"rank {dist.get_rank()}: norm differs"
     return report.bytes_read

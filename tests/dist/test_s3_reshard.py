@@ -5,6 +5,8 @@ Run: python -m pytest tests/dist/test_s3_reshard.py -q
 
 import os
 
+import pytest
+
 import torch
 from _s3_tasks import full_tensors
 
@@ -76,13 +78,15 @@ def test_four_ranks_save_and_load_through_random_faults(pool4, moto_server, s3_p
     assert any(o == "ok" for per_rank in outcomes for o in per_rank), outcomes
 
 
-def test_a_replicated_load_from_s3_fetches_each_byte_once_per_job(pool4, s3_server, s3):
-    """Four ranks each need the whole tensor: by default (an object store) each fetches a
-    quarter and forwards it; with read_once=False each fetches all of it."""
+@pytest.mark.parametrize("plain", [False, True], ids=["dtensor", "plain-tensor"])
+def test_a_replicated_load_from_s3_fetches_each_byte_once_per_job(pool4, s3_server, s3, plain):
+    """Four ranks each need the whole tensor (a replicated DTensor, or a plain tensor every
+    rank passes whole): by default (an object store) each fetches a quarter and forwards it;
+    with read_once=False each fetches all of it."""
     url, env = f"{s3}/replicated/step-1", s3_server.env()
-    direct = pool4.run(TASKS, "replicated_load_task", env, url, False)
-    once = pool4.run(TASKS, "replicated_load_task", env, url, None)
-    nbytes = 1024 * 256 * 4
+    direct = pool4.run(TASKS, "replicated_load_task", env, url, False, plain)
+    once = pool4.run(TASKS, "replicated_load_task", env, url, None, plain)
+    nbytes = 1024 * 256 * 4 + 3 * 4
     assert sum(direct) >= 4 * nbytes, direct
     assert sum(once) <= 1.05 * nbytes, once  # each stored byte fetched once per job
     assert all(0 < n <= 0.3 * nbytes for n in once), once  # spread evenly over the ranks
