@@ -75,15 +75,20 @@ def launch(
         "--run_dir", run_dir,
         *extra,
     ]  # fmt: skip
+    schedule = ",".join(f"{r}:{s}" for r, s in faults)
+    return _timed_run(cmd, "training", {"ANYSHARD_FAULTS": schedule} if faults else {})
+
+
+def _timed_run(cmd: list[str], what: str, extra_env: dict[str, str]) -> float:
+    """Run ``cmd`` (one thread per rank, no inherited fault schedule); its wall time."""
     env = {k: v for k, v in os.environ.items() if k not in ("ANYSHARD_FAULT", "ANYSHARD_FAULTS")}
     env["OMP_NUM_THREADS"] = "1"
-    if faults:
-        env["ANYSHARD_FAULTS"] = ",".join(f"{r}:{s}" for r, s in faults)
+    env.update(extra_env)
     t = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     wall = time.perf_counter() - t
     if out.returncode != 0:
-        raise SystemExit(f"training failed ({out.returncode}):\n{out.stderr[-4000:]}")
+        raise SystemExit(f"{what} failed ({out.returncode}):\n{out.stderr[-4000:]}")
     return wall
 
 
@@ -115,14 +120,7 @@ def launch_ft(
         *(["--ft.heal_layout", heal_layout] if heal_layout else []),
         *extra,
     ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k not in ("ANYSHARD_FAULT", "ANYSHARD_FAULTS")}
-    env["OMP_NUM_THREADS"] = "1"
-    t = time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
-    wall = time.perf_counter() - t
-    if out.returncode != 0:
-        raise SystemExit(f"FT-HSDP training failed ({out.returncode}):\n{out.stderr[-4000:]}")
-    return wall
+    return _timed_run(cmd, "FT-HSDP training", {})
 
 
 def records(path: str) -> list[dict]:

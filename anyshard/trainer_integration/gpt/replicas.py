@@ -126,7 +126,6 @@ class ReplicaGroup:
             init_sync=False,
         )
         self._canon: dict[str, Any] | None = None
-        self.healed: dict[str, Any] | None = None
         self.reduce_s = 0.0
 
     def _state_dict(self) -> dict[str, Any]:
