@@ -19,6 +19,7 @@ __all__ = [
     "current_stream_event",
     "reserve",
     "stage",
+    "start",
     "submit",
     "wait_for_previous",
 ]
@@ -151,10 +152,24 @@ def background_group(group):
     return g
 
 
-def submit(fn: Callable[[], None], staged: threading.Event | None = None) -> SaveHandle:
+def _executor() -> ThreadPoolExecutor:
     with _LOCK:
         if not _EXECUTOR:
             _EXECUTOR.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="anyshard-save"))
-        handle = SaveHandle(_EXECUTOR[0].submit(fn), staged)
+        return _EXECUTOR[0]
+
+
+def start(group) -> None:
+    """Start the save thread and create its gloo group for ``group`` now (collective over
+    ``group``, like the first async save), so that the first save does neither while the
+    training loop waits."""
+    background_group(group)
+    _executor().submit(lambda: None).result()
+
+
+def submit(fn: Callable[[], None], staged: threading.Event | None = None) -> SaveHandle:
+    executor = _executor()
+    with _LOCK:
+        handle = SaveHandle(executor.submit(fn), staged)
         _IN_FLIGHT.append(handle)
     return handle

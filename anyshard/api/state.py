@@ -117,4 +117,9 @@ def _walk(node: Any, prefix: str, owner: Leaf | None = None) -> Iterator[tuple[s
 
 
 def json_roundtrip(value: Any) -> Any:
+    """``value`` as JSON reads it back: a snapshot that later changes to ``value`` do not
+    reach (tuples become lists). Plain scalars are immutable and come back equal: returned as
+    they are, so that a save does not run the encoder for every hyperparameter."""
+    if type(value) in _SCALARS:
+        return value
     return json.loads(json.dumps(value))

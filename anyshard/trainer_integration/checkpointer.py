@@ -174,7 +174,12 @@ class Checkpointer:
         saves block as always, and the hooks cost nothing.
 
         Only optimizer steps are guarded: a model whose forward pass updates saved buffers
-        (batch-norm running statistics) must call `wait_staged` before that forward."""
+        (batch-norm running statistics) must call `wait_staged` before that forward.
+
+        With ``async_``, collective over the process group: it starts the save thread and its
+        gloo group, which the first save would otherwise do while the training loop waits."""
+        if self.async_:
+            async_save.start(self.process_group)
         for h in self._hooks:
             h.remove()
         self._hooks = [

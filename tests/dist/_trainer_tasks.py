@@ -29,3 +29,54 @@ def train_with_slow_staging(overrides: list[str], delay_s: float) -> list[float]
         return train(overrides)
     finally:
         async_save.stage = stage
+
+
+def cached_state_dicts(overrides: list[str], steps: int) -> int:
+    """Train ``steps`` steps with the learning rate changing every step, and check after each
+    that `TrainState.state_dict` (remembered between calls) equals DCP's ``get_state_dict``
+    taken anew: the same keys, the same hyperparameters, tensors over the same storage and
+    equal. Then give the optimizer new state tensors (a load does) and check it again.
+    Returns how many state dicts were compared."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from anyshard.trainer_integration.gpt.train import TrainState, _loader, build_training
+
+    cfg = load_config(TINY_CONFIG, overrides)
+    par, model, optimizer, step_fn = build_training(cfg)
+    state = TrainState(model, optimizer, _loader(cfg, par))
+    compared = 0
+
+    def check() -> None:
+        nonlocal compared
+        mine = state.state_dict()
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=state._options())
+        fresh = {"model": model_sd, "optim": optim_sd}
+        for part in ("model", "optim"):
+            if state._tied() and part == "optim":
+                assert set(fresh[part]) <= set(mine[part])
+            else:
+                assert mine[part].keys() == fresh[part].keys(), part
+            for k, v in fresh[part].items():
+                got = mine[part][k]
+                if isinstance(v, torch.Tensor):
+                    local = v.to_local() if hasattr(v, "to_local") else v
+                    mine_local = got.to_local() if hasattr(got, "to_local") else got
+                    assert mine_local.data_ptr() == local.data_ptr(), k
+                    assert torch.equal(mine_local, local), k
+                else:
+                    assert got == v, (k, got, v)
+        compared += 1
+
+    for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = 1e-3 / (step + 1)
+        inputs, targets = state.loader.next_batch()
+        step_fn(inputs, targets)
+        check()
+    # new state tensors, as a load that replaces them leaves: remembered ones must not be used
+    for st in optimizer.state.values():
+        for name, v in list(st.items()):
+            st[name] = v.clone()
+    check()
+    return compared

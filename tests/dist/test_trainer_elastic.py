@@ -190,3 +190,18 @@ def test_async_saves_staged_during_the_step_hold_the_state_a_sync_save_holds(
     events = [json.loads(x) for x in open(tmp_path / "overlapped" / "events.jsonl")]
     (end,) = [e for e in events if e["event"] == "end"]
     assert end["saves"] == steps and end["ckpt_blocked_s"] >= 0
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--parallel.dp_shard", "2", "--parallel.tp", "2"],
+        ["--parallel.pp", "2", "--parallel.dp_shard", "2"],
+    ],
+    ids=["fsdp2xtp2", "pp2xdp2"],
+)
+def test_remembered_state_dicts_equal_dcps_taken_anew(pool4, layout):
+    """The trainer remembers DCP's state dict between saves; with the learning rate changing
+    every step and after the optimizer's state tensors are replaced, what it returns is what
+    DCP returns when asked again, on every rank."""
+    assert pool4.run(TASKS, "cached_state_dicts", layout, 3) == [4, 4, 4, 4]

@@ -70,6 +70,7 @@ class TrainState:
     def __init__(self, model, optimizer, loader: DataLoader):
         self.model, self.optimizer, self.loader = model, optimizer, loader
         self.step = 0
+        self._cache: tuple | None = None  # of `_get_state_dict`
 
     def _options(self):
         from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -82,10 +83,64 @@ class TrainState:
         cfg = getattr(m, "cfg", None)
         return bool(cfg and cfg.tie_embeddings) and None not in (m.output, m.tok_embeddings)
 
-    def state_dict(self) -> dict[str, Any]:
+    def _holdings(self) -> tuple[list[Any], list[Any]]:
+        """What a state dict's tensors are, as objects to compare by identity (every parameter,
+        buffer and optimizer state tensor) and values to compare by equality (the storage each
+        parameter and buffer holds, the names of each group's hyperparameters). Both stay the
+        same while training only updates the tensors in place."""
+        objects: list[Any] = []
+        values: list[Any] = []
+        for t in (*self.model.parameters(), *self.model.buffers()):
+            local = t._local_tensor if hasattr(t, "_local_tensor") else t
+            objects.append(t)
+            values.append(local.data_ptr())
+        for st in self.optimizer.state.values():
+            objects += st.values()
+        values += (tuple(g) for g in self.optimizer.param_groups)
+        return objects, values
+
+    def _get_state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """DCP's ``get_state_dict``, remembered while the tensors it returns stay the same ones
+        (`_holdings`), with the optimizer's hyperparameters read anew: a save then costs its
+        caller a fraction of a millisecond instead of DCP's walk over the model (milliseconds
+        per call, on the training thread)."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        objects, values = self._holdings()
+        cached = self._cache
+        if (
+            cached is not None
+            and cached[1] == values
+            and len(cached[0]) == len(objects)
+            and all(a is b for a, b in zip(cached[0], objects, strict=True))
+        ):
+            model_sd, optim_sd, hyper = cached[2:]
+            groups = self.optimizer.param_groups
+            optim_sd = {**optim_sd, **{k: groups[g][h] for k, (g, h) in hyper.items()}}
+            return dict(model_sd), optim_sd
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options())
+        # param_groups.{fqn}.{name} -> (group, name), found through the state tensors of fqn
+        group_of = {
+            id(p): i for i, g in enumerate(self.optimizer.param_groups) for p in g["params"]
+        }
+        owner = {id(v): id(p) for p, st in self.optimizer.state.items() for v in st.values()}
+        fqn_group = {}
+        for k, v in optim_sd.items():
+            if k.startswith("state.") and id(v) in owner:
+                fqn_group[k[len("state.") : k.rindex(".")]] = group_of.get(owner[id(v)])
+        hyper = {}
+        for k in optim_sd:
+            if k.startswith("param_groups."):
+                fqn, name = k[len("param_groups.") : k.rindex(".")], k[k.rindex(".") + 1 :]
+                if fqn_group.get(fqn) is None:  # no state to tell its group by: not cached
+                    self._cache = None
+                    return model_sd, optim_sd
+                hyper[k] = (fqn_group[fqn], name)
+        self._cache = (objects, values, model_sd, optim_sd, hyper)
+        return dict(model_sd), dict(optim_sd)
+
+    def state_dict(self) -> dict[str, Any]:
+        model_sd, optim_sd = self._get_state_dict()
         if self._tied():
             # tied weights are saved under both names, model and optimizer state alike, as a
             # pipeline's first and last stages hold them: checkpoints of either kind of
