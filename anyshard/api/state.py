@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -80,40 +79,48 @@ def flatten_state(state: Any, prefix: str = "") -> dict[str, Leaf]:
     are one JSON value. Two paths that flatten to the same name are an error.
     """
     out: dict[str, Leaf] = {}
-    for fqn, leaf in _walk(state, prefix):
-        if fqn in out:
-            raise AnyshardError(
-                f"two entries of the state dict flatten to the same name {fqn!r} "
-                "(a key containing '.' next to a nested dict); rename one of them"
-            )
-        out[fqn] = leaf
+    _flatten_into(out, state, prefix, None)
     return out
 
 
-def _walk(node: Any, prefix: str, owner: Leaf | None = None) -> Iterator[tuple[str, Leaf]]:
+def _flatten_into(out: dict[str, Leaf], node: Any, prefix: str, owner: Leaf | None) -> None:
     if isinstance(node, dict):
-        items = [(str(k), k) for k in node]
+        keys: Any = node.keys()
     elif isinstance(node, (list, tuple)):
-        items = [(str(i), i) for i in range(len(node))]
+        keys = range(len(node))
     else:
         raise AnyshardError(f"state must be a dict, got {type(node).__name__}")
-    for name, key in items:
+    # Only a tuple child needs its slot: loading rebuilds the tuple and writes it there.
+    holder = owner if isinstance(node, tuple) else None
+    for key in keys:
         value = node[key]
+        name = key if type(key) is str else str(key)
         fqn = f"{prefix}.{name}" if prefix else name
-        # Only a tuple child needs its slot: loading rebuilds the tuple and writes it there.
-        slot = Leaf(node, key, value, owner if isinstance(node, tuple) else None)
-        if isinstance(value, dict) and value and (has_tensor(value) or not is_json_value(value)):
-            yield from _walk(value, fqn, slot)
-        elif isinstance(value, (list, tuple)) and has_tensor(value):
-            yield from _walk(value, fqn, slot)
-        else:
-            if not isinstance(value, torch.Tensor) and not is_json_value(value):
+        slot = Leaf(node, key, value, holder)
+        # the common leaves first: tensors and plain scalars
+        if not (isinstance(value, torch.Tensor) or type(value) in _SCALARS):
+            if (
+                isinstance(value, dict)
+                and value
+                and (has_tensor(value) or not is_json_value(value))
+            ):
+                _flatten_into(out, value, fqn, slot)
+                continue
+            if isinstance(value, (list, tuple)) and has_tensor(value):
+                _flatten_into(out, value, fqn, slot)
+                continue
+            if not is_json_value(value):
                 raise AnyshardError(
                     f"{fqn}: a value of type {type(value).__qualname__} cannot be stored; anyshard "
                     "stores tensors and JSON values (numbers, strings, lists, dicts) and never "
                     "pickles. Convert it to one of those (e.g. a tensor or a dict) before saving"
                 )
-            yield fqn, slot
+        if fqn in out:
+            raise AnyshardError(
+                f"two entries of the state dict flatten to the same name {fqn!r} "
+                "(a key containing '.' next to a nested dict); rename one of them"
+            )
+        out[fqn] = slot
 
 
 def json_roundtrip(value: Any) -> Any:
