@@ -165,7 +165,9 @@ def _heal_worker(role: str, rank: int, port: int, src_port: int, out: str, gib: 
     state = {}
     for i in range(n):
         local_shape = (2048, 4096) if role == "source" else (4096, 2048)
-        local = torch.full(local_shape, float(i)) if role == "source" else torch.empty(local_shape)
+        # the healer's tensors hold other values, written as a trainer's are by initialising
+        # its model: the first touch of fresh pages is not part of a heal
+        local = torch.full(local_shape, float(i) if role == "source" else -1.0)
         state[f"w{i}"] = DTensor.from_local(
             local, mesh, place, shape=(4096, 4096), stride=(4096, 1)
         )
