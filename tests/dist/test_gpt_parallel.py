@@ -52,8 +52,9 @@ def close(a: list[float], b: list[float]) -> bool:
         (["--parallel.ep", "2"] + MOE, "moe"),
         (["--parallel.tp", "2"] + MOE, "moe"),
         (["--parallel.pp", "2"] + TIED, "tied"),
+        (["--parallel.tp", "2"] + TIED, "tied"),
     ],
-    ids=["fsdp", "ddp", "tp", "pp-1f1b", "cp", "ep", "moe-tp", "tied-pp"],
+    ids=["fsdp", "ddp", "tp", "pp-1f1b", "cp", "ep", "moe-tp", "tied-pp", "tied-tp"],
 )
 def test_each_parallelism_alone_matches_one_process(pool2, reference, layout, model):
     got = pool2.run(TASKS, "losses", COMMON + layout, STEPS)

@@ -68,6 +68,11 @@ PAIRS = [
         ["--parallel.dp_shard", "4"],
         ["--model.tie_embeddings", "true"],
     ),
+    (
+        ["--parallel.dp_shard", "2", "--parallel.tp", "2"],
+        ["--parallel.pp", "2", "--parallel.dp_shard", "2"],
+        ["--model.tie_embeddings", "true"],
+    ),
 ]
 
 
@@ -81,6 +86,7 @@ PAIRS = [
         "moe-ep2-to-ep1",
         "moe-ep2xtp2-to-fsdp2xtp2",
         "tied-pp2xdp2-to-dp4",
+        "tied-fsdp2xtp2-to-pp2xdp2",
     ],
 )
 def test_resume_under_another_layout_stays_within_the_noise_floor(pool4, tmp_path, a, b, extra):
@@ -118,13 +124,24 @@ RELAYOUTS = [
         ["--parallel.dp_shard", "2", "--parallel.tp", "2"],
         ["--model.n_experts", "4"],
     ),
+    (
+        ["--parallel.dp_shard", "2", "--parallel.tp", "2"],
+        "pp=2,dp_shard=2",
+        ["--parallel.pp", "2", "--parallel.dp_shard", "2"],
+        ["--model.tie_embeddings", "true"],
+    ),
 ]
 
 
 @pytest.mark.parametrize(
     "a,switch,b,extra",
     RELAYOUTS,
-    ids=["pp2xdp2-to-tp2xdp2", "tied-pp2xdp2-to-dp4", "moe-ep2xdp2-to-fsdp2xtp2"],
+    ids=[
+        "pp2xdp2-to-tp2xdp2",
+        "tied-pp2xdp2-to-dp4",
+        "moe-ep2xdp2-to-fsdp2xtp2",
+        "tied-fsdp2xtp2-to-pp2xdp2",
+    ],
 )
 def test_relayout_in_a_running_job_stays_within_the_noise_floor(
     pool4, tmp_path, a, switch, b, extra
@@ -197,8 +214,9 @@ def test_async_saves_staged_during_the_step_hold_the_state_a_sync_save_holds(
     [
         ["--parallel.dp_shard", "2", "--parallel.tp", "2"],
         ["--parallel.pp", "2", "--parallel.dp_shard", "2"],
+        ["--parallel.dp_shard", "2", "--parallel.tp", "2", "--model.tie_embeddings", "true"],
     ],
-    ids=["fsdp2xtp2", "pp2xdp2"],
+    ids=["fsdp2xtp2", "pp2xdp2", "tied-fsdp2xtp2"],
 )
 def test_remembered_state_dicts_equal_dcps_taken_anew(pool4, layout):
     """The trainer remembers DCP's state dict between saves; with the learning rate changing

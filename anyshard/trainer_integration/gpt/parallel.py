@@ -137,6 +137,10 @@ def _tensor_parallel(model: GPT, tp_mesh) -> None:
         top["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
     if top:
         parallelize_module(model, tp_mesh, top)
+        if model.cfg.tie_embeddings and "tok_embeddings" in top and "output" in top:
+            # each plan gave its module a parameter of its own: tie them again (both split
+            # over tp along the vocabulary)
+            model.output.weight = model.tok_embeddings.weight
     for block in model.layers.values():
         plan = {
             "attention_norm": SequenceParallel(),
