@@ -74,6 +74,8 @@ def test_each_parallelism_alone_matches_one_process(pool2, reference, layout, mo
         (["--parallel.ep", "2", "--parallel.tp", "2"] + MOE, "moe"),
         (["--parallel.dp_shard", "2", "--parallel.tp", "2"] + MOE, "moe"),
         (["--parallel.pp", "2", "--parallel.dp_shard", "2"] + TIED, "tied"),
+        (["--parallel.pp", "2", "--parallel.tp", "2", "--parallel.pp_schedule", "GPipe"] + TIED, "tied"),
+        (["--parallel.dp_shard", "2", "--parallel.tp", "2"] + TIED, "tied"),
     ],
     ids=[
         "fsdp-tp",
@@ -85,6 +87,8 @@ def test_each_parallelism_alone_matches_one_process(pool2, reference, layout, mo
         "ep-tp",
         "moe-fsdp-tp",
         "tied-pp-fsdp",
+        "tied-pp-tp",
+        "tied-fsdp-tp",
     ],
 )
 def test_composed_parallelisms_match_one_process(pool4, reference, layout, model):

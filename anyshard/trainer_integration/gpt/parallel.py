@@ -349,6 +349,10 @@ class TrainStep:
             return
         if p.grad is None:
             p.grad = torch.zeros_like(p)
+        if hasattr(p.grad, "placements") and p.grad.placements != p.placements:
+            # under tp the embedding's gradient comes back replicated, its weight split over
+            # the vocabulary: both stages must sum the same local part
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
         g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
         dist.all_reduce(g, group=self._tied_group)
 
