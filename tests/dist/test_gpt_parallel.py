@@ -76,6 +76,10 @@ def test_each_parallelism_alone_matches_one_process(pool2, reference, layout, mo
         (["--parallel.pp", "2", "--parallel.dp_shard", "2"] + TIED, "tied"),
         (["--parallel.pp", "2", "--parallel.tp", "2", "--parallel.pp_schedule", "GPipe"] + TIED, "tied"),
         (["--parallel.dp_shard", "2", "--parallel.tp", "2"] + TIED, "tied"),
+        (["--parallel.pp", "2", "--parallel.cp", "2"], "dense"),
+        (["--parallel.tp", "2", "--parallel.cp", "2"], "dense"),
+        (["--parallel.pp", "2", "--parallel.ep", "2"] + MOE, "moe"),
+        (["--parallel.cp", "2", "--parallel.ep", "2"] + MOE, "moe"),
     ],
     ids=[
         "fsdp-tp",
@@ -89,6 +93,10 @@ def test_each_parallelism_alone_matches_one_process(pool2, reference, layout, mo
         "tied-pp-fsdp",
         "tied-pp-tp",
         "tied-fsdp-tp",
+        "pp-cp",
+        "tp-cp",
+        "pp-ep",
+        "cp-ep",
     ],
 )
 def test_composed_parallelisms_match_one_process(pool4, reference, layout, model):
