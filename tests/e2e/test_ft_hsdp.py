@@ -1,5 +1,6 @@
 """FT-HSDP end to end: two replica groups on torchft, one SIGKILLed; only it restarts, and it
-heals from the healthy group (same layout, or tp=2 instead of dp_shard=2), bit-identical.
+heals from the healthy group (same layout, or tp=2 instead of dp_shard=2 with tied embeddings),
+bit-identical.
 
 Run: python -m pytest tests/e2e/test_ft_hsdp.py -q
 """
@@ -36,7 +37,8 @@ def test_a_killed_group_heals_from_the_healthy_one(tmp_path, heal_layout):
     cmd += ["--train.steps", "40", "--checkpoint.every_steps", "4", "--ft.check_heals", "true"]
     cmd += ["--run_dir", run, "--checkpoint.root", str(tmp_path / "ckpt")]
     if heal_layout:
-        cmd += ["--ft.heal_layout", heal_layout]
+        # tied embeddings too: one weight under dp_shard, one again under tp
+        cmd += ["--ft.heal_layout", heal_layout, "--model.tie_embeddings", "true"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
 

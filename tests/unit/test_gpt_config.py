@@ -286,6 +286,15 @@ RULES = [
     (["--parallel.pp_schedule=ZB"], "parallel.pp_schedule must be one of '1F1B', 'GPipe'"),
     (["--checkpoint.storage=gcs"], "checkpoint.storage must be one of 'local', 's3'; got 'gcs'"),
     (["--fault.mode=segv"], "fault.mode must be one of 'sigkill', 'raise'; got 'segv'"),
+    (
+        ["--ft.replicas=2", "--parallel.dp_shard=2", "--ft.heal_layout=pp=2"],
+        "ft.heal_layout (pp=2) differs from the configured layout and one of them has pipeline "
+        "stages (pp=2)",
+    ),
+    (
+        ["--ft.replicas=2", "--parallel.dp_shard=2", "--ft.heal_layout=dp_shard=4"],
+        "ft.heal_layout (dp_shard=4) has 4 ranks, a group 2",
+    ),
 ]
 
 

@@ -469,6 +469,13 @@ def _ft_problems(cfg: Config) -> list[str]:
                 f"{where} has {heal.world_size} ranks, a group {p.world_size}: torchft reduces "
                 "across groups rank by rank, so every group has the same number of ranks"
             )
+        if heal != dataclasses.replace(p, relayout_at=None) and max(heal.pp, p.pp) > 1:
+            problems.append(
+                f"{where} differs from the configured layout and one of them has pipeline "
+                f"stages (pp={max(heal.pp, p.pp)}): gradients are averaged across groups of "
+                "differing layouts only without pipeline stages; choose both without pp, or "
+                "heal into the same layout"
+            )
         problems += [
             f"{where}: {x}"
             for x in _split_problems(cfg.model, heal) + _batch_problems(cfg.model, heal, t)

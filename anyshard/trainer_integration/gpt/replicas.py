@@ -193,18 +193,18 @@ class ReplicaGroup:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         code = _layout_code(self.layout)
-        probe = torch.tensor([code, -code], dtype=torch.float64)
+        pp = float(self.cfg.parallel.pp)
+        probe = torch.tensor([code, -code, pp], dtype=torch.float64)
         self.manager.allreduce(probe, reduce_op=dist.ReduceOp.MAX).wait()
         mixed = float(probe[0]) != -float(probe[1])
-        if mixed and self.cfg.parallel.pp > 1:
-            self.manager.report_error(
-                RuntimeError(
-                    f"replica group {self.replica} runs pp={self.cfg.parallel.pp} while another group "
-                    "has another layout; gradients are averaged across differing layouts only "
-                    "without pipeline stages"
-                )
+        if mixed and float(probe[2]) > 1:  # every group sees it: none waits for the others
+            raise RuntimeError(
+                f"replica group {self.replica} ({self.layout}) meets a group of another layout, "
+                f"and one of them has pipeline stages (pp={int(probe[2])}): gradients are "
+                "averaged across differing layouts only without pipeline stages; give every "
+                "group a layout without pp, or the same layout (ft.heal_layout)"
             )
-        elif mixed:
+        if mixed:
             self._reduce_canonical(params)
         else:
             self._reduce([p.grad for _, p in params])
