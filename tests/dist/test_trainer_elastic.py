@@ -73,6 +73,18 @@ PAIRS = [
         ["--parallel.pp", "2", "--parallel.dp_shard", "2"],
         ["--model.tie_embeddings", "true"],
     ),
+    (
+        ["--parallel.tp", "2", "--parallel.cp", "2"],
+        ["--parallel.dp_shard", "2", "--parallel.cp", "2"],
+        [],
+    ),
+    # right after the case above, in the same processes: its tp submeshes equal this one's, and
+    # torch's DTensor cache handed the older ones (with the older root) to this run's tensors
+    (
+        ["--parallel.pp", "2", "--parallel.tp", "2", "--parallel.pp_schedule", "GPipe"],
+        ["--parallel.dp_shard", "4"],
+        ["--model.tie_embeddings", "true"],
+    ),
 ]
 
 
@@ -87,6 +99,8 @@ PAIRS = [
         "moe-ep2xtp2-to-fsdp2xtp2",
         "tied-pp2xdp2-to-dp4",
         "tied-fsdp2xtp2-to-pp2xdp2",
+        "tp2xcp2-to-dp2xcp2",
+        "tied-pp2xtp2-to-dp4",
     ],
 )
 def test_resume_under_another_layout_stays_within_the_noise_floor(pool4, tmp_path, a, b, extra):

@@ -66,6 +66,26 @@ class Parallel:
         return self.coords["pp"] == self.cfg.pp - 1
 
 
+def forget_cached_placements() -> None:
+    """Empty DTensor's cache of each op's output placements.
+
+    torch keys that cache by the input meshes' values, so once a process has built a second
+    mesh hierarchy (a relayout, a restart in the same process), an op on a new DTensor (detach,
+    zeros_like) can return one on an equal submesh of the older hierarchy, whose root is the
+    older root (torch 2.13). anyshard describes a tensor through its mesh's root, and the older
+    root places it wrongly: the trainer empties the cache whenever it builds a mesh and before
+    it takes DCP's state dict."""
+    from torch.distributed.tensor import DTensor
+
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # its C++ path
+    if native is not None:
+        native()
+    cached = getattr(DTensor._op_dispatcher.sharding_propagator, "propagate_op_sharding", None)
+    clear = getattr(cached, "cache_clear", None)
+    if clear is not None:
+        clear()
+
+
 def setup_mesh(pcfg: ParallelConfig) -> Parallel:
     """The world DeviceMesh (torch.distributed must be initialised with the right world size)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -81,6 +101,7 @@ def setup_mesh(pcfg: ParallelConfig) -> Parallel:
             "--nproc-per-node) or change the degrees"
         )
     mesh = init_device_mesh("cpu", sizes, mesh_dim_names=MESH_DIMS)
+    forget_cached_placements()
     coords = {d: mesh[d].get_local_rank() for d in MESH_DIMS}
     par = Parallel(pcfg, mesh, coords)
     if pcfg.cp > 1:
