@@ -80,3 +80,29 @@ def cached_state_dicts(overrides: list[str], steps: int) -> int:
             st[name] = v.clone()
     check()
     return compared
+
+
+def save_after_another_hierarchy(root: str) -> list[str]:
+    """Train a step under tp=2 x cp=2, then build tied pp=2 x tp=2 in the same processes (their
+    tp slices are equal meshes of two hierarchies), train a step and save it. Returns the
+    saved tensor names (the save refuses a state described under the wrong root)."""
+    import torch
+
+    import anyshard
+    from anyshard.trainer_integration.checkpointer import Checkpointer
+    from anyshard.trainer_integration.gpt.train import TrainState, _loader, build_training
+
+    for overrides in (
+        ["--parallel.tp", "2", "--parallel.cp", "2"],
+        ["--parallel.pp", "2", "--parallel.tp", "2", "--parallel.pp_schedule", "GPipe"]
+        + ["--model.tie_embeddings", "true"],
+    ):
+        cfg = load_config(TINY_CONFIG, overrides)
+        torch.manual_seed(cfg.train.seed)  # as `run` does: the saved RNG state is replicated
+        par, model, optimizer, step_fn = build_training(cfg)
+        state = TrainState(model, optimizer, _loader(cfg, par))
+        step_fn(*state.loader.next_batch())
+        state.step += 1
+    Checkpointer(root).save(1, {"train": state})
+    with anyshard.open(Checkpointer(root).step_path(1)) as view:
+        return sorted(view.keys())
