@@ -157,10 +157,16 @@ class Mapping:
         return Mapping(self.ops + tuple(ops))
 
 
+def _grammar() -> str:
+    return (Path(__file__).parent / "mapping.lark").read_text()
+
+
 @functools.cache
 def _parser() -> lark.Lark:
-    grammar = (Path(__file__).parent / "mapping.lark").read_text()
-    return lark.Lark(grammar, parser="lalr", propagate_positions=True, strict=True)
+    # strict=False: lark's strict mode proves that no two terminals match the same text, which
+    # costs 0.1-0.5 s per process (every load's first mapping) and cannot change once the
+    # grammar is fixed; a unit test builds the grammar in strict mode instead.
+    return lark.Lark(_grammar(), parser="lalr", propagate_positions=True, strict=False)
 
 
 # name -> (argument kinds, constructor); kinds: i = int, a = axis name, l = list of ints

@@ -274,3 +274,13 @@ def test_out_of_range_values_are_reported_at_their_operation(text, why):
     assert (e.line, e.column) == (1, 13)
     assert why in str(e)
     assert e.expected.startswith(text.split("(")[0])
+
+
+def test_the_grammar_passes_larks_strict_mode():
+    """The runtime parser skips lark's strict checks (a tenth of a second or more per process);
+    this is where they run: no two terminals of mapping.lark collide, no conflicts."""
+    import lark
+
+    from anyshard.ucl.mapping import _grammar
+
+    lark.Lark(_grammar(), parser="lalr", propagate_positions=True, strict=True)
