@@ -18,7 +18,8 @@ without faults and once with them:
 Goodput is useful step time (steps x the median step time of the mode's fault-free run) over
 the wall time of the whole job, launch included. FT-HSDP rows also give the healthy group's
 stall per fault, the failed group's recovery and what each heal moved; ``--heal-gib`` measures
-the heal rate of a larger replica state (dp_shard=2 -> tp=2, two groups of 2 ranks).
+the heal rate of a larger replica state (two groups of 2 ranks, dp_shard=2 -> dp_shard=2 and
+dp_shard=2 -> tp=2).
 
     python tools/bench_goodput.py                    # 100 steps, a fault every 50
     python tools/bench_goodput.py --write-docs       # also replace the section in docs/benchmarks.md
@@ -142,9 +143,12 @@ def _phases(event: dict) -> str:
     return f"{head} / {event['build_s']:.1f} / {event['restore_s']:.1f} s"
 
 
-def _heal_worker(role: str, rank: int, port: int, src_port: int, out: str, gib: float) -> None:
+def _heal_worker(
+    role: str, rank: int, port: int, src_port: int, out: str, gib: float, into: str
+) -> None:
     """One rank of a replica group for the heal-rate measurement: the source holds ``gib`` GiB
-    of fp32 state in dp_shard=2 (rows), the healer receives it in tp=2 (columns)."""
+    of fp32 state in dp_shard=2 (rows), the healer receives it in ``into``: dp_shard=2 (rows,
+    the same layout) or tp=2 (columns)."""
     import datetime
 
     import torch
@@ -160,11 +164,12 @@ def _heal_worker(role: str, rank: int, port: int, src_port: int, out: str, gib: 
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, wait_for_workers=False)
     dist.init_process_group("gloo", store=dist.PrefixStore("w/", store), rank=rank, world_size=2)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("g",))
-    place = [Shard(0)] if role == "source" else [Shard(1)]
+    cols = role == "healer" and into == "tp=2"
+    place = [Shard(1)] if cols else [Shard(0)]
     n = max(1, int(gib * 2**30 / 4 / (4096 * 4096)))  # 64 MiB tensors
     state = {}
     for i in range(n):
-        local_shape = (2048, 4096) if role == "source" else (4096, 2048)
+        local_shape = (4096, 2048) if cols else (2048, 4096)
         # the healer's tensors hold other values, written as a trainer's are by initialising
         # its model: the first touch of fresh pages is not part of a heal
         local = torch.full(local_shape, float(i) if role == "source" else -1.0)
@@ -206,8 +211,9 @@ def _heal_worker(role: str, rank: int, port: int, src_port: int, out: str, gib: 
     dist.destroy_process_group()
 
 
-def heal_rate(gib: float) -> dict:
-    """Heal a ``gib`` GiB replica state from a 2-rank group (dp_shard=2) into another (tp=2)."""
+def heal_rate(gib: float, into: str) -> dict:
+    """Heal a ``gib`` GiB replica state from a 2-rank group (dp_shard=2) into another (``into``:
+    dp_shard=2 or tp=2)."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -215,7 +221,8 @@ def heal_rate(gib: float) -> dict:
         src_port, dst_port = _port(), _port()
         procs = [
             ctx.Process(
-                target=_heal_worker, args=(role, r, port, src_port, os.path.join(tmp, role), gib)
+                target=_heal_worker,
+                args=(role, r, port, src_port, os.path.join(tmp, role), gib, into),
             )
             for role, port in (("source", src_port), ("healer", dst_port))
             for r in range(2)
@@ -330,11 +337,19 @@ def main() -> int:
                 ft[mode] = _ft_columns(
                     args.steps, fault_steps, extra, heal, args.heartbeat_ms, tmp, back
                 )
-    rate = None
-    if args.heal_gib > 0:  # each in fresh processes; the median and the fastest
-        runs = [heal_rate(args.heal_gib) for _ in range(args.heal_reps)]
-        seconds = sorted(r["seconds"] for r in runs)
-        rate = {"gib": runs[0]["gib"], "seconds": statistics.median(seconds), "min": seconds[0]}
+    rate = {}
+    if args.heal_gib > 0:  # each in fresh processes, the layouts interleaved; median and fastest
+        runs: dict[str, list] = {"dp_shard=2": [], "tp=2": []}
+        for _ in range(args.heal_reps):
+            for into, got in runs.items():
+                got.append(heal_rate(args.heal_gib, into))
+        for into, got in runs.items():
+            seconds = sorted(r["seconds"] for r in got)
+            rate[into] = {
+                "gib": got[0]["gib"],
+                "seconds": statistics.median(seconds),
+                "min": seconds[0],
+            }
     if ft or rate:
         sections.append(_ft_table(args, ft, fault_steps, rate))
     for title, rows, head in sections:
@@ -433,14 +448,12 @@ def _ft_table(args, ft, fault_steps, rate):
             ("healthy processes restarted", *[str(c["summary"]["healthy_restarts"]) for c in cols]),
             ("steps the healthy group redid", *[str(c["summary"]["lost_steps"]) for c in cols]),
         ]  # fmt: skip
-    if rate:
-        per = rate["seconds"] / rate["gib"]
+    for into, r in rate.items():
+        per = r["seconds"] / r["gib"]
         rows.append(
             (
-                f"heal of a {rate['gib']:.2f} GiB replica state, dp_shard=2 -> tp=2 ({args.heal_reps} runs)",
-                *[
-                    f"{rate['seconds']:.2f} s median, {rate['min']:.2f} s fastest ({per:.2f} s per GiB)"
-                ]
+                f"heal of a {r['gib']:.2f} GiB replica state, dp_shard=2 -> {into} ({args.heal_reps} runs)",
+                *[f"{r['seconds']:.2f} s median, {r['min']:.2f} s fastest ({per:.2f} s per GiB)"]
                 * max(1, len(cols)),
             )
         )
