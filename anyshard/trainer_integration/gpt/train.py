@@ -37,7 +37,7 @@ from anyshard.trainer_integration.gpt.data import DataLoader, load_corpus
 from anyshard.trainer_integration.gpt.parallel import (
     TrainStep,
     build,
-    forget_cached_placements,
+    forget_older_placements,
     lr_at,
     make_optimizer,
     setup_mesh,
@@ -119,7 +119,7 @@ class TrainState:
             groups = self.optimizer.param_groups
             optim_sd = {**optim_sd, **{k: groups[g][h] for k, (g, h) in hyper.items()}}
             return dict(model_sd), optim_sd
-        forget_cached_placements()  # its detached tensors must be on this model's meshes
+        forget_older_placements()  # its detached tensors must be on this model's meshes
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options())
         # param_groups.{fqn}.{name} -> (group, name), found through the state tensors of fqn
         group_of = {
