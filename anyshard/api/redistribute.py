@@ -158,27 +158,54 @@ def _describe_spec_side(side: _Side, flat, spec, layout, me: int, strict: bool, 
 # --------------------------------------------------------------------------- remote boxes
 
 
-def _boxes_of(desc: Mapping[str, Any], rank: int, cache: dict) -> dict[str, tuple]:
-    """From one rank's description of one side: logical tensor -> (shape, dtype, boxes)."""
-    out: dict[str, tuple] = {}
+def _layout_groups(desc: Mapping[str, Any], cache: dict) -> dict[tuple, list[tuple[str, str]]]:
+    """The tensors of one description grouped by layout: ("mesh", mesh JSON text, mapping,
+    shape) or ("plain", shape) -> [(fqn, dtype)], worked out once per description (ranks that
+    describe their state alike share one description), not once per rank."""
+    hit = cache.get(("groups", id(desc)))
+    if hit is not None and hit[0] is desc:
+        return hit[1]
+    groups: dict[tuple, list[tuple[str, str]]] = {}
     for fqn, e in desc["tensors"].items():
         shape = tuple(e["shape"])
         if "mesh" not in e:
-            out[fqn] = (shape, e["dtype"], [full_box(shape)])
+            groups.setdefault(("plain", shape), []).append((fqn, e["dtype"]))
             continue
-        key = ("mesh", repr(e["mesh"]), e["map"], shape, rank)
-        if key not in cache:
-            mesh = MeshEntry.from_json(e["mesh"])
+        text = repr(e["mesh"])
+        cache.setdefault(("mesh", text), e["mesh"])
+        groups.setdefault(("mesh", text, e["map"], shape), []).append((fqn, e["dtype"]))
+    cache[("groups", id(desc))] = (desc, groups)
+    return groups
+
+
+def _boxes_of(desc: Mapping[str, Any], rank: int, cache: dict) -> dict[str, tuple]:
+    """From one rank's description of one side: logical tensor -> (shape, dtype, boxes)."""
+    out: dict[str, tuple] = {}
+    for key, members in _layout_groups(desc, cache).items():
+        if key[0] == "plain":
+            shape = key[1]
+            for fqn, dtype in members:
+                out[fqn] = (shape, dtype, [full_box(shape)])
+            continue
+        _, mesh_text, text, shape = key
+        boxes = cache.get((key, rank))
+        if boxes is None:
+            mesh_json = cache[("mesh", mesh_text)]
+            mesh = MeshEntry.from_json(mesh_json)
             where = (mesh.rank_grid() == rank).nonzero()
             if not len(where[0]):
-                raise LayoutError(f"{fqn}: rank {rank} describes a mesh it is not in: {e['mesh']}")
+                raise LayoutError(
+                    f"{members[0][0]}: rank {rank} describes a mesh it is not in: {mesh_json}"
+                )
             coords = {d: int(w[0]) for d, w in zip(mesh.dims, where, strict=True)}
-            mapping = cache.get(("map", e["map"]))
+            mapping = cache.get(("map", text))
             if mapping is None:
-                mapping = cache[("map", e["map"])] = parse_mapping(e["map"])
+                mapping = cache[("map", text)] = parse_mapping(text)
             shard = compile_mapping_cached(mapping, shape, mesh.axis_sizes, coords)
-            cache[key] = [p.logical_box for p in shard.pieces] if shard is not None else []
-        out[fqn] = (shape, e["dtype"], cache[key])
+            boxes = [p.logical_box for p in shard.pieces] if shard is not None else []
+            cache[(key, rank)] = boxes
+        for fqn, dtype in members:
+            out[fqn] = (shape, dtype, boxes)
     s = desc.get("spec")
     if s is not None:
         (compiled,) = compile_every_rank(s["text"], tuple(sorted(s["layout"].items())), (rank,))

@@ -18,6 +18,7 @@ the next round; both ends of a message place it in the same round, so every roun
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -117,7 +118,7 @@ def plan_moves(tensors: Mapping[str, TensorSides], max_message_bytes: int) -> Pl
     plan = Plan()
     load: dict[int, int] = {}  # bytes each rank sends so far, to spread replicated regions
     pairs: dict[tuple[int, int], list[Move]] = {}
-    templates: dict[tuple, list[tuple[int, Box, tuple[int, ...]]]] = {}
+    templates: dict[tuple, list[tuple[int, Box, tuple[int, ...], int]]] = {}
     for fqn in sorted(tensors):
         t = tensors[fqn]
         # Tensors of one shape under the same two layouts (every layer's) share their regions.
@@ -129,8 +130,8 @@ def plan_moves(tensors: Mapping[str, TensorSides], max_message_bytes: int) -> Pl
         regions = templates.get(key)
         if regions is None:
             regions = templates[key] = _regions(fqn, t)
-        for q, region, ranks in regions:
-            nbytes = box_numel(region) * t.itemsize
+        for q, region, ranks, numel in regions:
+            nbytes = numel * t.itemsize
             if q in ranks:
                 plan.local.append(Move(q, q, fqn, region, nbytes))
                 continue
@@ -142,22 +143,57 @@ def plan_moves(tensors: Mapping[str, TensorSides], max_message_bytes: int) -> Pl
     return plan
 
 
-def _regions(fqn: str, t: TensorSides) -> list[tuple[int, Box, tuple[int, ...]]]:
+class _SourceIndex:
+    """Distinct source boxes (sorted), and those that may meet a box, found without testing
+    every one: along the dim that splits them into the most intervals, when those intervals
+    do not overlap (a sharded dim), by bisection. A destination box then costs the boxes near
+    it, not every rank's: planning N ranks is not N^2 intersections per tensor."""
+
+    def __init__(self, boxes: list[Box]) -> None:
+        self.boxes = boxes
+        self.dim: int | None = None
+        if len(boxes) < 8 or not boxes[0]:
+            return
+        dim = max(range(len(boxes[0])), key=lambda d: len({b[d] for b in boxes}))
+        spans = sorted({b[dim] for b in boxes})
+        if any(a[1] > b[0] for a, b in zip(spans, spans[1:], strict=False)):
+            return  # overlapping intervals: test every box
+        self.dim, self.spans = dim, spans
+        self.ends = [hi for _, hi in spans]
+        self.by_span: dict[tuple[int, int], list[Box]] = {}
+        for b in boxes:
+            self.by_span.setdefault(b[dim], []).append(b)
+
+    def meeting(self, need: Box) -> list[Box]:
+        """The boxes that may meet ``need``, in sorted order (a superset of those that do)."""
+        if self.dim is None:
+            return self.boxes
+        lo, hi = need[self.dim]
+        out: list[Box] = []
+        i = bisect.bisect_right(self.ends, lo)  # the first interval ending after lo
+        while i < len(self.spans) and self.spans[i][0] < hi:
+            out += self.by_span[self.spans[i]]
+            i += 1
+        return sorted(out)
+
+
+def _regions(fqn: str, t: TensorSides) -> list[tuple[int, Box, tuple[int, ...], int]]:
     """Each destination rank's needed regions, cut by the distinct source boxes: ``(rank,
-    region, the ranks holding it)``; `LayoutError` where the source does not cover a region
-    exactly once."""
+    region, the ranks holding it, its elements)``; `LayoutError` where the source does not
+    cover a region exactly once."""
     holders = _distinct(t.src)
-    sources = sorted(holders)
+    sources = _SourceIndex(sorted(holders))
     out = []
     for q in sorted(t.dst):
         for need in dict.fromkeys(t.dst[q]):
             covered = 0
-            for box in sources:
+            for box in sources.meeting(need):
                 region = intersect(need, box)
                 if region is None:
                     continue
-                covered += box_numel(region)
-                out.append((q, region, tuple(holders[box])))
+                numel = box_numel(region)
+                covered += numel
+                out.append((q, region, tuple(holders[box]), numel))
             want = box_numel(need)
             if covered < want:
                 raise LayoutError(

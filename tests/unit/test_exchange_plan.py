@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from anyshard.errors import LayoutError
 from anyshard.geometry.boxes import box_numel, full_box, intersect
 from anyshard.geometry.shards import chunk_bounds
+from anyshard.reshard import exchange
 from anyshard.reshard.exchange import TensorSides, plan_moves, rounds_of, schedule, split_box
 
 
@@ -178,3 +179,55 @@ def test_uncovered_destination_names_the_tensor_and_region():
 def test_split_box_cuts_to_the_cap():
     parts = split_box(((0, 3), (0, 5)), 4, 8)
     assert sum(box_numel(p) for p in parts) == 15 and all(box_numel(p) * 4 <= 8 for p in parts)
+
+
+@st.composite
+def wide_problems(draw):
+    """Two layouts of one tensor over up to 48 ranks: enough distinct source boxes that the
+    planner finds the ones meeting a destination box by bisection."""
+    ndim = draw(st.integers(1, 3))
+    shape = tuple(draw(st.lists(st.integers(1, 40), min_size=ndim, max_size=ndim)))
+    world = draw(st.integers(8, 48))
+    src, dst = draw(layouts(shape, world)), draw(layouts(shape, world))
+    return {"t": TensorSides(shape, 4, src, dst)}, draw(st.integers(1, 4096))
+
+
+@settings(max_examples=200, deadline=None)
+@given(wide_problems())
+def test_the_source_index_plans_what_testing_every_source_box_plans(problem):
+    tensors, cap = problem
+    indexed = plan_moves(tensors, cap)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(exchange._SourceIndex, "meeting", lambda self, need: self.boxes)
+        every = plan_moves(tensors, cap)
+    assert indexed.local == every.local
+    assert indexed.messages == every.messages
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(1, 6), min_size=1, max_size=3).flatmap(
+        lambda cuts: st.tuples(
+            st.just(cuts),
+            st.lists(
+                st.tuples(st.integers(0, 30), st.integers(0, 30)),
+                min_size=len(cuts),
+                max_size=len(cuts),
+            ),
+        )
+    )
+)
+def test_the_source_index_finds_every_box_that_meets_a_region(case):
+    """The boxes of a grid with uneven cuts: `meeting` returns, in sorted order, at least every
+    box that meets the region."""
+    cuts, region = case
+    axes = [sorted({0, 24, *np.linspace(0, 24, n + 1, dtype=int).tolist()}) for n in cuts]
+    boxes = [()]
+    for ax in axes:
+        boxes = [b + ((lo, hi),) for b in boxes for lo, hi in zip(ax, ax[1:], strict=False)]
+    boxes = sorted(boxes)
+    need = tuple((min(a, b), max(a, b) + 1) for a, b in region)
+    index = exchange._SourceIndex(boxes)
+    got = index.meeting(need)
+    assert got == sorted(got)
+    assert {b for b in boxes if intersect(b, need) is not None} <= set(got)

@@ -1,0 +1,82 @@
+"""How `anyshard.redistribute`'s planning grows with the number of ranks: no processes, the
+library's own planning code on the descriptions N ranks would exchange.
+
+    python tools/scale_redistribute.py                  # N = 8 .. 1,024
+    python tools/scale_redistribute.py --n 16 256 4096
+
+The state is the transformer-like one of tools/bench_reshard.py (1 GiB fp32, 138 tensors), as
+DTensors on a (dp_shard = N/4, tp=4) mesh (FSDP2 over TP), redistributed to a (dp_shard = N/8,
+tp=8) mesh. Each rank's description is built as `redistribute` builds it (the mesh, and the
+mapping `hold_mapping` derives from the placements), and the plan is computed as every rank
+computes it (`plan_redistribution`, then `schedule`). Reported per N: the planning time of one
+rank (one core), the moves in the whole plan, and rank 0's part of it (its local copies and
+messages).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bench_reshard import model_spec, placements_for  # noqa: E402
+
+from anyshard.api.redistribute import DEFAULT_MAX_INFLIGHT_BYTES, plan_redistribution  # noqa: E402
+from anyshard.api.tensor_layout import hold_mapping  # noqa: E402
+from anyshard.format.manifest import MeshEntry  # noqa: E402
+from anyshard.reshard.exchange import rounds_of, schedule  # noqa: E402
+
+
+def describe(n: int, tp: int, target: str) -> dict:
+    """One rank's description of the state on a (dp_shard = n / tp, tp) mesh."""
+    sizes = {"dp_shard": n // tp, "tp": tp}
+    mesh = MeshEntry.row_major(sizes).to_json()
+    names, dims = tuple(sizes), tuple(sizes.values())
+    out = {}
+    for name, shape, kind in model_spec(1.0):
+        (p,) = placements_for(target, kind)
+        places = [placements_for("src", kind)[0], p]
+        m = hold_mapping(name, places, names, dims, names, {})
+        out[name] = {"shape": list(shape), "mesh": mesh, "map": str(m), "dtype": "F32"}
+    return {"tensors": out, "values": {}}
+
+
+def measure(n: int) -> dict:
+    src, dst = describe(n, 4, "tp4"), describe(n, 8, "tp4")
+    mine = {"src": src, "dst": dst, "problems": []}
+    descs = [mine] * n  # every rank describes the same layouts
+    t0 = time.perf_counter()
+    plan, _ = plan_redistribution(descs, DEFAULT_MAX_INFLIGHT_BYTES)
+    rounds = rounds_of(schedule(plan, DEFAULT_MAX_INFLIGHT_BYTES), 0)
+    took = time.perf_counter() - t0
+    moves = len(plan.local) + sum(len(g) for msgs in plan.messages.values() for g in msgs)
+    own = plan.for_rank(0)
+    own_moves = len(own.local) + sum(len(g) for msgs in own.messages.values() for g in msgs)
+    return {"n": n, "plan_s": took, "moves": moves, "own": own_moves, "rounds": len(rounds)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--n", type=int, nargs="+", default=[8, 64, 256, 1024], help="rank counts")
+    args = p.parse_args(argv)
+    print("| ranks | planning s / rank | moves in the plan | rank 0's moves | rank 0's rounds |")
+    print("| --- | --- | --- | --- | --- |")
+    for n in args.n:
+        if n % 8:
+            raise SystemExit(f"--n {n}: the meshes need a multiple of 8 ranks")
+        r = measure(n)
+        print(
+            f"| {n:,} | {r['plan_s']:.2f} | {r['moves']:,} | {r['own']:,} | {r['rounds']} |",
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
