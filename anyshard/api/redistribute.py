@@ -178,62 +178,78 @@ def _layout_groups(desc: Mapping[str, Any], cache: dict) -> dict[tuple, list[tup
     return groups
 
 
-def _boxes_of(desc: Mapping[str, Any], rank: int, cache: dict) -> dict[str, tuple]:
-    """From one rank's description of one side: logical tensor -> (shape, dtype, boxes)."""
-    out: dict[str, tuple] = {}
-    for key, members in _layout_groups(desc, cache).items():
-        if key[0] == "plain":
-            shape = key[1]
-            for fqn, dtype in members:
-                out[fqn] = (shape, dtype, [full_box(shape)])
-            continue
+def _layout_boxes(key: tuple, rank: int, fqn: str, cache: dict) -> list[Box]:
+    """The boxes that ``rank`` holds of a tensor of layout group ``key`` (`_layout_groups`)."""
+    if key[0] == "plain":
+        return [full_box(key[1])]
+    boxes = cache.get((key, rank))
+    if boxes is None:
         _, mesh_text, text, shape = key
-        boxes = cache.get((key, rank))
-        if boxes is None:
-            mesh_json = cache[("mesh", mesh_text)]
-            mesh = MeshEntry.from_json(mesh_json)
-            where = (mesh.rank_grid() == rank).nonzero()
-            if not len(where[0]):
-                raise LayoutError(
-                    f"{members[0][0]}: rank {rank} describes a mesh it is not in: {mesh_json}"
-                )
-            coords = {d: int(w[0]) for d, w in zip(mesh.dims, where, strict=True)}
-            mapping = cache.get(("map", text))
-            if mapping is None:
-                mapping = cache[("map", text)] = parse_mapping(text)
-            shard = compile_mapping_cached(mapping, shape, mesh.axis_sizes, coords)
-            boxes = [p.logical_box for p in shard.pieces] if shard is not None else []
-            cache[(key, rank)] = boxes
-        for fqn, dtype in members:
-            out[fqn] = (shape, dtype, boxes)
+        mesh_json = cache[("mesh", mesh_text)]
+        mesh = MeshEntry.from_json(mesh_json)
+        where = (mesh.rank_grid() == rank).nonzero()
+        if not len(where[0]):
+            raise LayoutError(f"{fqn}: rank {rank} describes a mesh it is not in: {mesh_json}")
+        coords = {d: int(w[0]) for d, w in zip(mesh.dims, where, strict=True)}
+        mapping = cache.get(("map", text))
+        if mapping is None:
+            mapping = cache[("map", text)] = parse_mapping(text)
+        shard = compile_mapping_cached(mapping, shape, mesh.axis_sizes, coords)
+        boxes = [p.logical_box for p in shard.pieces] if shard is not None else []
+        cache[(key, rank)] = boxes
+    return boxes
+
+
+def _spec_boxes(desc: Mapping[str, Any], rank: int) -> dict[str, tuple]:
+    """From a description through a UCL spec: logical tensor -> (shape, dtype, boxes)."""
+    out: dict[str, tuple] = {}
     s = desc.get("spec")
-    if s is not None:
-        (compiled,) = compile_every_rank(s["text"], tuple(sorted(s["layout"].items())), (rank,))
-        locals_ = compiled.tensors
-        for name, dtype in s["names"].items():
-            t = locals_[name]
-            for part in t.parts:
-                shape, _, boxes = out.setdefault(part.logical, (part.logical_shape, dtype, []))
-                boxes.extend(p.logical_box for p in part.shard.pieces)
+    if s is None:
+        return out
+    (compiled,) = compile_every_rank(s["text"], tuple(sorted(s["layout"].items())), (rank,))
+    locals_ = compiled.tensors
+    for name, dtype in s["names"].items():
+        t = locals_[name]
+        for part in t.parts:
+            shape, _, boxes = out.setdefault(part.logical, (part.logical_shape, dtype, []))
+            boxes.extend(p.logical_box for p in part.shard.pieces)
     return out
 
 
 def _sides(descs: list[dict], strict: bool) -> tuple[dict[str, TensorSides], list[str]]:
-    """Every logical tensor's boxes on every rank, checked to agree on shape and dtype."""
+    """Every logical tensor's boxes on every rank, checked to agree on shape and dtype.
+
+    Ranks that describe a side alike share one description (`all_gather_json`), and tensors
+    of one layout in it share one map of rank -> boxes: the work is per distinct layout and
+    rank, not per tensor and rank."""
     problems: list[str] = []
     found: dict[str, dict] = {}
     cache: dict = {}
-    for rank, d in enumerate(descs):
-        for which in ("src", "dst"):
-            for fqn, (shape, dtype, boxes) in _boxes_of(d[which], rank, cache).items():
-                f = found.setdefault(fqn, {"shape": shape, "dtype": dtype, "src": {}, "dst": {}})
-                if (shape, dtype) != (f["shape"], f["dtype"]):
-                    problems.append(
-                        f"{fqn}: {which} of rank {rank} holds it as {dtype} {list(shape)}, other "
-                        f"ranks as {f['dtype']} {list(f['shape'])}"
-                    )
-                    continue
-                f[which].setdefault(rank, []).extend(boxes)
+
+    def record(fqn: str, which: str, shape, dtype: str, rank: int, per: dict) -> None:
+        f = found.setdefault(fqn, {"shape": shape, "dtype": dtype, "src": [], "dst": []})
+        if (shape, dtype) != (f["shape"], f["dtype"]):
+            problems.append(
+                f"{fqn}: {which} of rank {rank} holds it as {dtype} {list(shape)}, other "
+                f"ranks as {f['dtype']} {list(f['shape'])}"
+            )
+            return
+        f[which].append(per)
+
+    for which in ("src", "dst"):
+        alike: dict[int, tuple[Mapping[str, Any], list[int]]] = {}
+        for rank, d in enumerate(descs):
+            alike.setdefault(id(d[which]), (d[which], []))[1].append(rank)
+        for desc, ranks in alike.values():
+            for key, members in _layout_groups(desc, cache).items():
+                shape = key[1] if key[0] == "plain" else key[3]
+                per = {r: _layout_boxes(key, r, members[0][0], cache) for r in ranks}
+                for fqn, dtype in members:
+                    record(fqn, which, shape, dtype, ranks[0], per)
+            if desc.get("spec") is not None:
+                for r in ranks:
+                    for fqn, (shape, dtype, boxes) in _spec_boxes(desc, r).items():
+                        record(fqn, which, shape, dtype, r, {r: boxes})
     out: dict[str, TensorSides] = {}
     for fqn, f in sorted(found.items()):
         if f["dst"] and not f["src"]:
@@ -246,8 +262,19 @@ def _sides(descs: list[dict], strict: bool) -> tuple[dict[str, TensorSides], lis
             )
             continue
         itemsize = ST_TO_DTYPE[f["dtype"]].itemsize
-        out[fqn] = TensorSides(f["shape"], itemsize, f["src"], f["dst"])
+        out[fqn] = TensorSides(f["shape"], itemsize, _merged(f["src"]), _merged(f["dst"]))
     return out, problems
+
+
+def _merged(parts: list[dict[int, list[Box]]]) -> dict[int, list[Box]]:
+    """One map of rank -> boxes from several (the one itself, shared, when there is one)."""
+    if len(parts) == 1:
+        return parts[0]
+    out: dict[int, list[Box]] = {}
+    for per in parts:
+        for r, boxes in per.items():
+            out.setdefault(r, []).extend(boxes)
+    return dict(sorted(out.items()))
 
 
 def plan_redistribution(

@@ -119,14 +119,20 @@ def plan_moves(tensors: Mapping[str, TensorSides], max_message_bytes: int) -> Pl
     load: dict[int, int] = {}  # bytes each rank sends so far, to spread replicated regions
     pairs: dict[tuple[int, int], list[Move]] = {}
     templates: dict[tuple, list[tuple[int, Box, tuple[int, ...], int]]] = {}
+    held: dict[int, tuple] = {}  # id of a rank -> boxes map -> its contents, as a key
+
+    def contents(boxes: Mapping[int, Sequence[Box]]) -> tuple:
+        k = held.get(id(boxes))
+        if k is None:  # the maps live in ``tensors`` until the plan is done: ids stay theirs
+            k = held[id(boxes)] = tuple((r, tuple(b)) for r, b in sorted(boxes.items()))
+        return k
+
     for fqn in sorted(tensors):
         t = tensors[fqn]
-        # Tensors of one shape under the same two layouts (every layer's) share their regions.
-        key = (
-            t.shape,
-            tuple((r, tuple(b)) for r, b in sorted(t.src.items())),
-            tuple((r, tuple(b)) for r, b in sorted(t.dst.items())),
-        )
+        # Tensors of one shape under the same two layouts (every layer's) share their regions;
+        # tensors that share their maps of boxes (`redistribute` builds one per layout) are
+        # told apart without reading the maps again.
+        key = (t.shape, contents(t.src), contents(t.dst))
         regions = templates.get(key)
         if regions is None:
             regions = templates[key] = _regions(fqn, t)
