@@ -198,7 +198,10 @@ def _check_writers(manifest: Manifest, reports: Sequence[SaveReport], path: str)
             f"save to {path}: rank {r} wrote {got} shard(s) but the layouts say it holds {want}; "
             "ranks hold different tensors under the same names (pipeline stages with local layer "
             "names, or a plain tensor that is not the same on every rank?). Name pipeline mesh "
-            "dims 'pp' and give every logical tensor one global name"
+            "dims 'pp' and give every logical tensor one global name. In a process that built "
+            "more than one DeviceMesh hierarchy, DTensor's op cache may have put tensors on the "
+            "older one: call torch._C._clear_DTensor_sharding_propagator_cache() after building "
+            "a mesh and before taking the state dict (docs/api.md)"
         )
 
 

@@ -64,3 +64,24 @@ def test_rank_grid_matches_rank_for_affine_and_listed_meshes():
     for mesh in (affine, listed):
         grid = mesh.rank_grid()
         assert [[mesh.rank({"x": i, "y": j}) for j in range(3)] for i in range(2)] == grid.tolist()
+
+
+def test_a_rank_that_wrote_other_shards_than_the_layouts_say_stops_the_commit():
+    """The error names the rank, both counts and the likely causes, among them a DTensor that
+    DTensor's op cache put on an older mesh hierarchy."""
+    import pytest
+
+    from anyshard.errors import SaveError
+    from anyshard.format.commit import SaveReport, _check_writers
+
+    mesh = MeshEntry(dims=("pp", "dp"), sizes=(2, 2), offset=0, strides=(2, 1))
+    tensors = {"w": TensorEntry(dtype="F32", shape=(4,), mesh=0, mapping="on(pp, 0)")}
+    m = Manifest(world_size=4, meshes=(mesh,), files={}, tensors=tensors)
+    assert m.shards_per_rank().tolist() == [1, 0, 0, 0]  # one writer per replica set
+    _check_writers(m, [SaveReport(count=c) for c in (1, 0, 0, 0)], "ck")
+    with pytest.raises(
+        SaveError, match=r"rank 2 wrote 1 shard\(s\) but the layouts say it holds 0"
+    ) as e:
+        _check_writers(m, [SaveReport(count=c) for c in (1, 0, 1, 0)], "ck")
+    assert "more than one DeviceMesh hierarchy" in str(e.value)
+    assert "_clear_DTensor_sharding_propagator_cache" in str(e.value)
