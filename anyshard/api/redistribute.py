@@ -2,9 +2,9 @@
 
 Every rank describes the layouts of its source and destination state (DTensor meshes and
 placements, plain tensors, a UCL spec and layout), the ranks exchange those descriptions (each
-distinct one once), and every rank computes the same plan from them (`anyshard.reshard.exchange`):
-local copies for what a rank already holds, point-to-point messages for the rest, in rounds of
-bounded size. Nothing is pickled; only JSON descriptions and raw tensor bytes cross ranks.
+distinct one once), and every rank plans its own part from them (`anyshard.reshard.exchange`):
+local copies for what it already holds, point-to-point messages for the rest, in rounds of
+bounded size that both ends of each message agree on. Nothing is pickled; only JSON descriptions and raw tensor bytes cross ranks.
 """
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ from anyshard.reshard.exchange import (
     Plan,
     Round,
     TensorSides,
+    message_cap,
     plan_moves,
-    rounds_of,
-    schedule,
+    plan_rank,
+    rounds_for,
 )
 from anyshard.ucl.evaluate import compile, coords_of_rank, layout_for
 from anyshard.ucl.library import load_spec
@@ -278,17 +279,21 @@ def _merged(parts: list[dict[int, list[Box]]]) -> dict[int, list[Box]]:
 
 
 def plan_redistribution(
-    descs: list[dict], max_inflight_bytes: int, strict: bool = True
+    descs: list[dict], max_inflight_bytes: int, strict: bool = True, rank: int | None = None
 ) -> tuple[Plan, dict[str, TensorSides]]:
-    """The plan every rank computes from the ranks' descriptions (what `redistribute`
-    exchanges); `LayoutError` when the layouts disagree or do not cover a tensor."""
+    """Rank ``rank``'s part of the plan, from the ranks' descriptions (what `redistribute`
+    exchanges); with ``rank=None``, every rank's parts together. `LayoutError` when the
+    layouts disagree or do not cover a tensor."""
     tensors, problems = _sides(descs, strict)
     if problems:
         raise LayoutError(
             "redistribute: the source and destination states do not match:\n  "
             + "\n  ".join(problems)
         )
-    return plan_moves(tensors, max(1, max_inflight_bytes // 2)), tensors
+    cap = message_cap(len(descs), max_inflight_bytes)
+    if rank is None:
+        return plan_moves(tensors, cap), tensors
+    return plan_rank(tensors, rank, cap), tensors
 
 
 # --------------------------------------------------------------------------- moving bytes
@@ -447,9 +452,9 @@ def redistribute(
     On return every ``dst`` tensor holds its region of the logical tensors, bit-exact. A rank
     copies what it already holds; everything else it receives exactly once, from one of the
     ranks that hold it (replicas share the sending). At most ``max_inflight_bytes`` of
-    messages are in flight per rank (sent plus received, in rounds). Errors that name the tensor (missing, shape or dtype mismatch, a layout that
-    does not cover it) are raised on every rank before any byte moves. Returns this rank's
-    part of the plan.
+    messages are in flight per rank (sent plus received, in rounds). Errors that name the
+    tensor (missing, shape or dtype mismatch, a layout that does not cover it) are raised on
+    every rank before any byte moves. Returns this rank's part of the plan.
 
     >>> import torch, anyshard
     >>> src = {"w": torch.arange(4.0), "step": 3}
@@ -470,8 +475,8 @@ def redistribute(
         raise StateDictMismatchError(
             "redistribute: the states do not match their layouts:\n  " + "\n  ".join(problems)
         )
-    plan, _ = plan_redistribution(descs, max_inflight_bytes, strict)
-    rounds = rounds_of(schedule(plan, max_inflight_bytes), me)
+    mine_plan, _ = plan_redistribution(descs, max_inflight_bytes, strict, rank=me)
+    rounds = rounds_for(mine_plan, me, len(descs))
     values: dict[str, Any] = {}
     for x in descs:
         for k, v in x["src"]["values"].items():
@@ -482,7 +487,6 @@ def redistribute(
             f"redistribute: JSON values in the destination state but in no rank's source state: "
             f"{', '.join(dict.fromkeys(missing))} (pass strict=False to keep them)"
         )
-    mine_plan = plan.for_rank(me)
     _execute(mine_plan, rounds, s, d, process_group)
     for k, leaf in d.leaves.items():
         if k in values:

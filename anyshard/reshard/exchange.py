@@ -2,18 +2,28 @@
 
 Inputs are two layouts of the same logical tensors over the ranks of one process group: for
 each logical tensor, the boxes of it that each rank holds in the source state and needs in the
-destination state. The plan is a pure function of them, so every rank that computes it gets the
-same one:
+destination state. Each rank plans its own part from them alone (`plan_rank`), and the parts
+agree, because every choice is a pure function of the layouts:
 
 * a destination region that the rank already holds in its source state is copied locally;
-* every other destination element is received exactly once, from one of the ranks holding it,
-  the least loaded so far (a region replicated on several ranks is spread over its holders);
-* the moves between two ranks are cut into messages of at most ``max_message_bytes``.
+* every other destination element is received exactly once, from one of the ranks holding it:
+  the receivers of a source box held by several ranks take its holders in turn, rotated by the
+  tensor's place in the sorted names (replicas share the sending);
+* the moves between two ranks are cut into messages of at most ``max_message_bytes``
+  (`message_cap`).
 
-`schedule` puts the messages into rounds, first fit: in a round, a rank sends and receives at
-most the budget. A rank posts all of its messages of a round at once and waits for them before
-the next round; both ends of a message place it in the same round, so every round completes
-(the rounds are deadlock free) and a rank never has more than the budget in flight.
+Tensors of one shape under the same two layouts (every layer's) share one template of regions,
+so a rank's planning costs the layouts (every rank's boxes, once per template) plus what the
+rank itself sends and receives, not every rank's moves of every tensor.
+
+`rounds_for` puts a rank's messages into rounds, the same on both ends of each message without
+a global schedule: the k-th message between ``s`` and ``d`` goes in round ``(k, g)``, where
+``g`` groups the shift ``(d - s) mod world`` by `concurrency`. In a round a rank sends to at
+most `concurrency` ranks and receives from as many, one message each, so it has at most
+``2 * concurrency * max_message_bytes`` (the budget) in flight. A rank posts all of its
+messages of a round at once and waits for them before its next round; every rank takes the
+rounds in the same order, so the earliest unfinished round always has both ends of each of its
+messages posted: the rounds are deadlock free.
 """
 
 from __future__ import annotations
@@ -31,9 +41,11 @@ __all__ = [
     "Plan",
     "Round",
     "TensorSides",
+    "concurrency",
+    "message_cap",
     "plan_moves",
-    "rounds_of",
-    "schedule",
+    "plan_rank",
+    "rounds_for",
     "split_box",
 ]
 
@@ -94,6 +106,7 @@ class Round:
 
     send: list[tuple[int, list[Move]]] = field(default_factory=list)
     recv: list[tuple[int, list[Move]]] = field(default_factory=list)
+    key: tuple[int, int] = (0, 0)  # (message index, shift group): the same on both ends
 
 
 def _distinct(boxes: Mapping[int, Sequence[Box]]) -> dict[Box, list[int]]:
@@ -109,16 +122,17 @@ def _describe(box: Box) -> str:
     return "[" + ", ".join(f"{lo}:{hi}" for lo, hi in box) + "]"
 
 
-def plan_moves(tensors: Mapping[str, TensorSides], max_message_bytes: int) -> Plan:
-    """The plan that fills every destination box from the source boxes.
+def plan_rank(tensors: Mapping[str, TensorSides], rank: int, max_message_bytes: int) -> Plan:
+    """Rank ``rank``'s part of the plan that fills every destination box from the source boxes:
+    its local copies and the messages it sends and receives.
 
     `LayoutError` (naming the tensor, the rank and the region) when the source boxes leave part
-    of a needed region uncovered or cover part of it twice with different boxes.
+    of a needed region on any rank uncovered, or cover part of it twice with different boxes:
+    every rank finds the same error.
     """
     plan = Plan()
-    load: dict[int, int] = {}  # bytes each rank sends so far, to spread replicated regions
-    pairs: dict[tuple[int, int], list[Move]] = {}
-    templates: dict[tuple, list[tuple[int, Box, tuple[int, ...], int]]] = {}
+    pairs: dict[tuple[int, int], list[tuple[int, Box, Move]]] = {}
+    templates: dict[tuple, _Template] = {}
     held: dict[int, tuple] = {}  # id of a rank -> boxes map -> its contents, as a key
 
     def contents(boxes: Mapping[int, Sequence[Box]]) -> tuple:
@@ -127,26 +141,75 @@ def plan_moves(tensors: Mapping[str, TensorSides], max_message_bytes: int) -> Pl
             k = held[id(boxes)] = tuple((r, tuple(b)) for r, b in sorted(boxes.items()))
         return k
 
-    for fqn in sorted(tensors):
+    for ordinal, fqn in enumerate(sorted(tensors)):
         t = tensors[fqn]
-        # Tensors of one shape under the same two layouts (every layer's) share their regions;
         # tensors that share their maps of boxes (`redistribute` builds one per layout) are
-        # told apart without reading the maps again.
+        # told apart without reading the maps again
         key = (t.shape, contents(t.src), contents(t.dst))
-        regions = templates.get(key)
-        if regions is None:
-            regions = templates[key] = _regions(fqn, t)
-        for q, region, ranks, numel in regions:
-            nbytes = numel * t.itemsize
-            if q in ranks:
-                plan.local.append(Move(q, q, fqn, region, nbytes))
-                continue
-            sender = min(ranks, key=lambda r: (load.get(r, 0), r))
-            load[sender] = load.get(sender, 0) + nbytes
-            pairs.setdefault((sender, q), []).append(Move(sender, q, fqn, region, nbytes))
-    for pair in sorted(pairs):
-        plan.messages[pair] = _cut(pairs[pair], tensors, max_message_bytes)
+        tpl = templates.get(key)
+        if tpl is None:
+            tpl = templates[key] = _template(fqn, t, rank)
+        size = t.itemsize
+        for region, numel in tpl.local:
+            plan.local.append(Move(rank, rank, fqn, region, numel * size))
+        for region, numel, holders, j in tpl.recv:
+            sender = holders[(j + ordinal) % len(holders)]
+            move = Move(sender, rank, fqn, region, numel * size)
+            pairs.setdefault((sender, rank), []).append((ordinal, region, move))
+        for holders, receivers in tpl.send:
+            mine = holders.index(rank)
+            for j, (q, region, numel) in enumerate(receivers):
+                if (j + ordinal) % len(holders) == mine:
+                    move = Move(rank, q, fqn, region, numel * size)
+                    pairs.setdefault((rank, q), []).append((ordinal, region, move))
+    for pair in sorted(pairs):  # both ends order a pair's moves by tensor, then region
+        moves = [m for _, _, m in sorted(pairs[pair], key=lambda x: (x[0], x[1]))]
+        plan.messages[pair] = _cut(moves, tensors, max_message_bytes)
     return plan
+
+
+def plan_moves(tensors: Mapping[str, TensorSides], max_message_bytes: int) -> Plan:
+    """The whole plan: every rank's part (`plan_rank`) together, each message as its sender
+    plans it. For tests and tools; a rank that redistributes plans only its own part."""
+    ranks = sorted({r for t in tensors.values() for r in (*t.src, *t.dst)})
+    plan = Plan()
+    for r in ranks:
+        mine = plan_rank(tensors, r, max_message_bytes)
+        plan.local += mine.local
+        plan.messages.update({k: v for k, v in mine.messages.items() if k[0] == r})
+    plan.messages = dict(sorted(plan.messages.items()))
+    return plan
+
+
+@dataclass(frozen=True, slots=True)
+class _Template:
+    """One rank's view of the regions of one (shape, source layout, destination layout):
+    ``local`` (region, elements) it copies; ``recv`` (region, elements, holders, j) it receives
+    from ``holders[(j + tensor's ordinal) % len(holders)]``; ``send`` (holders, receivers) for
+    each source box it holds: the receivers' (rank, region, elements), the j-th served by
+    ``holders[(j + ordinal) % len(holders)]``."""
+
+    local: list[tuple[Box, int]]
+    recv: list[tuple[Box, int, tuple[int, ...], int]]
+    send: list[tuple[tuple[int, ...], list[tuple[int, Box, int]]]]
+
+
+def _template(fqn: str, t: TensorSides, rank: int) -> _Template:
+    local, recv = [], []
+    receivers: dict[Box, list[tuple[int, Box, int]]] = {}
+    holders_of: dict[Box, tuple[int, ...]] = {}
+    for q, region, holders, numel, box in _regions(fqn, t):
+        if q in holders:
+            if q == rank:
+                local.append((region, numel))
+            continue
+        served = receivers.setdefault(box, [])
+        holders_of[box] = holders
+        if q == rank:
+            recv.append((region, numel, holders, len(served)))
+        served.append((q, region, numel))
+    send = [(holders_of[b], r) for b, r in receivers.items() if rank in holders_of[b]]
+    return _Template(local, recv, send)
 
 
 class _SourceIndex:
@@ -183,10 +246,10 @@ class _SourceIndex:
         return sorted(out)
 
 
-def _regions(fqn: str, t: TensorSides) -> list[tuple[int, Box, tuple[int, ...], int]]:
+def _regions(fqn: str, t: TensorSides) -> list[tuple[int, Box, tuple[int, ...], int, Box]]:
     """Each destination rank's needed regions, cut by the distinct source boxes: ``(rank,
-    region, the ranks holding it, its elements)``; `LayoutError` where the source does not
-    cover a region exactly once."""
+    region, the ranks holding it, its elements, the source box)``, by rank, then needed box,
+    then source box; `LayoutError` where the source does not cover a region exactly once."""
     holders = _distinct(t.src)
     sources = _SourceIndex(sorted(holders))
     out = []
@@ -199,7 +262,7 @@ def _regions(fqn: str, t: TensorSides) -> list[tuple[int, Box, tuple[int, ...], 
                     continue
                 numel = box_numel(region)
                 covered += numel
-                out.append((q, region, tuple(holders[box]), numel))
+                out.append((q, region, tuple(holders[box]), numel, box))
             want = box_numel(need)
             if covered < want:
                 raise LayoutError(
@@ -255,41 +318,30 @@ def _cut(moves: list[Move], tensors: Mapping[str, TensorSides], cap: int) -> lis
     return messages
 
 
-def schedule(plan: Plan, budget: int) -> list[list[tuple[int, int, list[Move]]]]:
-    """The messages of ``plan`` in rounds: each round a list of ``(src, dst, moves)``, with at
-    most ``budget`` bytes sent plus received per rank (a message larger than the budget, which
-    only a single element can make, is the only one its two ranks handle in its round; other
-    ranks' messages may share the round). Messages between two ranks keep their order.
-    A pure function of the plan: every rank computes the same rounds."""
-    rounds: list[list[tuple[int, int, list[Move]]]] = []
-    used: list[dict[int, int]] = []  # per round: bytes in flight per rank
-    last: dict[tuple[int, int], int] = {}
-    for (src, dst), msgs in sorted(plan.messages.items()):
-        for moves in msgs:
-            n = sum(m.nbytes for m in moves)
-            k = last.get((src, dst), 0)
-            while k < len(rounds) and (
-                used[k].get(src, 0) + n > budget or used[k].get(dst, 0) + n > budget
-            ):
-                k += 1
-            if k == len(rounds):
-                rounds.append([])
-                used.append({})
-            rounds[k].append((src, dst, moves))
-            used[k][src] = used[k].get(src, 0) + n
-            used[k][dst] = used[k].get(dst, 0) + n
-            last[(src, dst)] = k
-    return rounds
+def concurrency(world: int) -> int:
+    """How many ranks a rank sends to (and receives from) at once, in a group of ``world``."""
+    return max(1, min(world - 1, 8))
 
 
-def rounds_of(rounds: list[list[tuple[int, int, list[Move]]]], rank: int) -> list[Round]:
-    """The rounds as ``rank`` takes part in them (rounds without it left out)."""
-    out = []
-    for r in rounds:
-        mine = Round(
-            send=[(d, m) for s, d, m in r if s == rank],
-            recv=[(s, m) for s, d, m in r if d == rank],
-        )
-        if mine.send or mine.recv:
-            out.append(mine)
-    return out
+def message_cap(world: int, budget: int) -> int:
+    """The largest message under a budget of ``budget`` bytes in flight per rank: a round has
+    at most `concurrency` messages each way."""
+    return max(1, budget // (2 * concurrency(world)))
+
+
+def rounds_for(plan: Plan, rank: int, world: int) -> list[Round]:
+    """``rank``'s messages in ``plan`` in rounds (see the module's doc); rounds without it are
+    left out. Both ends of a message place it in the same round."""
+    k = concurrency(world)
+    slots: dict[tuple[int, int], Round] = {}
+    for (s, d), msgs in sorted(plan.messages.items()):
+        if rank not in (s, d) or s == d:
+            continue
+        group = ((d - s) % world - 1) // k
+        for i, moves in enumerate(msgs):
+            r = slots.setdefault((i, group), Round(key=(i, group)))
+            if s == rank:
+                r.send.append((d, moves))
+            else:
+                r.recv.append((s, moves))
+    return [slots[key] for key in sorted(slots)]

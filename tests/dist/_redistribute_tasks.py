@@ -52,13 +52,17 @@ def layouts_task(src_layout: str, dst_layout: str, seed: int, inflight: int) -> 
 
 
 def plan_digest_task(src_layout: str, dst_layout: str) -> str:
-    """The whole plan as every rank computes it from the exchanged descriptions."""
+    """The whole plan, every rank's part together, as each rank computes it from the exchanged
+    descriptions; checks that its own part is the one it plans alone."""
     src, dst = train_state(src_layout, 1), train_state(dst_layout, 2)
     me = dist.get_rank()
     s = _describe_side(src, None, None, None, me, True, "source")
     d = _describe_side(dst, None, None, None, me, True, "destination")
     descs = coll.all_gather_json({"src": s.desc, "dst": d.desc, "problems": []})
     plan, _ = plan_redistribution(descs, 1 << 20)
+    mine, _ = plan_redistribution(descs, 1 << 20, rank=me)
+    assert mine.local == plan.for_rank(me).local
+    assert mine.messages == plan.for_rank(me).messages
     return hashlib.sha256(repr((plan.local, sorted(plan.messages.items()))).encode()).hexdigest()
 
 
@@ -167,11 +171,12 @@ def large_moves_task(inflight: int) -> int:
 
     mesh = init_device_mesh("cpu", (4,))
     g = torch.Generator().manual_seed(11)
-    full_w = torch.randn(2048, 512, generator=g)
+    full_w = torch.randn(4096, 512, generator=g)
     rows = distribute_tensor(full_w, mesh, [Shard(0)], src_data_rank=None)
     cols = distribute_tensor(torch.zeros_like(full_w), mesh, [Shard(1)], src_data_rank=None)
     plan = anyshard.redistribute({"w": rows}, {"w": cols}, max_inflight_bytes=inflight)
     assert any(m.nbytes >= DIRECT_MIN_BYTES for v in plan.messages.values() for g in v for m in g)
+    assert all(len(v) > 1 for v in plan.messages.values())  # several messages, several rounds
     assert torch.equal(cols.full_tensor(), full_w)
     back = distribute_tensor(torch.zeros_like(full_w), mesh, [Shard(0)], src_data_rank=None)
     anyshard.redistribute({"w": cols}, {"w": back}, max_inflight_bytes=inflight)

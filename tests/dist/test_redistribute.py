@@ -27,7 +27,8 @@ def test_layouts_bit_exact_with_adamw_state(pool4, src, dst):
 
 def test_small_inflight_budget_cuts_messages(pool4):
     out = pool4.run(TASKS, "layouts_task", "fsdp4", "tp4", 6, 256)
-    assert max(o["largest"] for o in out) <= 128  # one message each way: half the budget
+    # a round holds a message to and from each of the 3 peers: a sixth of the budget each
+    assert max(o["largest"] for o in out) <= 256 // 6
 
 
 def test_plan_is_identical_on_every_rank(pool4):
@@ -66,5 +67,5 @@ def test_errors_name_the_tensor_on_every_rank(pool4):
 
 
 def test_large_moves_travel_in_place_over_several_rounds(pool4):
-    pairs = pool4.run(TASKS, "large_moves_task", 600 << 10)
+    pairs = pool4.run(TASKS, "large_moves_task", 1800 << 10)  # messages of <= 300 KiB
     assert min(pairs) == 6  # each rank sends to and receives from the 3 others

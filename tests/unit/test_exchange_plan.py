@@ -16,7 +16,15 @@ from anyshard.errors import LayoutError
 from anyshard.geometry.boxes import box_numel, full_box, intersect
 from anyshard.geometry.shards import chunk_bounds
 from anyshard.reshard import exchange
-from anyshard.reshard.exchange import TensorSides, plan_moves, rounds_of, schedule, split_box
+from anyshard.reshard.exchange import (
+    TensorSides,
+    concurrency,
+    message_cap,
+    plan_moves,
+    plan_rank,
+    rounds_for,
+    split_box,
+)
 
 
 @st.composite
@@ -126,39 +134,65 @@ _OVERSIZED = (
 @settings(max_examples=200, deadline=None)
 @given(problems())
 @example(_OVERSIZED)
-def test_messages_fit_the_budget_and_every_message_has_one_round(problem):
+def test_every_rank_plans_its_part_and_its_rounds_alone_and_the_parts_agree(problem):
+    """Each rank's part, planned alone: both ends of a pair plan the same messages; messages
+    fit the cap; each rank's rounds hold each of its messages once, at most `concurrency`
+    messages each way and the budget in flight; taking the rounds in order never deadlocks."""
     tensors, world, cap = problem
-    plan = plan_moves(tensors, cap)
-    for (s, d), msgs in plan.messages.items():
+    budget = 2 * concurrency(world) * cap
+    assert message_cap(world, budget) == cap
+    parts = {r: plan_rank(tensors, r, cap) for r in range(world)}
+    whole = plan_moves(tensors, cap)
+    for (s, d), msgs in whole.messages.items():
         assert s != d
+        assert parts[s].messages[(s, d)] == parts[d].messages[(s, d)] == msgs
         for msg in msgs:
             size = sum(m.nbytes for m in msg)
             assert size <= cap or len(msg) == 1 and box_numel(msg[0].box) == 1
-    budget = 2 * cap
-    rounds = schedule(plan, budget)
-    placed = [(s, d, tuple(m)) for r in rounds for s, d, m in r]
-    expected = [(s, d, tuple(m)) for (s, d), msgs in sorted(plan.messages.items()) for m in msgs]
-    assert sorted(placed) == sorted(expected)  # every message in exactly one round
-    for r in rounds:
-        load, count = {}, {}
-        for s, d, moves in r:
-            n = sum(m.nbytes for m in moves)
-            for rank in (s, d):
-                load[rank] = load.get(rank, 0) + n
-                count[rank] = count.get(rank, 0) + 1
-        # per rank: within the budget, or one message alone (one element larger than it)
-        assert all(v <= budget or count[rank] == 1 for rank, v in load.items()), (r, budget)
-    for pair, msgs in plan.messages.items():  # a pair's messages keep their order
-        order = [tuple(m) for r in rounds for s, d, m in r if (s, d) == pair]
-        assert order == [tuple(m) for m in msgs]
-    for rank in range(world):  # each rank's view: its own messages, every round it is in
-        mine = rounds_of(rounds, rank)
-        assert sum(len(x.send) for x in mine) == sum(
-            len(v) for k, v in plan.messages.items() if k[0] == rank
+    for r, part in parts.items():
+        assert {k for k in part.messages} == {k for k in whole.messages if r in k}
+        assert part.local == [m for m in whole.local if m.dst == r]
+    rounds = {r: rounds_for(parts[r], r, world) for r in range(world)}
+    for r, mine in rounds.items():
+        keys = [x.key for x in mine]
+        assert keys == sorted(set(keys))
+        placed = sorted((r, d, tuple(m)) for x in mine for d, m in x.send)
+        placed += sorted((s, r, tuple(m)) for x in mine for s, m in x.recv)
+        expected = sorted(
+            (r, d, tuple(m)) for (s, d), g in whole.messages.items() if s == r for m in g
         )
-        assert sum(len(x.recv) for x in mine) == sum(
-            len(v) for k, v in plan.messages.items() if k[1] == rank
+        expected += sorted(
+            (s, r, tuple(m)) for (s, d), g in whole.messages.items() if d == r for m in g
         )
+        assert placed == expected  # every message of the rank in exactly one round
+        for x in mine:
+            assert len(x.send) <= concurrency(world) and len(x.recv) <= concurrency(world)
+            assert len({d for d, _ in x.send}) == len(x.send)  # one message per peer each way
+            load = sum(m.nbytes for _, ms in (*x.send, *x.recv) for m in ms)
+            single = all(len(ms) == 1 and box_numel(ms[0].box) == 1 for _, ms in (*x.send, *x.recv))
+            assert load <= budget or single, (x, budget)
+    # run the rounds: a message is done once both of its ends have posted it (are at its
+    # round); a rank goes on to its next round once every message of its round is done
+    at = {r: 0 for r in range(world)}
+    done: set[tuple[int, int, tuple[int, int]]] = set()
+
+    def posted(r: int) -> set:
+        if at[r] == len(rounds[r]):
+            return set()
+        x = rounds[r][at[r]]
+        return {(r, d, x.key) for d, _ in x.send} | {(s, r, x.key) for s, _ in x.recv}
+
+    while any(at[r] < len(rounds[r]) for r in at):
+        now = {r: posted(r) for r in at}
+        for r in at:
+            for msg in now[r]:
+                s, d, _ = msg
+                if msg in now[d if s == r else s]:
+                    done.add(msg)
+        moved = [r for r in at if now[r] and now[r] <= done]
+        assert moved, f"deadlock: {at}"
+        for r in moved:
+            at[r] += 1
 
 
 def test_replicated_regions_spread_over_their_holders():
