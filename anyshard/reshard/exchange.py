@@ -156,12 +156,12 @@ def plan_rank(tensors: Mapping[str, TensorSides], rank: int, max_message_bytes: 
             sender = holders[(j + ordinal) % len(holders)]
             move = Move(sender, rank, fqn, region, numel * size)
             pairs.setdefault((sender, rank), []).append((ordinal, region, move))
-        for holders, receivers in tpl.send:
-            mine = holders.index(rank)
-            for j, (q, region, numel) in enumerate(receivers):
-                if (j + ordinal) % len(holders) == mine:
-                    move = Move(rank, q, fqn, region, numel * size)
-                    pairs.setdefault((rank, q), []).append((ordinal, region, move))
+        for holders, receivers in tpl.send:  # the j-th receiver, where (j + ordinal) % h is us
+            h = len(holders)
+            for j in range((holders.index(rank) - ordinal) % h, len(receivers), h):
+                q, region, numel = receivers[j]
+                move = Move(rank, q, fqn, region, numel * size)
+                pairs.setdefault((rank, q), []).append((ordinal, region, move))
     for pair in sorted(pairs):  # both ends order a pair's moves by tensor, then region
         moves = [m for _, _, m in sorted(pairs[pair], key=lambda x: (x[0], x[1]))]
         plan.messages[pair] = _cut(moves, tensors, max_message_bytes)
