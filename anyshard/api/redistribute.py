@@ -4,7 +4,8 @@ Every rank describes the layouts of its source and destination state (DTensor me
 placements, plain tensors, a UCL spec and layout), the ranks exchange those descriptions (each
 distinct one once), and every rank plans its own part from them (`anyshard.reshard.exchange`):
 local copies for what it already holds, point-to-point messages for the rest, in rounds of
-bounded size that both ends of each message agree on. Nothing is pickled; only JSON descriptions and raw tensor bytes cross ranks.
+bounded size that both ends of each message agree on. Nothing is pickled; only JSON
+descriptions and raw tensor bytes cross ranks.
 """
 
 from __future__ import annotations
