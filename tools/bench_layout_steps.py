@@ -18,17 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from bench_goodput import _port, _timed_run  # noqa: E402
 
 
 def step_times(layout: str, steps: int, extra: list[str], tmp: str) -> list[float]:
@@ -45,11 +41,7 @@ def step_times(layout: str, steps: int, extra: list[str], tmp: str) -> list[floa
         "--run_dir", run_dir,
         *extra,
     ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k not in ("ANYSHARD_FAULT", "ANYSHARD_FAULTS")}
-    env["OMP_NUM_THREADS"] = "1"
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
-    if out.returncode != 0:
-        raise SystemExit(f"{layout}=2 failed ({out.returncode}):\n{out.stderr[-4000:]}")
+    _timed_run(cmd, f"{layout}=2", {})
     with open(os.path.join(run_dir, "losses.jsonl")) as f:
         times = [json.loads(x)["time"] for x in f if x.strip()]
     return [b - a for a, b in zip(times, times[1:], strict=False)]
