@@ -16,7 +16,7 @@ from anyshard.format.checksum import crc32c, crc32c_combine
 from anyshard.format.datafile import tensor_bytes
 from anyshard.format.pool import io_pool
 from anyshard.geometry.boxes import Piece, box_shape
-from anyshard.reshard.planner import GAP, TARGET, ReadPlan, Request
+from anyshard.reshard.planner import GAP, STAGING, TARGET, ReadPlan, Request
 
 __all__ = ["execute_plan", "piece_view"]
 
@@ -83,8 +83,8 @@ def execute_plan(
     pool = io_pool(threads)
     bounces: dict[int, torch.Tensor] = {}  # thread -> its bounce buffer, for this plan
     for batch in plan.batches:
-        staging = _staging(plan, batch, src_dtypes)
-        memory = (target_bytes, staging, target_u8, bounces)
+        staging = _staging(plan, batch, src_dtypes, paths)
+        memory = (target_bytes, staging, target_u8, bounces, targets, src_dtypes)
         run = lambda task, memory=memory: _run_task(plan, task, memory, paths)  # noqa: E731
         for checks in pool.map(run, _tasks(batch)):
             for shard, offset, length, crc in checks:
@@ -94,14 +94,21 @@ def execute_plan(
     _verify(plan, parts, paths)
 
 
-def _staging(plan: ReadPlan, batch: list[Request], src_dtypes) -> dict[int, memoryview]:
+def _staging(plan: ReadPlan, batch: list[Request], src_dtypes, paths) -> dict[int, memoryview]:
+    """Staging buffers of the batch's staged transfers, except those that one span of a request
+    on a local file reads whole: those go through the reading thread's bounce buffer and are
+    copied into place as soon as they are read (`_run_streamed`), so that a load does not fault
+    in fresh memory for every byte it stages."""
     staging: dict[int, memoryview] = {}
     for r in batch:
-        for kind, i, _, _ in r.spans:
-            if kind == GAP or plan.direct[i] or i in staging:
+        local = not storage.is_url(paths[r.rank])
+        for kind, i, offset, n in r.spans:
+            if kind != STAGING or i in staging:
                 continue
             t = plan.transfers[i]
             nbytes = t.numel * src_dtypes[(t.rank, t.fqn)].itemsize
+            if local and offset == 0 and n == nbytes:
+                continue
             staging[i] = memoryview(torch.empty(nbytes, dtype=torch.uint8).numpy()).cast("B")
     return staging
 
@@ -174,7 +181,7 @@ def _run_task(
     plan: ReadPlan, task: list[Request], memory, paths
 ) -> list[tuple[int, int, int, int]]:
     """Run consecutive requests; returns the checksums of the parts of shards they read."""
-    target_bytes, staging, target_u8, bounces = memory
+    target_bytes, staging, target_u8, bounces, _, _ = memory
     transfers = plan.transfers
     state = _Task(paths, bounces)
     out = []
@@ -182,6 +189,9 @@ def _run_task(
         for r in task:
             if r.repeat is not None:
                 _run_repeated(r, target_bytes, staging, transfers, state)
+                continue
+            if any(kind == STAGING and i not in staging for kind, i, _, _ in r.spans):
+                out += _run_streamed(plan, r, memory, state)
                 continue
             rows = _uniform_rows(r, plan)
             if rows is not None and state.reader(r.rank).fd is not None:
@@ -227,6 +237,40 @@ def _run_rows(
             a, z = max(c.start, lo), min(c.stop, lo + k * n)
             if a < z:
                 crcs[j] = crc32c(mv[a - lo : z - lo], crcs[j])
+    return [
+        (c.shard, r.offset + c.start, c.stop - c.start, crc)
+        for c, crc in zip(r.checks, crcs, strict=True)
+    ]
+
+
+def _run_streamed(
+    plan: ReadPlan, r: Request, memory, state: _Task
+) -> list[tuple[int, int, int, int]]:
+    """A request on a local file with staged transfers that it reads whole: span by span, each
+    staged transfer through the thread's bounce buffer and copied into place at once; the
+    checksums run on over the spans."""
+    target_bytes, staging, _, _, targets, src_dtypes = memory
+    reader = state.reader(r.rank)
+    crcs = [0] * len(r.checks)
+    at = 0
+    for kind, i, offset, n in r.spans:
+        streamed = False
+        if kind == TARGET:
+            buf = target_bytes[plan.transfers[i].target][offset : offset + n]
+        elif kind == GAP:
+            buf = state.junk_for(n)
+        elif i in staging:
+            buf = staging[i][offset : offset + n]
+        else:
+            buf, streamed = memoryview(state.bounce_for(n).numpy()), True
+        _read(reader, r, [buf], at=at)
+        for j, c in enumerate(r.checks):
+            a, z = max(c.start, at), min(c.stop, at + n)
+            if a < z:
+                crcs[j] = crc32c(buf[a - at : z - at], crcs[j])
+        if streamed:
+            _finish(plan, i, buf, targets, src_dtypes)
+        at += n
     return [
         (c.shard, r.offset + c.start, c.stop - c.start, crc)
         for c, crc in zip(r.checks, crcs, strict=True)

@@ -228,6 +228,7 @@ def plan_reads(
     direct_ok: Sequence[bool],
     *,
     max_staging: int = 32 * MiB,
+    max_widened: int = 4 * MiB,
     batch_bytes: int = 256 * MiB,
     max_part: int = 64 * MiB,
     max_gap: int = 1 * MiB,
@@ -248,17 +249,20 @@ def plan_reads(
 
     With ``verify``, every byte read is covered by a checksum that the executor checks: a
     transfer that needs part of a checksum block reads the whole blocks it touches into staging
-    (`Transfer.window`), and every request carries the checks of the blocks it reads.
+    (`Transfer.window`), in parts of about ``max_widened`` bytes (at most ``max_staging``; small
+    enough to pass through a reading thread's reused buffer while in cache), and every request
+    carries the checks of the blocks it reads.
     """
     final: list[Transfer] = []
     direct: list[bool] = []
     fully = _fully_read(transfers, shard_info)
+    widened = min(max_staging, max_widened)
     for t in transfers:
         info = shard_info[(t.rank, t.fqn)]
         per = max(1, max_staging // info.itemsize)
         if verify and (t.rank, t.fqn) not in fully and not _whole_blocks(t.src, info):
             parts = [
-                _widened(p, info) for p in _split_transfer(t, _widened_budget(t, info, max_staging))
+                _widened(p, info) for p in _split_transfer(t, _widened_budget(t, info, widened))
             ]
             final.extend(parts)
             direct.extend([False] * len(parts))

@@ -105,3 +105,41 @@ def test_a_truncated_file_under_repeated_rows_is_a_clear_error(tmp_path):
     os.truncate(data, os.path.getsize(data) - 100)
     with anyshard.open(path) as view, pytest.raises(CorruptCheckpointError, match="truncated"):
         view.get_slice("w")[:, 2:5]
+
+
+def test_column_slices_of_checksummed_rows_stream_through_the_bounce_buffer(tmp_path, monkeypatch):
+    """A column slice of a shard of several checksum blocks reads whole rows (to verify them):
+    each staged part goes through the thread's bounce buffer and lands exactly; a flipped byte
+    in any part is a ChecksumError."""
+    from anyshard.reshard import executor, planner
+
+    streamed = []
+    real = executor._run_streamed
+    monkeypatch.setattr(
+        executor, "_run_streamed", lambda *a: streamed.extend(a[1].spans) or real(*a)
+    )
+    real_plan = planner.plan_reads
+    monkeypatch.setattr(  # small staged parts: several per shard
+        "anyshard.reshard.fill.plan_reads",
+        lambda *a, **k: real_plan(*a, **{**k, "max_staging": 96 << 10}),
+    )
+    path = str(tmp_path / "c")
+    full = torch.randn(1024, 96)  # 384 KiB: two checksum blocks of rows
+    anyshard.save(path, {"w": full})
+    with anyshard.open(path) as view:
+        assert torch.equal(view.get_slice("w")[:, 7:50], full[:, 7:50])
+    assert len(streamed) >= 4
+    data = os.path.join(path, "data", "rank-00000.safetensors")
+    size = os.path.getsize(data)
+    with open(data, "r+b") as f:
+        for where in (size - 5, size - 200 * 1024):  # the last part, then an earlier one
+            f.seek(where)
+            good = f.read(1)
+            f.seek(where)
+            f.write(bytes([good[0] ^ 0x01]))
+            f.flush()
+            with anyshard.open(path) as view, pytest.raises(ChecksumError, match="'w'"):
+                view.get_slice("w")[:, 7:50]
+            f.seek(where)
+            f.write(good)
+            f.flush()
