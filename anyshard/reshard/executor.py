@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import threading
 from collections import defaultdict
+from collections.abc import Iterator, Sequence
 from collections.abc import Mapping as MappingType
-from collections.abc import Sequence
 
 import torch
 
@@ -125,7 +125,7 @@ _BOUNCE_BYTES = 4 << 20
 
 class _Task:
     """State of one worker task: its own file descriptions (so that each stream of reads keeps
-    its own readahead state in the kernel), a bounce buffer and a junk buffer, reused."""
+    its own readahead state in the kernel), a bounce buffer and a buffer for the bytes of gaps, reused."""
 
     def __init__(self, paths, bounces: dict[int, torch.Tensor]):
         self.paths = paths
@@ -146,10 +146,16 @@ class _Task:
             bounce = self.bounces[me] = torch.empty(n, dtype=torch.uint8)
         return bounce[:n]
 
-    def junk_for(self, n: int) -> memoryview:
-        if self.junk is None or len(self.junk) < n:
-            self.junk = memoryview(bytearray(max(n, 1 << 16)))
-        return self.junk[:n]
+    def gaps_for(self, r: Request) -> Iterator[memoryview]:
+        """Buffers for the gaps of request ``r``, in order: separate bytes for each, since each
+        gap is checksummed after the read."""
+        sizes = [n for kind, _, _, n in r.spans if kind == GAP]
+        if self.junk is None or len(self.junk) < sum(sizes):
+            self.junk = memoryview(bytearray(max(sum(sizes), 1 << 16)))
+        at = 0
+        for n in sizes:
+            yield self.junk[at : at + n]
+            at += n
 
     def close(self) -> None:
         for reader in self.readers.values():
@@ -199,11 +205,12 @@ def _run_task(
                 continue
             # (a URL streams the rows straight into place with one GET: no bounce buffer)
             buffers = []
+            gaps = state.gaps_for(r)
             for kind, i, offset, n in r.spans:
                 if kind == TARGET:
                     buffers.append(target_bytes[transfers[i].target][offset : offset + n])
                 elif kind == GAP:
-                    buffers.append(state.junk_for(n))
+                    buffers.append(next(gaps))
                 else:
                     buffers.append(staging[i][offset : offset + n])
             _read(state.reader(r.rank), r, buffers)
@@ -246,31 +253,51 @@ def _run_rows(
 def _run_streamed(
     plan: ReadPlan, r: Request, memory, state: _Task
 ) -> list[tuple[int, int, int, int]]:
-    """A request on a local file with staged transfers that it reads whole: span by span, each
-    staged transfer through the thread's bounce buffer and copied into place at once; the
-    checksums run on over the spans."""
+    """A request on a local file with staged transfers that it reads whole: the spans between
+    those transfers in one read each, each such transfer through the thread's bounce buffer and
+    copied into place at once; the checksums run on over the reads."""
     target_bytes, staging, _, _, targets, src_dtypes = memory
     reader = state.reader(r.rank)
     crcs = [0] * len(r.checks)
-    at = 0
+    first = [0]  # the first check that may still overlap what is read next
+
+    def read(buffers: list[memoryview], at: int) -> None:
+        _read(reader, r, buffers, at=at)
+        checks, j = r.checks, first[0]
+        for buf in buffers:
+            n = len(buf)
+            while j < len(checks) and checks[j].stop <= at:
+                j += 1
+            k = j
+            while k < len(checks) and checks[k].start < at + n:
+                c = checks[k]
+                lo, hi = max(c.start, at), min(c.stop, at + n)
+                crcs[k] = crc32c(buf[lo - at : hi - at], crcs[k])
+                k += 1
+            at += n
+        first[0] = j
+
+    pending: list[memoryview] = []
+    gaps = state.gaps_for(r)
+    at = start = 0
     for kind, i, offset, n in r.spans:
-        streamed = False
-        if kind == TARGET:
-            buf = target_bytes[plan.transfers[i].target][offset : offset + n]
-        elif kind == GAP:
-            buf = state.junk_for(n)
-        elif i in staging:
-            buf = staging[i][offset : offset + n]
-        else:
-            buf, streamed = memoryview(state.bounce_for(n).numpy()), True
-        _read(reader, r, [buf], at=at)
-        for j, c in enumerate(r.checks):
-            a, z = max(c.start, at), min(c.stop, at + n)
-            if a < z:
-                crcs[j] = crc32c(buf[a - at : z - at], crcs[j])
-        if streamed:
+        if kind == STAGING and i not in staging:
+            if pending:
+                read(pending, start)
+                pending = []
+            buf = memoryview(state.bounce_for(n).numpy())
+            read([buf], at)
             _finish(plan, i, buf, targets, src_dtypes)
+            start = at + n
+        elif kind == TARGET:
+            pending.append(target_bytes[plan.transfers[i].target][offset : offset + n])
+        elif kind == GAP:
+            pending.append(next(gaps))
+        else:
+            pending.append(staging[i][offset : offset + n])
         at += n
+    if pending:
+        read(pending, start)
     return [
         (c.shard, r.offset + c.start, c.stop - c.start, crc)
         for c, crc in zip(r.checks, crcs, strict=True)

@@ -143,3 +143,29 @@ def test_column_slices_of_checksummed_rows_stream_through_the_bounce_buffer(tmp_
             f.seek(where)
             f.write(good)
             f.flush()
+
+
+def test_a_verified_read_across_several_gaps_checks_each_gap_on_its_own_bytes(tmp_path):
+    """Three row bands of a shard, a checksum block apart, are read as one request with two gaps
+    (read through and dropped, but checksummed): each gap gets its own bytes."""
+    from anyshard.reshard.planner import GAP
+
+    rows = 16384  # one checksum block of (n, 4) fp32 rows: 256 KiB
+    path = str(tmp_path / "c")
+    full = torch.randn(64 * rows, 4)
+    anyshard.save(path, {"w": full})
+    dest = torch.zeros(62 * rows, 4)
+
+    def band(at, lo, hi):
+        return Piece(
+            0,
+            tuple(dest.shape),
+            ((at * rows, (at + hi - lo) * rows), (0, 4)),
+            ((lo * rows, hi * rows), (0, 4)),
+        )
+
+    pieces = (band(0, 0, 21), band(21, 22, 43), band(42, 44, 64))
+    plan = fill_regions(path, read_manifest(path), [Fill("w", dest, pieces)])
+    assert max(sum(k == GAP for k, *_ in r.spans) for r in plan.requests) == 2
+    want = torch.cat([full[: 21 * rows], full[22 * rows : 43 * rows], full[44 * rows :]])
+    assert torch.equal(dest, want)
