@@ -205,21 +205,30 @@ def all_equal(digest: bytes, group=None) -> bool:
     return all(torch.equal(o, outs[0]) for o in outs)
 
 
-def all_gather_json(obj: Any, group=None) -> list[Any]:
-    """Every rank's ``obj`` on every rank, in rank order. Each distinct object crosses the
-    network once: ranks all-gather 32-byte digests, then the lowest rank holding each distinct
-    object broadcasts it (ranks that share a layout describe it once)."""
-    if not active(group) or world_size(group) == 1:
-        return [obj]
+def gather_digests(obj: Any, group=None) -> list[bytes]:
+    """The sha256 of every rank's ``obj`` (as canonical JSON), in rank order: one all-gather of
+    32 bytes per rank."""
     import hashlib
 
-    dev = device(group)
     data = json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
-    mine = torch.frombuffer(bytearray(hashlib.sha256(data).digest()), dtype=torch.uint8).to(dev)
-    n = world_size(group)
-    digests = [torch.empty(32, dtype=torch.uint8, device=dev) for _ in range(n)]
+    digest = hashlib.sha256(data).digest()
+    if not active(group) or world_size(group) == 1:
+        return [digest]
+    dev = device(group)
+    mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(dev)
+    digests = [torch.empty(32, dtype=torch.uint8, device=dev) for _ in range(world_size(group))]
     _all_gather(digests, mine, group)
-    keys = [bytes(d.cpu().numpy()) for d in digests]
+    return [bytes(d.cpu().numpy()) for d in digests]
+
+
+def all_gather_json(obj: Any, group=None, *, digests: list[bytes] | None = None) -> list[Any]:
+    """Every rank's ``obj`` on every rank, in rank order. Each distinct object crosses the
+    network once: ranks all-gather 32-byte digests (or pass what `gather_digests` gave them),
+    then the lowest rank holding each distinct object broadcasts it (ranks that share a layout
+    describe it once)."""
+    if not active(group) or world_size(group) == 1:
+        return [obj]
+    keys = digests if digests is not None else gather_digests(obj, group)
     first: dict[bytes, int] = {}
     for r, k in enumerate(keys):
         first.setdefault(k, r)

@@ -10,6 +10,8 @@ descriptions and raw tensor bytes cross ranks.
 
 from __future__ import annotations
 
+import copy
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +46,11 @@ from anyshard.ucl.ranks import compile_every_rank
 __all__ = ["DEFAULT_MAX_INFLIGHT_BYTES", "plan_redistribution", "redistribute"]
 
 DEFAULT_MAX_INFLIGHT_BYTES = 256 << 20
+
+# Plans of recent calls, by (every rank's description digest, rank, budget, strict): a call whose
+# layouts every rank describes as before skips the exchange of descriptions and the planning.
+_PLANS: OrderedDict[tuple, tuple[Plan, list[Round], dict[str, Any]]] = OrderedDict()
+_PLANS_KEPT = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -428,6 +435,31 @@ def _execute(plan: Plan, rounds: list[Round], src: _Side, dst: _Side, group) -> 
             done()
 
 
+def _plan_call(
+    descs: list[dict], me: int, max_inflight_bytes: int, strict: bool
+) -> tuple[Plan, list[Round], dict[str, Any]]:
+    """This rank's plan and rounds, and the JSON values of the source, from every rank's
+    descriptions; the errors that name a tensor or value."""
+    problems = [f"rank {r}: {p}" for r, x in enumerate(descs) for p in x["problems"]]
+    if problems:
+        raise StateDictMismatchError(
+            "redistribute: the states do not match their layouts:\n  " + "\n  ".join(problems)
+        )
+    mine_plan, _ = plan_redistribution(descs, max_inflight_bytes, strict, rank=me)
+    rounds = rounds_for(mine_plan, me, len(descs))
+    values: dict[str, Any] = {}
+    for x in descs:
+        for k, v in x["src"]["values"].items():
+            values.setdefault(k, v)
+    missing = sorted(k for x in descs for k in x["dst"]["values"] if k not in values)
+    if missing and strict:
+        raise StateDictMismatchError(
+            f"redistribute: JSON values in the destination state but in no rank's source state: "
+            f"{', '.join(dict.fromkeys(missing))} (pass strict=False to keep them)"
+        )
+    return mine_plan, rounds, values
+
+
 def redistribute(
     src: Any,
     dst: Any,
@@ -439,6 +471,7 @@ def redistribute(
     dst_spec=None,
     dst_layout: Mapping[str, int] | None = None,
     strict: bool = True,
+    reuse_plan: bool = True,
 ) -> Plan:
     """Fill ``dst`` (preallocated, in layout B) from ``src`` (in layout A) over the network.
 
@@ -457,6 +490,10 @@ def redistribute(
     tensor (missing, shape or dtype mismatch, a layout that does not cover it) are raised on
     every rank before any byte moves. Returns this rank's part of the plan.
 
+    A call whose source and destination every rank describes exactly as in one of the last few
+    calls (the same tensors, shapes, dtypes, layouts and JSON values) reuses that call's plan:
+    the ranks exchange only a digest of their descriptions. ``reuse_plan=False`` plans anew.
+
     >>> import torch, anyshard
     >>> src = {"w": torch.arange(4.0), "step": 3}
     >>> dst = {"w": torch.zeros(4), "step": 0}
@@ -469,25 +506,23 @@ def redistribute(
         raise ValueError(f"max_inflight_bytes must be at least 2, got {max_inflight_bytes}")
     s = _describe_side(src, src_spec, src_layout, process_group, me, strict, "source")
     d = _describe_side(dst, dst_spec, dst_layout, process_group, me, strict, "destination")
-    mine = {"src": s.desc, "dst": d.desc, "problems": s.problems + d.problems}
-    descs = coll.all_gather_json(mine, process_group)
-    problems = [f"rank {r}: {p}" for r, x in enumerate(descs) for p in x["problems"]]
-    if problems:
-        raise StateDictMismatchError(
-            "redistribute: the states do not match their layouts:\n  " + "\n  ".join(problems)
-        )
-    mine_plan, _ = plan_redistribution(descs, max_inflight_bytes, strict, rank=me)
-    rounds = rounds_for(mine_plan, me, len(descs))
-    values: dict[str, Any] = {}
-    for x in descs:
-        for k, v in x["src"]["values"].items():
-            values.setdefault(k, v)
-    missing = sorted(k for x in descs for k in x["dst"]["values"] if k not in values)
-    if missing and strict:
-        raise StateDictMismatchError(
-            f"redistribute: JSON values in the destination state but in no rank's source state: "
-            f"{', '.join(dict.fromkeys(missing))} (pass strict=False to keep them)"
-        )
+    # of the destination's JSON values, only their names: the source's replace them
+    dst_desc = {**d.desc, "values": sorted(d.desc["values"])}
+    mine = {"src": s.desc, "dst": dst_desc, "problems": s.problems + d.problems}
+    digests = coll.gather_digests(mine, process_group)
+    key = (tuple(digests), me, max_inflight_bytes, strict)
+    known = _PLANS.get(key) if reuse_plan else None
+    # every rank must have the plan (a rank that has just started has none)
+    if coll.all_equal(b"\1" if known else b"\0", process_group) and known is not None:
+        _PLANS.move_to_end(key)
+        mine_plan, rounds, values = known
+        values = copy.deepcopy(values)  # the destination may change what it is given
+    else:
+        descs = coll.all_gather_json(mine, process_group, digests=digests)
+        mine_plan, rounds, values = _plan_call(descs, me, max_inflight_bytes, strict)
+        _PLANS[key] = (mine_plan, rounds, copy.deepcopy(values))
+        while len(_PLANS) > _PLANS_KEPT:
+            _PLANS.popitem(last=False)
     _execute(mine_plan, rounds, s, d, process_group)
     for k, leaf in d.leaves.items():
         if k in values:

@@ -182,3 +182,31 @@ def large_moves_task(inflight: int) -> int:
     anyshard.redistribute({"w": cols}, {"w": back}, max_inflight_bytes=inflight)
     assert torch.equal(back.to_local(), rows.to_local())
     return len(plan.messages)
+
+
+def reuse_plan_task(seed: int) -> list[str]:
+    """Repeated calls between the same layouts reuse the first call's plan and stay bit-exact
+    as the values change; a changed JSON value, or a rank that has no plan kept (a process that
+    has just started), plans anew on every rank."""
+    from anyshard.api import redistribute as module
+
+    me = dist.get_rank()
+    src, dst = train_state("fsdp2_tp2", seed), train_state("tp4", seed + 1)
+    events = []
+    first = anyshard.redistribute(src, dst)
+    for k in range(3):
+        for v in _tensors(src).values():
+            (v.to_local() if hasattr(v, "to_local") else v).add_(k + 1)
+        if k == 1 and me == 2:
+            module._PLANS.clear()  # as a newly started rank would have it
+        plan = anyshard.redistribute(src, dst)
+        events.append("reused" if plan is first else "planned")
+        first = plan
+        want, got = _tensors(src), _tensors(dst)
+        for name in sorted(want):
+            assert torch.equal(full(want[name]), full(got[name])), f"{name} differs"
+    src["meta"] = {"step": 2, "layout": "fsdp2_tp2"}
+    plan = anyshard.redistribute(src, dst)
+    events.append("reused" if plan is first else "planned")
+    assert dst["meta"] == {"step": 2, "layout": "fsdp2_tp2"}
+    return events

@@ -69,3 +69,8 @@ def test_errors_name_the_tensor_on_every_rank(pool4):
 def test_large_moves_travel_in_place_over_several_rounds(pool4):
     pairs = pool4.run(TASKS, "large_moves_task", 1800 << 10)  # messages of <= 300 KiB
     assert min(pairs) == 6  # each rank sends to and receives from the 3 others
+
+
+def test_repeated_calls_reuse_the_plan_on_every_rank_or_on_none(pool4):
+    events = pool4.run(TASKS, "reuse_plan_task", 8)
+    assert events == [["reused", "planned", "reused", "planned"]] * 4
