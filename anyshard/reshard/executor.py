@@ -125,7 +125,8 @@ _BOUNCE_BYTES = 4 << 20
 
 class _Task:
     """State of one worker task: its own file descriptions (so that each stream of reads keeps
-    its own readahead state in the kernel), a bounce buffer and a buffer for the bytes of gaps, reused."""
+    its own readahead state in the kernel), a bounce buffer and a buffer for the bytes of gaps,
+    reused."""
 
     def __init__(self, paths, bounces: dict[int, torch.Tensor]):
         self.paths = paths
