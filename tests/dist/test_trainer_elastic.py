@@ -45,6 +45,13 @@ def _uninterrupted(pool4, run_dir, layout: list[str], extra: list[str]) -> list[
     return _UNINTERRUPTED[key]
 
 
+def _params(cases: list, suite: list[str], soak: list[str]) -> list:
+    """``cases`` with ids: the first ones run in the suite, the rest in the soak (tools/soak.sh)."""
+    marks = [()] * len(suite) + [pytest.mark.slow] * len(soak)
+    ids = suite + soak
+    return [pytest.param(*c, id=i, marks=m) for c, i, m in zip(cases, ids, marks, strict=True)]
+
+
 PAIRS = [
     (
         ["--parallel.dp_shard", "2", "--parallel.tp", "2"],
@@ -73,15 +80,11 @@ PAIRS = [
 
 @pytest.mark.parametrize(
     "a,b,extra",
-    PAIRS,
-    ids=[
-        "fsdp2xtp2-to-tp4",
-        "pp2xdp2-to-dp4",
-        "dp2xcp2-to-dp4",
-        "moe-ep2-to-ep1",
-        "moe-ep2xtp2-to-fsdp2xtp2",
-        "tied-pp2xdp2-to-dp4",
-    ],
+    _params(
+        PAIRS,
+        ["fsdp2xtp2-to-tp4", "pp2xdp2-to-dp4", "dp2xcp2-to-dp4", "moe-ep2-to-ep1"],
+        ["moe-ep2xtp2-to-fsdp2xtp2", "tied-pp2xdp2-to-dp4"],
+    ),
 )
 def test_resume_under_another_layout_stays_within_the_noise_floor(pool4, tmp_path, a, b, extra):
     run_a = _uninterrupted(pool4, tmp_path / "a", a, extra)
@@ -129,13 +132,11 @@ RELAYOUTS = [
 
 @pytest.mark.parametrize(
     "a,switch,b,extra",
-    RELAYOUTS,
-    ids=[
-        "pp2xdp2-to-tp2xdp2",
-        "tied-pp2xdp2-to-dp4",
-        "moe-ep2xdp2-to-fsdp2xtp2",
-        "tied-fsdp2xtp2-to-pp2xdp2",
-    ],
+    _params(
+        RELAYOUTS,
+        ["pp2xdp2-to-tp2xdp2", "tied-pp2xdp2-to-dp4"],
+        ["moe-ep2xdp2-to-fsdp2xtp2", "tied-fsdp2xtp2-to-pp2xdp2"],
+    ),
 )
 def test_relayout_in_a_running_job_stays_within_the_noise_floor(
     pool4, tmp_path, a, switch, b, extra
@@ -162,11 +163,14 @@ def test_relayout_in_a_running_job_stays_within_the_noise_floor(
 
 @pytest.mark.parametrize(
     "layout",
-    [
-        ["--parallel.dp_shard", "2", "--parallel.tp", "2"],
-        ["--parallel.pp", "2", "--parallel.dp_shard", "2"],
-    ],
-    ids=["fsdp2xtp2", "pp2xdp2"],
+    _params(
+        [
+            (["--parallel.dp_shard", "2", "--parallel.tp", "2"],),
+            (["--parallel.pp", "2", "--parallel.dp_shard", "2"],),
+        ],
+        ["fsdp2xtp2"],
+        ["pp2xdp2"],
+    ),
 )
 def test_async_saves_staged_during_the_step_hold_the_state_a_sync_save_holds(
     pool4, tmp_path, layout
