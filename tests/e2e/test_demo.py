@@ -8,6 +8,8 @@ import json
 import os
 import subprocess
 
+import pytest
+
 SHORT = ["--scenario", "restart", "--steps-a", "8", "--steps-b", "12", "--kill-step", "5"]
 
 
@@ -26,9 +28,7 @@ def losses(run_dir: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def test_demo_shows_fault_restart_relayout_and_continued_loss(tmp_path):
-    run_dir = str(tmp_path / "demo")
-    out = demo(run_dir)
+def _check_restart_scenario(run_dir: str, out: subprocess.CompletedProcess) -> None:
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     text = out.stdout
     assert "rank 3 will be killed at step 5" in text
@@ -46,14 +46,20 @@ def test_demo_shows_fault_restart_relayout_and_continued_loss(tmp_path):
     assert [p["layout"] for p in summary["phases"]] == ["pp=2 dp_shard=2"] * 2 + ["tp=2"]
 
 
-def test_demo_recovers_from_s3_when_local_copies_are_gone(tmp_path, s3_server, monkeypatch):
+@pytest.mark.slow  # the S3 run below is the same scenario, and more
+def test_demo_shows_fault_restart_relayout_and_continued_loss(tmp_path):
+    run_dir = str(tmp_path / "demo")
+    _check_restart_scenario(run_dir, demo(run_dir))
+
+
+def test_demo_recovers_from_s3_when_local_copies_are_gone(tmp_path, s3_server):
+    """The restart scenario with checkpoints in a SeaweedFS bucket: the fault, the restart,
+    the relaunch under tp=2, which recovers from S3 (the local copies are deleted first)."""
     env = {**os.environ, **s3_server.env()}
     run_dir = str(tmp_path / "demo-s3")
     out = demo(run_dir, "--storage", "s3", env=env)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    _check_restart_scenario(run_dir, out)
     assert "recovering from S3" in out.stdout
-    recs = losses(run_dir)
-    assert [r["step"] for r in recs][-4:] == [9, 10, 11, 12]
 
 
 def test_demo_ft_hsdp_writes_the_summary_of_a_peer_heal(tmp_path):

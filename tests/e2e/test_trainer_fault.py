@@ -49,7 +49,11 @@ def records(path: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "warm"])
+@pytest.mark.parametrize(
+    # the demo's tests restart groups under the warm launcher: here it is a soak run
+    "launcher",
+    ["torchrun", pytest.param("warm", marks=pytest.mark.slow)],
+)
 def test_a_killed_rank_restarts_resumes_and_matches_an_uninterrupted_run(tmp_path, launcher):
     clean, faulty = str(tmp_path / "clean"), str(tmp_path / "faulty")
     out = torchrun(clean, launcher=launcher)

@@ -46,9 +46,9 @@ cw = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(cw)
 
 SEED = 20240611
-KILLS = 24
+KILLS = 12  # tools/crash_soak.py kills at many more moments
 # how each kill's moment is chosen (see _kill_moment); shuffled with the seed
-MODES = ["random"] * 8 + ["data"] * 6 + ["manifest"] * 5 + ["commit"] * 3 + ["restart"] * 2
+MODES = ["random"] * 4 + ["data"] * 3 + ["manifest"] * 2 + ["commit"] * 2 + ["restart"] * 1
 ROUND_TIMEOUT = 30.0
 POLL = 0.0005
 
@@ -319,7 +319,7 @@ def test_sigkill_at_random_moments_never_loses_or_corrupts_a_commit(tmp_path):
     finally:
         group.close()
     kills = len(landed)
-    assert kills >= 20
+    assert kills >= KILLS
     committed = _committed(root)
     before_gc = {s: _files(_step_dir(root, s)) for s in committed}
     older = [s.path for s in list_steps(root) if not s.committed and s.step < newest]
