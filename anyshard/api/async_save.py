@@ -13,6 +13,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
+from anyshard.api import collectives as coll
+
 __all__ = [
     "SaveHandle",
     "background_group",
@@ -146,7 +148,12 @@ def background_group(group):
         return None
     key = group if group is not None else "default"
     g = _GROUPS.get(key)
-    if g is None:
+    if g is None or not coll.alive(g):
+        # destroyed since (with the group it serves, or by a re-initialised default group):
+        # every rank finds it so at the same save, and creates it anew
+        for k, v in list(_GROUPS.items()):
+            if not coll.alive(v):
+                del _GROUPS[k]
         ranks = dist.get_process_group_ranks(group) if group is not None else None
         g = _GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo")
     return g

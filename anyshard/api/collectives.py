@@ -94,6 +94,18 @@ def active(group=None) -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def alive(group) -> bool:
+    """Whether ``group``, a process group this process created, has not been destroyed since
+    (``destroy_process_group`` of it, or of the default group, which destroys them all)."""
+    if not active():
+        return False
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return True
+
+
 def rank(group=None) -> int:
     if isinstance(group, PeerGroup):
         return group.rank

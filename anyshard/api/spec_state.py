@@ -117,6 +117,8 @@ def axis_group(lay: Layout, axis: str, coords: Mapping[str, int], group):
     if not coll.active(group) or lay.sizes[axis] == 1:
         return None
     key = (tuple(lay.sizes.items()), axis, id(group))
+    if key in _GROUPS and not all(coll.alive(g) for g in _GROUPS[key].values()):
+        del _GROUPS[key]  # destroyed since; every rank of ``group`` finds so at the same call
     if key not in _GROUPS:
         mesh = MeshEntry.row_major(lay.sizes)
         made = {}

@@ -37,6 +37,7 @@ from anyshard.trainer_integration.gpt.data import DataLoader, load_corpus
 from anyshard.trainer_integration.gpt.parallel import (
     TrainStep,
     build,
+    forget_cached_placements,
     forget_older_placements,
     lr_at,
     make_optimizer,
@@ -311,6 +312,7 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
     the layout has more than one rank."""
     started = time.time()
     rank = dist.get_rank() if dist.is_initialized() else 0
+    groups_before = _process_groups()
     if cfg.ft.replicas > 1:
         # each replica group logs into its own folder; a restarted group may take another layout
         cfg = dataclasses.replace(
@@ -488,7 +490,22 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
             event["reduce_s"] = replicas.reduce_s
             event["digest"] = final_digest
         _append(os.path.join(cfg.run_dir, "events.jsonl"), event)
+    # the all-reduce above is the last collective: every rank is done with the groups of this
+    # run's meshes, which a process that trains again (a warm pool, a notebook) would keep,
+    # each with its sockets and threads
+    for group in _process_groups() - groups_before:
+        dist.destroy_process_group(group)
+    forget_cached_placements()  # DTensor's cache may hand out tensors on the destroyed meshes
     return losses
+
+
+def _process_groups() -> set:
+    """The process groups of this process, the default one included."""
+    if not dist.is_initialized():
+        return set()
+    from torch.distributed import distributed_c10d as c10d
+
+    return set(c10d._world.pg_map)
 
 
 def _quiet() -> None:
