@@ -494,7 +494,8 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
     # run's meshes, which a process that trains again (a warm pool, a notebook) would keep,
     # each with its sockets and threads
     for group in _process_groups() - groups_before:
-        dist.destroy_process_group(group)
+        if group is not dist.GroupMember.WORLD:  # one the run initialised stays, as before
+            dist.destroy_process_group(group)
     forget_cached_placements()  # DTensor's cache may hand out tensors on the destroyed meshes
     return losses
 
