@@ -52,8 +52,11 @@ def test_a_killed_group_heals_from_the_healthy_one(tmp_path, heal_layout):
     assert [e["step"] for e in healthy if e["event"] == "end"] == [40]
     # the failed group restarted once, under the heal layout, and healed from the peer
     starts = [e for e in failed if e["event"] == "start"]
-    assert [e["attempt"] for e in starts] == [0, 1]
-    assert starts[1]["layout"] == (heal_layout or "dp_shard=2")
+    # a group that joins late heals at once and may die at its first step, before its start
+    # event (written once the step is done): attempt 0 may have none
+    assert [e["attempt"] for e in starts] in ([0, 1], [1]), starts
+    assert {e["attempt"] for e in failed if "attempt" in e} <= {0, 1}
+    assert starts[-1]["layout"] == (heal_layout or "dp_shard=2")
     heals = [e for e in failed if e["event"] == "heal" and e["attempt"] == 1]
     assert len(heals) == 1 and heals[0]["source"] == "replica_0", failed
     heal = heals[0]
