@@ -361,6 +361,7 @@ class TrainStep:
         if self.replica_sync is not None:  # FT-HSDP: average over replica groups, then vote
             self.committed = self.replica_sync(self.model)
         if self.committed:
+            self._settle_grads()
             if self.grad_clip > 0:
                 self._clip()
             self.optimizer.step()
@@ -405,27 +406,59 @@ class TrainStep:
                 dist.all_reduce(g, group=self._expert_group)
             g.div_(n)
 
+    def _settle_grads(self) -> None:
+        """Give every gradient its parameter's placements: under tp the norms' gradients come
+        back as pending sums and the embedding's replicated, and each optimizer op on them
+        would redistribute them anew (an all-reduce per op)."""
+        for p in self.model.parameters():
+            g = p.grad
+            if g is not None and hasattr(g, "placements") and g.placements != p.placements:
+                p.grad = g.redistribute(p.device_mesh, p.placements)
+
     @torch.no_grad()
     def _clip(self) -> None:
-        total = torch.zeros((), dtype=torch.float64)
+        """Scale the gradients down to a global norm of ``grad_clip``. Each gradient's local sum
+        of squares (in float64) goes into the bucket of the mesh dims that split it, and each
+        bucket is summed over those dims' groups: a few all-reduces a step, not one per
+        parameter (DTensor's ``norm().full_tensor()``)."""
+        from torch.distributed.tensor import DTensor
+
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         tied = self._tied_param()
         # a tied weight's gradient is counted once: by the first stage
         twice = tied.grad if tied is not None and self.model.tok_embeddings is None else None
+        device = grads[0].device if grads else torch.device("cpu")
+        buckets: dict[tuple[int, ...], tuple[list, torch.Tensor]] = {}
         for g in grads:
             if g is twice:
                 continue
-            n = g.norm()
-            if hasattr(n, "full_tensor"):
-                n = n.full_tensor()
-            total += n.double() ** 2
+            groups: list = []
+            if isinstance(g, DTensor):
+                if any(p.is_partial() for p in g.placements):  # pending sums: DTensor's way
+                    sq = g.norm().full_tensor().double() ** 2
+                else:
+                    mesh = g.device_mesh
+                    # every dim that splits it (FSDP's _StridedShard is not `is_shard()`)
+                    split = [i for i, p in enumerate(g.placements) if not p.is_replicate()]
+                    groups = [mesh.get_group(i) for i in split]
+                    sq = torch.linalg.vector_norm(g.to_local(), dtype=torch.float64) ** 2
+            else:
+                sq = torch.linalg.vector_norm(g, dtype=torch.float64) ** 2
+            key = tuple(id(x) for x in groups)
+            if key not in buckets:
+                buckets[key] = (groups, torch.zeros((), dtype=torch.float64, device=device))
+            buckets[key][1].add_(sq.to(device))
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for groups, part in buckets.values():  # the same order on every rank of a stage
+            for group in groups:
+                dist.all_reduce(part, group=group)
+            total += part
         if self.par.cfg.pp > 1:
             dist.all_reduce(total, group=self.par.mesh["pp"].get_group())
-        norm = total.sqrt()
-        scale = min(1.0, self.grad_clip / (float(norm) + 1e-6))
+        scale = min(1.0, self.grad_clip / (float(total.sqrt()) + 1e-6))
         if scale < 1.0:
             for g in grads:
-                g.mul_(scale)
+                (g.to_local() if isinstance(g, DTensor) else g).mul_(scale)
 
 
 def make_optimizer(model: nn.Module, lr: float, betas, weight_decay: float) -> torch.optim.AdamW:
