@@ -162,6 +162,9 @@ class TrainConfig:
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
     seed: int = 0  # seeds the initialisation and the order of the data
     log_every: int = 1  # log the loss every this many steps
+    # the least time a step takes, in seconds (0: no pacing): a small model standing in for a
+    # larger one's step time, so that a group's restart lands while the others still train
+    min_step_s: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -251,6 +254,7 @@ _RANGES = {
     "train": {
         **dict.fromkeys(("steps", "seq_len", "global_batch", "log_every"), "[1, inf)"),
         **dict.fromkeys(("warmup_steps", "weight_decay", "grad_clip", "seed"), "[0, inf)"),
+        "min_step_s": "[0, inf)",
         **dict.fromkeys(("beta1", "beta2"), "[0, 1)"),
         "min_lr_ratio": "[0, 1]",
         "lr": "(0, inf)",

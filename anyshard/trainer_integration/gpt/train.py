@@ -403,6 +403,7 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
                 par.data_rank, par.data_size
             )
         optimizer, loader = state.optimizer, state.loader
+        step_began = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = lr_at(
                 state.step, lr=t.lr, warmup=t.warmup_steps, total=t.steps, min_ratio=t.min_lr_ratio
@@ -417,6 +418,8 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
                 raise RuntimeError(f"injected fault on rank {rank} at step {state.step}")
             os.kill(os.getpid(), signal.SIGKILL)
         loss = step_fn(inputs, targets)
+        if t.min_step_s > 0:  # a larger model's step time: faults land mid-run
+            time.sleep(max(0.0, t.min_step_s - (time.perf_counter() - step_began)))
         if not step_fn.committed:  # the quorum did not commit: redo this step's batch
             loader.samples_consumed -= loader.global_batch
             if rank == 0:
