@@ -9,6 +9,7 @@ Run: ``anyshard --help``, ``anyshard ls /ckpt``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
@@ -81,12 +82,14 @@ def _load_spec_arg(name: str):
 COMMANDS_GROUP = "anyshard.commands"
 
 
+@functools.cache  # the installed entry points: read once per process
 def _plugin_commands() -> dict[str, object]:
     from importlib.metadata import entry_points
 
     return {ep.name: ep for ep in entry_points(group=COMMANDS_GROUP)}
 
 
+@functools.cache
 def _summary(module: str) -> str:
     """The first line of ``module``'s docstring, read without importing it."""
     import ast

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The soak runs: longer variants of suite tests (more fuzzer seeds, more layout pairs, more
-# launchers), marked "slow" and left out of `python -m pytest` to keep the suite short.
+# The soak runs: longer variants of suite tests (more layout pairs, more launchers, more
+# scenarios), marked "slow" and left out of `python -m pytest` to keep the suite short.
 #   tools/soak.sh                 # all of them
 #   tools/soak.sh tests/dist -x   # more pytest words
 set -euo pipefail
