@@ -4,6 +4,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "dist"))
+sys.path.append(os.path.dirname(__file__))  # cli_runner, s3_server
 
 
 def _pool(world: int, tmp_path_factory):
@@ -46,7 +47,6 @@ def s3_server(tmp_path_factory):
 @pytest.fixture(scope="session")
 def moto_server():
     """moto's standalone S3 server on 127.0.0.1: the mock behind `s3_proxy`'s injected faults."""
-    sys.path.insert(0, os.path.dirname(__file__))
     from s3_server import MotoServer
 
     with MotoServer() as server:

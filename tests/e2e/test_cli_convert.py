@@ -1,5 +1,6 @@
 """`anyshard convert`, `diff` and `inspect` on Hugging Face checkpoints, run as a user runs them:
-the installed console script in a subprocess; stdout, stderr and exit codes.
+stdout, stderr and exit codes, through the console script's function in this process
+(tests/cli_runner.py), and the installed console script in a subprocess for `--help`.
 
 Run: python -m pytest tests/e2e/test_cli_convert.py -q
 """
@@ -11,6 +12,7 @@ import subprocess
 
 import pytest
 import torch
+from cli_runner import cli
 from safetensors.torch import save_file
 
 import anyshard
@@ -19,7 +21,7 @@ LAYOUT = "tp=2,hidden=8,heads=2,kv_heads=1,ffn=12,vocab=10,layers=1"
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["anyshard", *args], capture_output=True, text=True, timeout=300)
+    return cli(*args)
 
 
 def one_line_error(out: subprocess.CompletedProcess) -> str:
@@ -114,7 +116,9 @@ def test_convert_to_hf_casts_filters_renames_and_shards(hf, tmp_path):
 
 @pytest.mark.parametrize("command", ["convert", "diff"])
 def test_help_shows_examples(command):
-    out = run(command, "--help")
+    out = subprocess.run(
+        ["anyshard", command, "--help"], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0 and "examples:" in out.stdout and f"anyshard {command}" in out.stdout
 
 

@@ -1,8 +1,10 @@
-"""`anyshard ucl check` and `anyshard ucl explain`, run as the installed console script."""
+"""`anyshard ucl check` and `anyshard ucl explain`: through the console script's function in
+this process (tests/cli_runner.py), and as the installed console script for `--help`."""
 
 import subprocess
 
 import pytest
+from cli_runner import cli
 
 from anyshard import ucl
 from anyshard.ucl.explain import check_layout
@@ -11,7 +13,8 @@ MEG = "pp=2,dp=2,tp=2,hidden=12,heads=6,kv_heads=3,ffn=10,vocab=7,layers=4,vocab
 
 
 def run(*args):
-    return subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert args[0] == "anyshard"
+    return cli(*args[1:])
 
 
 def test_check_shipped_spec_under_a_layout():
@@ -92,5 +95,7 @@ def test_bad_input_is_one_line_and_exit_2(args):
 
 def test_help_has_examples():
     for sub in ("check", "explain"):
-        out = run("anyshard", "ucl", sub, "--help")
+        out = subprocess.run(
+            ["anyshard", "ucl", sub, "--help"], capture_output=True, text=True, timeout=60
+        )
         assert out.returncode == 0 and "examples:" in out.stdout

@@ -11,6 +11,7 @@ import subprocess
 
 import pytest
 import torch
+from cli_runner import cli
 
 import anyshard
 from anyshard.cli import main
@@ -184,7 +185,7 @@ def test_bad_arguments_are_refused_with_a_clear_message(tmp_path):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["anyshard", *args], capture_output=True, text=True, timeout=60)
+    return cli(*args)  # in this process (tests/cli_runner.py)
 
 
 def test_anyshard_ls_and_gc_on_the_command_line(tmp_path):

@@ -7,12 +7,11 @@ Run: python -m pytest tests/unit/test_zarr_export.py -q
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
+from cli_runner import cli
 
 pytest.importorskip("tensorstore")
 zarr = pytest.importorskip("zarr")
@@ -132,27 +131,10 @@ def test_chunk_shape_bounds_chunk_bytes():
 
 def test_cli_convert_to_zarr_and_dcp(ckpt, tmp_path):
     for to, name in (("zarr", "z.zarr"), ("dcp", "dcp")):
-        r = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "anyshard.cli",
-                "convert",
-                ckpt,
-                str(tmp_path / name),
-                "--to",
-                to,
-            ],
-            capture_output=True,
-            text=True,
-        )
+        r = cli("convert", ckpt, str(tmp_path / name), "--to", to)
         assert r.returncode == 0, r.stderr
         assert "wrote 6 tensors" in r.stdout
-        r = subprocess.run(
-            [sys.executable, "-m", "anyshard.cli", "diff", ckpt, str(tmp_path / name)],
-            capture_output=True,
-            text=True,
-        )
+        r = cli("diff", ckpt, str(tmp_path / name))
         assert r.returncode == 0, r.stdout + r.stderr
 
 
