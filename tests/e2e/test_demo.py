@@ -62,11 +62,36 @@ def test_demo_recovers_from_s3_when_local_copies_are_gone(tmp_path, s3_server):
     assert "recovering from S3" in out.stdout
 
 
-def test_demo_ft_hsdp_writes_the_summary_of_a_peer_heal(tmp_path):
+SMALL = """
+# the tiny model (tiny.toml), with tied embeddings (one weight under dp_shard, then under tp)
+[model]
+dim = 64
+ffn_dim = 128
+max_seq_len = 64
+tie_embeddings = true
+
+[train]
+seq_len = 32
+global_batch = 8
+min_step_s = 0.4  # paced: the healthy group still trains when the restarted one joins
+"""
+
+
+def _events(run_dir: str, replica: int) -> list[dict]:
+    with open(os.path.join(run_dir, f"replica-{replica}", "events.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_demo_ft_hsdp_heals_a_group_from_its_peer_into_tp2(tmp_path):
+    """The ft-hsdp scenario on a small model: group 1 loses a rank at step 4 and only it
+    restarts, under tp=2, healing from group 0 over the network, bit-identical (the digest of
+    the whole logical state: parameters, AdamW moments, step, data position)."""
+    config = tmp_path / "small.toml"
+    config.write_text(SMALL)
     run_dir = str(tmp_path / "demo-ft")
     out = subprocess.run(
         ["anyshard", "demo", "--run-dir", run_dir, "--scenario", "ft-hsdp"]
-        + ["--ft-steps", "24", "--ft-kill-step", "6"],
+        + ["--ft-steps", "30", "--ft-kill-step", "4", "--config", str(config)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -78,12 +103,29 @@ def test_demo_ft_hsdp_writes_the_summary_of_a_peer_heal(tmp_path):
     assert summary["scenario"] == "ft-hsdp"
     assert summary["healthy_restarts"] == 0
     (fault,) = summary["faults"]
-    assert fault["step"] == 6 and fault["replica"] == 1
+    assert fault["step"] == 4 and fault["replica"] == 1
     assert fault["heal_source"] == "peer" and fault["heal_layout"] == "tp=2"
     assert fault["heal_bit_identical"] is True
     assert fault["recovery_s"] > 0 and fault["healthy_stall_s"] is not None
     for phase in summary["phases"]:
         assert {"layout", "world_size", "first_step", "last_step"} <= set(phase)
-    assert max(p["last_step"] for p in summary["phases"]) == 24
+    assert max(p["last_step"] for p in summary["phases"]) == 30
     assert 0 < summary["goodput"] <= 1 and summary["lost_steps"] >= 0
     assert os.path.getsize(os.path.join(run_dir, "loss.png")) > 1000
+
+    # the events behind the summary
+    healthy, failed = _events(run_dir, 0), _events(run_dir, 1)
+    # the healthy group was never restarted: one start, attempt 0, and it reached the end
+    assert [e["attempt"] for e in healthy if e["event"] == "start"] == [0]
+    assert [e["step"] for e in healthy if e["event"] == "end"] == [30]
+    starts = [e for e in failed if e["event"] == "start"]
+    # a group that joins late heals at once and may die at its first step, before its start
+    # event (written once the step is done): attempt 0 may have none
+    assert [e["attempt"] for e in starts] in ([0, 1], [1]), starts
+    assert {e["attempt"] for e in failed if "attempt" in e} <= {0, 1}
+    assert starts[-1]["layout"] == "tp=2"
+    (heal,) = [e for e in failed if e["event"] == "heal" and e["attempt"] == 1]
+    assert heal["source"] == "replica_0" and heal["received_bytes"] > 0 and heal["step"] > 4
+    sent = [e for e in healthy if e["event"] == "heal_sent" and e["step"] == heal["step"]]
+    assert len(sent) == 1 and sent[0]["digest"] == heal["digest"]
+    assert [e["step"] for e in healthy + failed if e["event"] == "end"] == [30, 30]

@@ -1,6 +1,7 @@
 """FT-HSDP end to end: two replica groups on torchft, one SIGKILLed; only it restarts, and it
 heals from the healthy group (same layout, or tp=2 instead of dp_shard=2 with tied embeddings),
-bit-identical.
+bit-identical (soak runs: the demo's ft-hsdp test makes these checks in the suite). A lost node
+leaves and returns: the job goes 4 -> 2 -> 4 ranks.
 
 Run: python -m pytest tests/e2e/test_ft_hsdp.py -q
 """
@@ -28,8 +29,9 @@ def _events(run_dir, replica: int) -> list[dict]:
 
 @pytest.mark.parametrize(
     "heal_layout",
-    # the demo's ft-hsdp test heals into tp=2 too; one layout on both sides is a soak run
-    [pytest.param(None, marks=pytest.mark.slow), "tp=2"],
+    # soak runs: the demo's ft-hsdp test (tests/e2e/test_demo.py) makes the same checks of a
+    # heal into tp=2 with tied embeddings
+    [pytest.param(None, marks=pytest.mark.slow), pytest.param("tp=2", marks=pytest.mark.slow)],
 )
 def test_a_killed_group_heals_from_the_healthy_one(tmp_path, heal_layout):
     run = str(tmp_path / "run")

@@ -73,7 +73,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(phase: Phase, total: int, run_dir: str, storage_args: list[str], log) -> int:
+def _launch(phase: Phase, total: int, run_dir: str, extra: list[str], log) -> int:
+    """Launch ``phase`` and print its losses as they come; its exit code. ``extra``: more
+    trainer options (the storage's, the config)."""
     cmd = [
         sys.executable, "-m", LAUNCH,
         "--nproc-per-node", str(phase.nproc), "--max-restarts", "1",
@@ -85,7 +87,7 @@ def _launch(phase: Phase, total: int, run_dir: str, storage_args: list[str], log
         "--checkpoint.async_", "true",
         "--checkpoint.keep_last", "2",
         "--run_dir", run_dir,
-        *storage_args,
+        *extra,
     ]  # fmt: skip
     env = dict(os.environ)
     env.pop("ANYSHARD_FAULT", None)
@@ -208,7 +210,7 @@ def _restart(args, run_dir: str, log) -> dict | None:
             if phase.name == "B" and args.storage == "s3":
                 shutil.rmtree(os.path.join(run_dir, "local"), ignore_errors=True)
                 log("  local checkpoint copies deleted (a replacement node): recovering from S3")
-            rc = _launch(phase, args.steps_b, run_dir, storage, log)
+            rc = _launch(phase, args.steps_b, run_dir, [*storage, *_config_args(args)], log)
             if rc != 0:
                 log(f"phase {phase.name} failed (exit {rc}); see {run_dir}/phase-{phase.name}.log")
                 return None
@@ -306,7 +308,13 @@ def _ft_hsdp(args, run_dir: str, log) -> dict | None:
         f"group 1 loses rank 1 at step {args.ft_kill_step}, restarts alone under tp=2 and heals "
         "from group 0"
     )
-    rc = ft_demo.run_ft_hsdp(run_dir, steps=args.ft_steps, kill_step=args.ft_kill_step, log=log)
+    rc = ft_demo.run_ft_hsdp(
+        run_dir,
+        steps=args.ft_steps,
+        kill_step=args.ft_kill_step,
+        extra=_config_args(args),
+        log=log,
+    )
     if rc != 0:
         log(f"FT-HSDP failed (exit {rc}); see {run_dir}/launch.log")
         return None
@@ -330,6 +338,7 @@ def _elastic(args, run_dir: str, log) -> dict | None:
         steps=args.ft_steps,
         heal_layout=None,
         lose=(args.ft_kill_step, args.back_s),
+        extra=_config_args(args),
         log=log,
     )
     if rc != 0:
@@ -382,6 +391,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--back-s", type=float, default=5.0, help="elastic: seconds until the lost node returns"
     )
+    p.add_argument(
+        "--config",
+        metavar="TOML",
+        help="the trainer configuration the scenarios start from (default: the reference "
+        "model, default.toml); the scenarios set the layouts, steps and checkpoints. A small "
+        "model may set train.min_step_s so that the faults land while the others still train",
+    )
     args = p.parse_args(argv)
 
     def log(msg: str) -> None:
@@ -409,6 +425,10 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"scenarios": summaries}, f, indent=1)
     log(f"summary: {os.path.join(run_dir, 'summary.json')}")
     return 0
+
+
+def _config_args(args) -> list[str]:
+    return ["--config", os.path.abspath(args.config)] if args.config else []
 
 
 def _first_time(losses: list[dict], event: dict) -> float:
