@@ -1,5 +1,5 @@
-"""`anyshard demo`, run as a user runs it (shortened): the fault, the restart, the relayout and
-the continued loss show in its output, with the summary table and the loss plot.
+"""`anyshard demo`, run as a user runs it (shortened, on the tiny model): the fault, the restart,
+the relayout and the continued loss show in its output, with the summary table and the loss plot.
 
 Run: python -m pytest tests/e2e/test_demo.py -q
 """
@@ -10,7 +10,11 @@ import subprocess
 
 import pytest
 
+TINY = os.path.join(
+    os.path.dirname(__file__), "..", "..", "anyshard", "trainer_integration", "gpt", "tiny.toml"
+)
 SHORT = ["--scenario", "restart", "--steps-a", "8", "--steps-b", "12", "--kill-step", "5"]
+SHORT += ["--config", TINY]
 
 
 def demo(run_dir: str, *extra: str, env=None) -> subprocess.CompletedProcess:
