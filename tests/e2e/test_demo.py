@@ -133,3 +133,14 @@ def test_demo_ft_hsdp_heals_a_group_from_its_peer_into_tp2(tmp_path):
     sent = [e for e in healthy if e["event"] == "heal_sent" and e["step"] == heal["step"]]
     assert len(sent) == 1 and sent[0]["digest"] == heal["digest"]
     assert [e["step"] for e in healthy + failed if e["event"] == "end"] == [30, 30]
+
+
+def test_a_missing_config_is_a_usage_error_before_any_launch(tmp_path, capsys):
+    from anyshard.trainer_integration.gpt.demo import main
+
+    run_dir = tmp_path / "demo"
+    with pytest.raises(SystemExit) as e:
+        main(["--run-dir", str(run_dir), "--config", str(tmp_path / "missing.toml")])
+    assert e.value.code == 2
+    assert "missing.toml: no such file" in capsys.readouterr().err
+    assert not run_dir.exists()  # nothing emptied or launched

@@ -399,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
         "model may set train.min_step_s so that the faults land while the others still train",
     )
     args = p.parse_args(argv)
+    if args.config and not os.path.isfile(args.config):
+        p.error(f"--config {args.config}: no such file")
 
     def log(msg: str) -> None:
         print(msg, flush=True)
