@@ -4,7 +4,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "dist"))
-sys.path.append(os.path.dirname(__file__))  # cli_runner, s3_server
+sys.path.append(os.path.dirname(__file__))  # cli_runner, ft_events, s3_server
 
 
 def _pool(world: int, tmp_path_factory):

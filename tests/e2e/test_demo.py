@@ -9,6 +9,7 @@ import os
 import subprocess
 
 import pytest
+from ft_events import check_peer_heal
 
 TINY = os.path.join(
     os.path.dirname(__file__), "..", "..", "anyshard", "trainer_integration", "gpt", "tiny.toml"
@@ -81,11 +82,6 @@ min_step_s = 0.4  # paced: the healthy group still trains when the restarted one
 """
 
 
-def _events(run_dir: str, replica: int) -> list[dict]:
-    with open(os.path.join(run_dir, f"replica-{replica}", "events.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
 def test_demo_ft_hsdp_heals_a_group_from_its_peer_into_tp2(tmp_path):
     """The ft-hsdp scenario on a small model: group 1 loses a rank at step 4 and only it
     restarts, under tp=2, healing from group 0 over the network, bit-identical (the digest of
@@ -118,21 +114,7 @@ def test_demo_ft_hsdp_heals_a_group_from_its_peer_into_tp2(tmp_path):
     assert os.path.getsize(os.path.join(run_dir, "loss.png")) > 1000
 
     # the events behind the summary
-    healthy, failed = _events(run_dir, 0), _events(run_dir, 1)
-    # the healthy group was never restarted: one start, attempt 0, and it reached the end
-    assert [e["attempt"] for e in healthy if e["event"] == "start"] == [0]
-    assert [e["step"] for e in healthy if e["event"] == "end"] == [30]
-    starts = [e for e in failed if e["event"] == "start"]
-    # a group that joins late heals at once and may die at its first step, before its start
-    # event (written once the step is done): attempt 0 may have none
-    assert [e["attempt"] for e in starts] in ([0, 1], [1]), starts
-    assert {e["attempt"] for e in failed if "attempt" in e} <= {0, 1}
-    assert starts[-1]["layout"] == "tp=2"
-    (heal,) = [e for e in failed if e["event"] == "heal" and e["attempt"] == 1]
-    assert heal["source"] == "replica_0" and heal["received_bytes"] > 0 and heal["step"] > 4
-    sent = [e for e in healthy if e["event"] == "heal_sent" and e["step"] == heal["step"]]
-    assert len(sent) == 1 and sent[0]["digest"] == heal["digest"]
-    assert [e["step"] for e in healthy + failed if e["event"] == "end"] == [30, 30]
+    check_peer_heal(run_dir, steps=30, kill_step=4, layout="tp=2")
 
 
 def test_a_missing_config_is_a_usage_error_before_any_launch(tmp_path, capsys):

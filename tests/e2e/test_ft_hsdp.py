@@ -14,17 +14,13 @@ import subprocess
 import sys
 
 import pytest
+from ft_events import check_peer_heal, events
 
 pytest.importorskip("torchft")
 
 TINY = os.path.join(
     os.path.dirname(__file__), "..", "..", "anyshard", "trainer_integration", "gpt", "tiny.toml"
 )
-
-
-def _events(run_dir, replica: int) -> list[dict]:
-    path = os.path.join(run_dir, f"replica-{replica}", "events.jsonl")
-    return [json.loads(line) for line in open(path)]
 
 
 @pytest.mark.parametrize(
@@ -49,28 +45,10 @@ def test_a_killed_group_heals_from_the_healthy_one(tmp_path, heal_layout):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
 
-    healthy, failed = _events(run, 0), _events(run, 1)
-    # the healthy group was never restarted: one start, attempt 0, and it reached the end
-    assert [e["attempt"] for e in healthy if e["event"] == "start"] == [0]
-    assert [e["step"] for e in healthy if e["event"] == "end"] == [40]
-    # the failed group restarted once, under the heal layout, and healed from the peer
-    starts = [e for e in failed if e["event"] == "start"]
-    # a group that joins late heals at once and may die at its first step, before its start
-    # event (written once the step is done): attempt 0 may have none
-    assert [e["attempt"] for e in starts] in ([0, 1], [1]), starts
-    assert {e["attempt"] for e in failed if "attempt" in e} <= {0, 1}
-    assert starts[-1]["layout"] == (heal_layout or "dp_shard=2")
-    heals = [e for e in failed if e["event"] == "heal" and e["attempt"] == 1]
-    assert len(heals) == 1 and heals[0]["source"] == "replica_0", failed
-    heal = heals[0]
-    assert heal["received_bytes"] > 0
-    # bit-identical: the digest of the whole logical state (parameters, AdamW moments, step,
-    # data position) the source sent equals the one the healer holds after the heal
-    sent = [e for e in healthy if e["event"] == "heal_sent" and e["step"] == heal["step"]]
-    assert len(sent) == 1 and sent[0]["digest"] == heal["digest"]
-    assert heal["step"] > 4
+    healthy, failed = check_peer_heal(
+        run, steps=40, kill_step=4, layout=heal_layout or "dp_shard=2"
+    )
     ends = [e for e in healthy + failed if e["event"] == "end"]
-    assert [e["step"] for e in ends] == [40, 40]
     if heal_layout is None:
         # one layout: the same averaged gradients, the same steps, the same final state; under
         # two layouts the gradient norm (for clipping) is summed in another order
@@ -130,10 +108,10 @@ def test_elastic_a_lost_node_leaves_and_returns_4_2_4(tmp_path):
     (fault,) = summary["faults"]
     assert fault["mode"] == "node lost" and fault["heal_source"] == "peer"
     assert fault["heal_bit_identical"] is True and summary["healthy_restarts"] == 0
-    healthy = _events(elastic, 0)
+    healthy = events(elastic, 0)
     assert [e["attempt"] for e in healthy if e["event"] == "start"] == [0]
     # the returning group read no checkpoint: it healed from memory
-    back = [e for e in _events(elastic, 1) if e["event"] == "start"][-1]
+    back = [e for e in events(elastic, 1) if e["event"] == "start"][-1]
     assert back["restored_step"] is None
     (got, steps), (want, plain_steps) = _global_losses(elastic), _global_losses(plain)
     assert steps == plain_steps == list(range(1, ELASTIC_STEPS + 1))  # each once, in order
@@ -145,5 +123,5 @@ def test_elastic_a_lost_node_leaves_and_returns_4_2_4(tmp_path):
     # 1e-3, where a batch trained twice or skipped, or a stale heal, is not
     worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in common)
     assert worst < 1e-3, worst
-    ends = [e["digest"] for r in (0, 1) for e in _events(elastic, r) if e["event"] == "end"]
+    ends = [e["digest"] for r in (0, 1) for e in events(elastic, r) if e["event"] == "end"]
     assert len(ends) == 2 and ends[0] == ends[1]
