@@ -344,12 +344,40 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
 DIRECT_MIN_BYTES = 256 << 10
 
 
-def _outgoing(moves: list[Move], src: _Side, dev: torch.device) -> list[torch.Tensor]:
+class _Staging:
+    """The bytes that cannot travel in place (small moves packed together, strided regions)
+    are staged in one buffer per call, reused round after round: a round's messages hold at
+    most the in-flight budget, and every message of a round is done before the next round
+    packs. Fresh pages for every packed message cost more than the copies themselves (the
+    kernel zeroes each page at its first touch); untouched pages of the buffer cost nothing."""
+
+    def __init__(self, rounds: list[Round], dev: torch.device) -> None:
+        self.size = max(
+            (sum(m.nbytes for _, ms in (*r.send, *r.recv) for m in ms) for r in rounds), default=0
+        )
+        self.dev = dev
+        self.buf: torch.Tensor | None = None
+        self.used = 0
+
+    def next_round(self) -> None:
+        self.used = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        if self.buf is None:
+            self.buf = torch.empty(self.size, dtype=torch.uint8, device=self.dev)
+        if self.used + nbytes > self.size:  # the plan bounds each round; this cannot happen
+            raise AssertionError(f"staging: {self.used} + {nbytes} bytes over {self.size}")
+        out = self.buf[self.used : self.used + nbytes]
+        self.used += nbytes
+        return out
+
+
+def _outgoing(moves: list[Move], src: _Side, stage: _Staging) -> list[torch.Tensor]:
     """The tensors to send for one message: the small moves packed, then each large one."""
     out = []
     small = [m for m in moves if m.nbytes < DIRECT_MIN_BYTES]
     if small:
-        buf = torch.empty(sum(m.nbytes for m in small), dtype=torch.uint8, device=dev)
+        buf = stage.take(sum(m.nbytes for m in small))
         off = 0
         for m in small:
             view = _region(src.held[m.fqn], m.box, m.fqn, "source")[0]
@@ -359,27 +387,30 @@ def _outgoing(moves: list[Move], src: _Side, dev: torch.device) -> list[torch.Te
     for m in moves:
         if m.nbytes >= DIRECT_MIN_BYTES:
             view = _region(src.held[m.fqn], m.box, m.fqn, "source")[0]
-            if not (view.is_contiguous() and view.device == dev):
-                view = view.to(dev, memory_format=torch.contiguous_format, copy=True)
-            out.append(_bytes_of(view))
+            if view.is_contiguous() and view.device == stage.dev:
+                out.append(_bytes_of(view))
+            else:
+                buf = stage.take(m.nbytes)
+                buf.view(view.dtype).view(view.shape).copy_(view)
+                out.append(buf)
     return out
 
 
-def _incoming(moves: list[Move], dst: _Side, dev: torch.device) -> list[tuple[torch.Tensor, Any]]:
+def _incoming(moves: list[Move], dst: _Side, stage: _Staging) -> list[tuple[torch.Tensor, Any]]:
     """The tensors to receive one message into, in the order `_outgoing` sends them, each with
     what to do once it has arrived (None where it was received in place)."""
     out: list[tuple[torch.Tensor, Any]] = []
     small = [m for m in moves if m.nbytes < DIRECT_MIN_BYTES]
     if small:
-        buf = torch.empty(sum(m.nbytes for m in small), dtype=torch.uint8, device=dev)
+        buf = stage.take(sum(m.nbytes for m in small))
         out.append((buf, lambda buf=buf: _unpack(small, buf, dst)))
     for m in moves:
         if m.nbytes >= DIRECT_MIN_BYTES:
             views = _region(dst.held[m.fqn], m.box, m.fqn, "destination")
-            if len(views) == 1 and views[0].is_contiguous() and views[0].device == dev:
+            if len(views) == 1 and views[0].is_contiguous() and views[0].device == stage.dev:
                 out.append((_bytes_of(views[0]), None))
             else:
-                buf = torch.empty(m.nbytes, dtype=torch.uint8, device=dev)
+                buf = stage.take(m.nbytes)
                 out.append((buf, lambda buf=buf, m=m: _unpack([m], buf, dst)))
     return out
 
@@ -410,17 +441,17 @@ def _execute(plan: Plan, rounds: list[Round], src: _Side, dst: _Side, group) -> 
     def peer(r: int) -> int:
         return dist.get_global_rank(group, r) if group is not None else r
 
+    stage = _Staging(rounds, dev)
     for i, rnd in enumerate(rounds):
-        sends: list[tuple[torch.Tensor, int]] = []
+        stage.next_round()
         recvs: list[tuple[torch.Tensor, int]] = []
         finish = []
-        for to, moves in rnd.send:
-            sends += [(t, to) for t in _outgoing(moves, src, dev)]
         for frm, moves in rnd.recv:
-            for t, done in _incoming(moves, dst, dev):
+            for t, done in _incoming(moves, dst, stage):
                 recvs.append((t, frm))
                 if done is not None:
                     finish.append(done)
+        sends = [(t, to) for to, moves in rnd.send for t in _outgoing(moves, src, stage)]
         if peers is not None:
             reqs = peers.exchange(sends, recvs)
         else:
