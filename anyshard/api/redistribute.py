@@ -349,13 +349,18 @@ class _Staging:
     are staged in one buffer per call, reused round after round: a round's messages hold at
     most the in-flight budget, and every message of a round is done before the next round
     packs. Fresh pages for every packed message cost more than the copies themselves (the
-    kernel zeroes each page at its first touch); untouched pages of the buffer cost nothing."""
+    kernel zeroes each page at its first touch); untouched pages of the buffer cost nothing.
 
-    def __init__(self, rounds: list[Round], dev: torch.device) -> None:
+    A call that repeats an earlier one (its plan reused) keeps its buffer on CPU for the next
+    such call, as CUDA's caching allocator does on GPUs: one buffer in the process, taken by
+    one call at a time."""
+
+    def __init__(self, rounds: list[Round], dev: torch.device, repeated: bool) -> None:
         self.size = max(
             (sum(m.nbytes for _, ms in (*r.send, *r.recv) for m in ms) for r in rounds), default=0
         )
         self.dev = dev
+        self.keep = repeated and dev.type == "cpu"
         self.buf: torch.Tensor | None = None
         self.used = 0
 
@@ -364,12 +369,24 @@ class _Staging:
 
     def take(self, nbytes: int) -> torch.Tensor:
         if self.buf is None:
-            self.buf = torch.empty(self.size, dtype=torch.uint8, device=self.dev)
+            spare = _SPARE.pop() if self.keep and _SPARE else None
+            if spare is not None and spare.numel() >= self.size:
+                self.buf = spare
+            else:
+                self.buf = torch.empty(self.size, dtype=torch.uint8, device=self.dev)
         if self.used + nbytes > self.size:  # the plan bounds each round; this cannot happen
             raise AssertionError(f"staging: {self.used} + {nbytes} bytes over {self.size}")
         out = self.buf[self.used : self.used + nbytes]
         self.used += nbytes
         return out
+
+    def release(self) -> None:
+        if self.keep and self.buf is not None:
+            _SPARE[:] = [self.buf]
+        self.buf = None
+
+
+_SPARE: list[torch.Tensor] = []  # the staging buffer kept for the next repeated call
 
 
 def _outgoing(moves: list[Move], src: _Side, stage: _Staging) -> list[torch.Tensor]:
@@ -430,7 +447,9 @@ def _copy_local(plan: Plan, src: _Side, dst: _Side) -> None:
             view.copy_(source)
 
 
-def _execute(plan: Plan, rounds: list[Round], src: _Side, dst: _Side, group) -> None:
+def _execute(
+    plan: Plan, rounds: list[Round], src: _Side, dst: _Side, group, repeated: bool = False
+) -> None:
     """The local copies run while the first round's messages are in flight."""
     if not rounds:
         _copy_local(plan, src, dst)
@@ -441,7 +460,7 @@ def _execute(plan: Plan, rounds: list[Round], src: _Side, dst: _Side, group) -> 
     def peer(r: int) -> int:
         return dist.get_global_rank(group, r) if group is not None else r
 
-    stage = _Staging(rounds, dev)
+    stage = _Staging(rounds, dev, repeated)
     for i, rnd in enumerate(rounds):
         stage.next_round()
         recvs: list[tuple[torch.Tensor, int]] = []
@@ -464,6 +483,7 @@ def _execute(plan: Plan, rounds: list[Round], src: _Side, dst: _Side, group) -> 
             req.wait()
         for done in finish:
             done()
+    stage.release()  # not after an error: a message may still be landing in the buffer
 
 
 def _plan_call(
@@ -554,7 +574,7 @@ def redistribute(
         _PLANS[key] = (mine_plan, rounds, copy.deepcopy(values))
         while len(_PLANS) > _PLANS_KEPT:
             _PLANS.popitem(last=False)
-    _execute(mine_plan, rounds, s, d, process_group)
+    _execute(mine_plan, rounds, s, d, process_group, repeated=known is not None)
     for k, leaf in d.leaves.items():
         if k in values:
             leaf.replace(values[k])
