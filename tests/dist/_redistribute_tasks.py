@@ -167,6 +167,7 @@ def large_moves_task(inflight: int) -> int:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    from anyshard.api import redistribute as module
     from anyshard.api.redistribute import DIRECT_MIN_BYTES
 
     mesh = init_device_mesh("cpu", (4,))
@@ -181,6 +182,14 @@ def large_moves_task(inflight: int) -> int:
     back = distribute_tensor(torch.zeros_like(full_w), mesh, [Shard(0)], src_data_rank=None)
     anyshard.redistribute({"w": cols}, {"w": back}, max_inflight_bytes=inflight)
     assert torch.equal(back.to_local(), rows.to_local())
+    # repeated calls reuse the plan, and from the second repeat the staging buffer kept on CPU
+    module._SPARE.clear()
+    for k in range(3):
+        rows.to_local().add_(k + 1)
+        full_w += k + 1
+        anyshard.redistribute({"w": rows}, {"w": cols}, max_inflight_bytes=inflight)
+        assert torch.equal(cols.full_tensor(), full_w), f"repeat {k}"
+        assert len(module._SPARE) == 1
     return len(plan.messages)
 
 
