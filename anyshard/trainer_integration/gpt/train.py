@@ -364,6 +364,13 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
 
         replicas = ReplicaGroup(cfg, state, layout)
         step_fn.replica_sync = replicas.sync
+    # A restarted group heals from a healthy one at its first quorum, which waits for the
+    # state dict the heal fills. Taken now, before the quorum, its optimizer state (DCP makes
+    # it with a step of lr 0) costs the healthy group nothing; dropped again below if neither
+    # a heal nor a checkpoint replaces it, so that a fresh start stays a fresh start.
+    primed = replicas is not None and _attempt() > 0 and not state.optimizer.state
+    if primed:
+        state.state_dict()
     kill_rank, kill_step, mode, armed = _fault(cfg)
     fault_file = os.path.join(cfg.run_dir, "fault.json")
     losses: list[float] = []
@@ -393,6 +400,8 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
                 restored = ckpt.restore_latest({"train": state}, strict=cfg.parallel.pp == 1)
                 replicas.restored(state.step)
                 restore_s = time.time() - before_restore
+                if primed and restored is None:
+                    state.optimizer.state.clear()
             joined = True
             if healed is not None and rank == 0:
                 event = {**healed, "step": state.step, "layout": layout, "attempt": _attempt()}
