@@ -157,20 +157,42 @@ class TrainState:
             "step": self.step,
         }
 
+    def _filled_in_place(self, sd: dict[str, Any]) -> bool:
+        """Whether ``sd`` is this state's own state dict, its tensors filled in place (as a heal
+        fills it): the same names, and under each the very tensor `state_dict` returns now."""
+        if self._cache is None:
+            return False
+        mine = self.state_dict()
+        for part in ("model", "optim"):
+            theirs, ours = sd.get(part), mine[part]
+            if not isinstance(theirs, dict) or theirs.keys() != ours.keys():
+                return False
+            for k, v in ours.items():
+                if isinstance(v, torch.Tensor) and theirs[k] is not v:
+                    return False
+        return True
+
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        model_sd, optim_sd = sd["model"], sd["optim"]
-        if self._tied():
-            alias = _renamed(optim_sd, _EMBEDDING, _OUTPUT, only=True)
-            optim_sd = {k: v for k, v in optim_sd.items() if k not in alias}
-        set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=model_sd,
-            optim_state_dict=optim_sd,
-            options=self._options(),
-        )
+        if self._filled_in_place(sd):
+            # the model's and the optimizer's tensors already hold the values: only the
+            # hyperparameters are left (DCP's load would copy every tensor onto itself)
+            groups = self.optimizer.param_groups
+            for k, (g, name) in self._cache[4].items():
+                groups[g][name] = sd["optim"][k]
+        else:
+            model_sd, optim_sd = sd["model"], sd["optim"]
+            if self._tied():
+                alias = _renamed(optim_sd, _EMBEDDING, _OUTPUT, only=True)
+                optim_sd = {k: v for k, v in optim_sd.items() if k not in alias}
+            set_state_dict(
+                self.model,
+                self.optimizer,
+                model_state_dict=model_sd,
+                optim_state_dict=optim_sd,
+                options=self._options(),
+            )
         self.loader.load_state_dict(sd["data"])
         torch.set_rng_state(sd["rng"])
         self.step = int(sd["step"])
