@@ -74,6 +74,20 @@ def cached_state_dicts(overrides: list[str], steps: int) -> int:
         inputs, targets = state.loader.next_batch()
         step_fn(inputs, targets)
         check()
+    # its own state dict, filled in place (as a heal fills it), loads by setting only the
+    # hyperparameters: the tensors stay the same objects; a copy loads through DCP
+    sd = state.state_dict()
+    held = [id(v) for st in optimizer.state.values() for v in st.values()]
+    for k in sd["optim"]:
+        if k.startswith("param_groups.") and k.endswith(".lr"):
+            sd["optim"][k] = 0.5
+    assert state._filled_in_place(sd)
+    state.load_state_dict(sd)
+    assert all(g["lr"] == 0.5 for g in optimizer.param_groups)
+    assert [id(v) for st in optimizer.state.values() for v in st.values()] == held
+    check()
+    clones = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in sd["model"].items()}
+    assert not state._filled_in_place({**sd, "model": clones})
     # new state tensors, as a load that replaces them leaves: remembered ones must not be used
     for st in optimizer.state.values():
         for name, v in list(st.items()):
