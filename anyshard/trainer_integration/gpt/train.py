@@ -163,6 +163,8 @@ class TrainState:
         if self._cache is None:
             return False
         mine = self.state_dict()
+        if self._cache is None:  # taken anew, and not remembered: not the tensors of ``sd``
+            return False
         for part in ("model", "optim"):
             theirs, ours = sd.get(part), mine[part]
             if not isinstance(theirs, dict) or theirs.keys() != ours.keys():
