@@ -15,7 +15,7 @@ import torch
 from anyshard.api import async_save
 from anyshard.api import collectives as coll
 from anyshard.api.spec_state import rank_coords, spec_writes
-from anyshard.api.state import Leaf, flatten_state, json_roundtrip
+from anyshard.api.state import Leaf, copy_containers, flatten_state, json_roundtrip
 from anyshard.api.tensor_layout import TensorLayout, layout_of
 from anyshard.errors import AnyshardError, SaveError
 from anyshard.format import storage
@@ -236,20 +236,14 @@ def save(
     flat: dict | None = None
     incremental = Incremental.of(base, frozen, content_hash)
     try:
-        if spec is None:
+        if spec is None and not (async_ and defer_staging):
             flat = flatten_state(state_dict)
-            if async_ and defer_staging:  # JSON values as they are now: planning comes later
-                for leaf in flat.values():
-                    if not isinstance(leaf.value, torch.Tensor):
-                        leaf.value = json_roundtrip(leaf.value)
     except Exception as e:  # reported to rank 0 so that no rank waits forever
         error = e
     if async_ and defer_staging:
         return _deferred(
             path,
             state_dict,
-            flat,
-            error,
             spec,
             layout,
             coords,
@@ -280,11 +274,18 @@ def save(
     return async_save.submit(lambda: _write_and_commit(path, plan, error, group))
 
 
+def _flat_snapshot(state_dict: dict[str, Any]) -> dict[str, Leaf]:
+    """``state_dict`` flattened, its JSON values as JSON reads them back."""
+    flat = flatten_state(state_dict)
+    for leaf in flat.values():
+        if not isinstance(leaf.value, torch.Tensor):
+            leaf.value = json_roundtrip(leaf.value)
+    return flat
+
+
 def _deferred(
     path,
     state_dict,
-    flat,
-    error,
     spec,
     layout,
     coords,
@@ -298,16 +299,30 @@ def _deferred(
     group), staging and writing all run in the background; ``staged`` is set once the staging
     copies are done (or the save failed before them), whatever happens. ``before(group)``, if
     given, runs first in the background on every rank (collective over ``group``) and returns
-    an error that stops the save, or None."""
+    an error that stops the save, or None.
+
+    The caller's thread only copies the state dict's containers (`copy_containers`): flattening
+    it and snapshotting its JSON values run in the background too, on that private copy, before
+    the staging copies (so before the caller may change anything)."""
     group = async_save.background_group(process_group)
     staged = threading.Event()
     after = async_save.current_stream_event()
+    error: BaseException | None = None
+    try:
+        state_dict = copy_containers(state_dict)
+    except Exception as e:  # reported to rank 0 so that no rank waits forever
+        error = e
 
     def plan_stage_write_commit() -> None:
-        err, plan = error, _LocalPlan()
+        err, plan, flat = error, _LocalPlan(), None
         try:
             if before is not None:
                 err = before(group) or err
+            if spec is None and err is None:
+                try:
+                    flat = _flat_snapshot(state_dict)
+                except Exception as e:  # every rank still takes part in the planning
+                    err = e
             plan, err = _plan_save(
                 path,
                 state_dict,
@@ -350,20 +365,9 @@ def save_deferred(
     that stops the save, or None): the Checkpointer clears a crashed attempt's files there
     rather than in a barrier that would hold the training loop up."""
     async_save.wait_for_previous()
-    error: BaseException | None = None
-    flat: dict | None = None
-    try:
-        flat = flatten_state(state_dict)
-        for leaf in flat.values():
-            if not isinstance(leaf.value, torch.Tensor):
-                leaf.value = json_roundtrip(leaf.value)
-    except Exception as e:  # reported to rank 0 so that no rank waits forever
-        error = e
     return _deferred(
         path,
         state_dict,
-        flat,
-        error,
         None,
         None,
         None,

@@ -197,23 +197,29 @@ class Checkpointer:
                 wait()
         self.blocked_s += time.perf_counter() - start
 
-    def prepare(self, app_state: Mapping[str, Any]) -> int:
+    def prepare(self, app_state: Mapping[str, Any]) -> async_save.SaveHandle:
         """Allocate and touch the staging buffers of an async save of ``app_state`` on the save
         thread, while training goes on, so that the first save does not pay for them (it waits
-        for the reservation only if that has not finished). Takes each entry's ``state_dict()`` (which, for
-        an optimizer that has not stepped yet, makes torch initialise its state: call this
-        after the first step or a restore). Returns the bytes reserved on this rank."""
-        from anyshard.api.state import flatten_state
+        for the reservation only if that has not finished). Takes each entry's ``state_dict()``
+        (which, for an optimizer that has not stepped yet, makes torch initialise its state:
+        call this after the first step or a restore) and copies its containers; the rest runs
+        on the save thread. Returns the reservation's handle (`wait` waits for it too)."""
+        from anyshard.api.state import copy_containers, flatten_state
 
-        state = _state_dicts(app_state)
-        local = {}
-        for fqn, leaf in flatten_state(state).items():
-            v = leaf.value
-            if isinstance(v, torch.Tensor):
-                local[fqn] = v.to_local() if hasattr(v, "to_local") else v
+        state = copy_containers(_state_dicts(app_state))
+
+        def reserve() -> int:
+            local = {}
+            for fqn, leaf in flatten_state(state).items():
+                v = leaf.value
+                if isinstance(v, torch.Tensor):
+                    local[fqn] = v.to_local() if hasattr(v, "to_local") else v
+            return async_save.reserve(local)
+
         # on the save thread, while training goes on; the first save waits for it if it must
-        self._pending.append(async_save.submit(lambda: async_save.reserve(local)))
-        return sum(t.numel() * t.element_size() for t in local.values())
+        handle = async_save.submit(reserve)
+        self._pending.append(handle)
+        return handle
 
     def step_path(self, step: int) -> str:
         """Where ``step`` is (or would be) saved in ``root``."""

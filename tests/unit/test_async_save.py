@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import anyshard
-from anyshard.errors import SaveError
+from anyshard.errors import AnyshardError, SaveError
 
 
 def test_tensors_changed_right_after_an_async_save_do_not_change_the_checkpoint(tmp_path):
@@ -89,16 +89,32 @@ def test_deferred_staging_returns_before_the_copy_and_saves_the_values_of_that_m
 
 
 def test_a_deferred_save_plans_in_the_background_and_keeps_the_values_of_the_call(tmp_path):
-    meta = {"step": 7, "lrs": [0.1, 0.2]}
+    meta = {"step": 7, "lrs": [0.1, 0.2], "pair": (1, [2, 3])}
+    state = {"w": torch.ones(3), "meta": meta, "opt": {"b": torch.zeros(2)}}
     release = _hold_background_thread()  # planning cannot start yet either
-    handle = anyshard.save(
-        str(tmp_path / "s"), {"w": torch.ones(3), "meta": meta}, async_=True, defer_staging=True
-    )
-    meta["step"], meta["lrs"][0] = 8, 9.9  # the caller's dict changes after the call
+    handle = anyshard.save(str(tmp_path / "s"), state, async_=True, defer_staging=True)
+    # the caller's containers change after the call, values and structure alike
+    meta["step"], meta["lrs"][0] = 8, 9.9
+    meta["pair"][1].append(4)
+    meta["late"] = 1
+    state["opt"]["extra"] = torch.ones(5)
+    del state["w"]
     release.set()
     handle.result()
     with anyshard.open(str(tmp_path / "s")) as view:
-        assert view.get_value("meta") == {"step": 7, "lrs": [0.1, 0.2]}
+        assert view.get_value("meta") == {"step": 7, "lrs": [0.1, 0.2], "pair": [1, [2, 3]]}
+        assert sorted(view.keys()) == ["opt.b", "w"]  # the tensors
+        assert torch.equal(view.get_tensor("w"), torch.ones(3))
+
+
+def test_a_deferred_save_of_a_value_it_cannot_store_fails_in_the_background(tmp_path):
+    handle = anyshard.save(
+        str(tmp_path / "s"), {"w": torch.ones(3), "bad": {1, 2}}, async_=True, defer_staging=True
+    )
+    assert handle.wait_staged(timeout=30)
+    with pytest.raises(AnyshardError, match="bad: a value of type set cannot be stored"):
+        handle.result()
+    assert not (tmp_path / "s" / "manifest.json").exists()
 
 
 def test_a_deferred_save_that_fails_to_plan_releases_the_waiters_and_raises(tmp_path):
@@ -144,9 +160,10 @@ def test_prepare_reserves_staging_buffers_that_the_first_save_reuses(tmp_path):
 
     state = {"model": {"w": torch.ones(1000), "b": torch.zeros(10)}}
     ckpt = Checkpointer(str(tmp_path), async_=True)
-    assert ckpt.prepare(state) == 1010 * 4  # reserved on the save thread
-    ckpt.wait()
+    ckpt.prepare(state).result()  # reserved on the save thread
     buf = _async._STAGING["model.w"]
+    assert buf.numel() * buf.element_size() == 1000 * 4
+    assert _async._STAGING["model.b"].numel() * _async._STAGING["model.b"].element_size() == 40
     ckpt.save(1, state)
     ckpt.wait()
     assert _async._STAGING["model.w"] is buf
