@@ -96,6 +96,51 @@ def cached_state_dicts(overrides: list[str], steps: int) -> int:
     return compared
 
 
+def primed_state_trains_as_fresh(overrides: list[str], steps: int) -> list[float]:
+    """Build the same model and AdamW twice; prime one (`TrainState.prime`: its state dict is
+    taken and remembered before the first step), then train both ``steps`` steps on the same
+    batches. Parameters, optimizer states and losses must be bit-identical, and the primed
+    state's dict still the one remembered before training. Returns the primed run's losses."""
+    import torch
+
+    from anyshard.trainer_integration.gpt.train import TrainState, _loader, build_training
+
+    cfg = load_config(TINY_CONFIG, overrides)
+    states, step_fns = [], []
+    for _ in range(2):
+        torch.manual_seed(cfg.train.seed)
+        par, model, optimizer, step_fn = build_training(cfg)
+        states.append(TrainState(model, optimizer, _loader(cfg, par)))
+        step_fns.append(step_fn)
+    primed, fresh = states
+    primed.prime()
+    remembered = primed._cache
+    assert remembered is not None and primed.optimizer.state and not fresh.optimizer.state
+    losses = []
+    for _ in range(steps):
+        got = []
+        for state, step_fn in zip(states, step_fns, strict=True):
+            inputs, targets = state.loader.next_batch()
+            got.append(step_fn(inputs, targets))
+        assert got[0] == got[1], got
+        losses.append(got[0])
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    for a, b in zip(primed.model.parameters(), fresh.model.parameters(), strict=True):
+        assert torch.equal(local(a), local(b))
+    ours, theirs = primed.optimizer.state, fresh.optimizer.state
+    assert len(ours) == len(theirs) > 0
+    for p, q in zip(primed.model.parameters(), fresh.model.parameters(), strict=True):
+        assert ours[p].keys() == theirs[q].keys()
+        for k in ours[p]:
+            assert torch.equal(local(ours[p][k]), local(theirs[q][k])), k
+    primed.state_dict()
+    assert primed._cache is remembered  # no walk over the model after training began
+    return losses
+
+
 def save_after_another_hierarchy(root: str) -> list[str]:
     """Train a step under tp=2 x cp=2, then build tied pp=2 x tp=2 in the same processes (their
     tp slices are equal meshes of two hierarchies), train a step and save it. Returns the

@@ -224,6 +224,22 @@ def test_remembered_state_dicts_equal_dcps_taken_anew(pool4, layout):
     assert pool4.run(TASKS, "cached_state_dicts", layout, 3) == [5, 5, 5, 5]
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--parallel.pp", "2", "--parallel.dp_shard", "2"],
+        ["--parallel.dp_shard", "2", "--parallel.tp", "2", "--model.tie_embeddings", "true"],
+    ],
+    ids=["pp2xdp2", "tied-fsdp2xtp2"],
+)
+def test_a_primed_state_trains_exactly_as_a_fresh_one(pool4, layout):
+    """The trainer takes its state dict before the first step (AdamW's state made by DCP's step
+    of lr 0, its step counts reset): training then gives bit-identical parameters, optimizer
+    states and losses to an optimizer left alone, and needs no new walk over the model."""
+    losses = pool4.run(TASKS, "primed_state_trains_as_fresh", layout, 3)
+    assert all(len(x) == 3 and x == losses[0] for x in losses)
+
+
 def test_a_second_mesh_hierarchy_in_the_same_processes_saves_under_its_own_root(pool4, tmp_path):
     """torch's DTensor op cache keys by the meshes' values: after tp=2 x cp=2, the tied
     pp=2 x tp=2 run's new tensors got the first hierarchy's equal tp slices, with its root, and

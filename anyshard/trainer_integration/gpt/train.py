@@ -91,11 +91,14 @@ class TrainState:
         parameter and buffer holds, the names of each group's hyperparameters). Both stay the
         same while training only updates the tensors in place."""
         objects: list[Any] = []
-        values: list[Any] = []
-        for t in (*self.model.parameters(), *self.model.buffers()):
-            local = t._local_tensor if hasattr(t, "_local_tensor") else t
-            objects.append(t)
-            values.append(local.data_ptr())
+        for m in self.model.modules():  # one walk (parameters() and buffers() take one each)
+            objects += m._parameters.values()
+            objects += m._buffers.values()
+        values: list[Any] = [
+            (t._local_tensor if hasattr(t, "_local_tensor") else t).data_ptr()
+            for t in objects
+            if t is not None
+        ]
         for st in self.optimizer.state.values():
             objects += st.values()
         values += (tuple(g) for g in self.optimizer.param_groups)
@@ -118,10 +121,12 @@ class TrainState:
         ):
             model_sd, optim_sd, hyper = cached[2:]
             groups = self.optimizer.param_groups
-            optim_sd = {**optim_sd, **{k: groups[g][h] for k, (g, h) in hyper.items()}}
-            return dict(model_sd), optim_sd
+            optim_sd = optim_sd.copy()
+            optim_sd.update(zip(hyper, [groups[g][h] for g, h in hyper.values()], strict=True))
+            return model_sd.copy(), optim_sd
         forget_older_placements()  # its detached tensors must be on this model's meshes
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options())
+        objects, values = self._holdings()  # DCP makes the state of an optimizer without any
         # param_groups.{fqn}.{name} -> (group, name), found through the state tensors of fqn
         group_of = {
             id(p): i for i, g in enumerate(self.optimizer.param_groups) for p in g["params"]
@@ -141,6 +146,26 @@ class TrainState:
                 hyper[k] = (fqn_group[fqn], name)
         self._cache = (objects, values, model_sd, optim_sd, hyper)
         return dict(model_sd), dict(optim_sd)
+
+    def prime(self) -> None:
+        """Take the state dict once before training, so that neither the first save nor a heal
+        pays for DCP's walk over the model and optimizer (milliseconds) inside the training
+        loop: `state_dict` remembers it (see `_get_state_dict`).
+
+        An AdamW that has not stepped yet gets its state now: DCP makes it with one step of
+        lr 0 and zero gradients, which leaves parameters and moments as they were, and the step
+        counts go back to 0, so the first step computes exactly what it would have. Other
+        optimizers are left without state (for them, DCP's step would be a real one)."""
+        if not self.optimizer.state and not isinstance(
+            self.optimizer, (torch.optim.Adam, torch.optim.AdamW)
+        ):
+            return
+        fresh = not self.optimizer.state
+        self.state_dict()
+        if fresh:
+            for st in self.optimizer.state.values():
+                if isinstance(st.get("step"), torch.Tensor):
+                    st["step"].zero_()
 
     def state_dict(self) -> dict[str, Any]:
         model_sd, optim_sd = self._get_state_dict()
@@ -388,13 +413,15 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
 
         replicas = ReplicaGroup(cfg, state, layout)
         step_fn.replica_sync = replicas.sync
-    # A restarted group heals from a healthy one at its first quorum, which waits for the
-    # state dict the heal fills. Taken now, before the quorum, its optimizer state (DCP makes
-    # it with a step of lr 0) costs the healthy group nothing; dropped again below if neither
-    # a heal nor a checkpoint replaces it, so that a fresh start stays a fresh start.
-    primed = replicas is not None and _attempt() > 0 and not state.optimizer.state
-    if primed:
-        state.state_dict()
+    # The state dict, taken now, before the first step: the first save does not walk the model
+    # inside the loop, and a restarted replica group's first quorum (which waits for the state
+    # dict a heal fills) does not either, which would hold the healthy group up
+    state.prime()
+    if guarded:  # fault in the staging buffers on the save thread, while the first step runs
+        start = time.perf_counter()
+        ckpt.prepare({"train": state})
+        ckpt.blocked_s += time.perf_counter() - start
+        ckpt.__dict__.setdefault('_prof', []).append(('prepare', 0, time.perf_counter() - start))
     kill_rank, kill_step, mode, armed = _fault(cfg)
     fault_file = os.path.join(cfg.run_dir, "fault.json")
     losses: list[float] = []
@@ -424,8 +451,6 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
                 restored = ckpt.restore_latest({"train": state}, strict=cfg.parallel.pp == 1)
                 replicas.restored(state.step)
                 restore_s = time.time() - before_restore
-                if primed and restored is None:
-                    state.optimizer.state.clear()
             joined = True
             if healed is not None and rank == 0:
                 event = {**healed, "step": state.step, "layout": layout, "attempt": _attempt()}
@@ -498,14 +523,11 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
                         event["lost_steps"] = last["step"] - (restored or 0)
                         _append(fault_file, {**last, "recovered": True, "time": last["time"]})
                 _append(os.path.join(cfg.run_dir, "events.jsonl"), event)
-        if first and guarded:  # the optimizer state exists now: fault in the staging buffers
-            start = time.perf_counter()
-            ckpt.prepare({"train": state})
-            ckpt.blocked_s += time.perf_counter() - start
         first = False
         if replicas is None or replicas.is_primary():  # one replica group writes checkpoints
             saves += ckpt.save(state.step, {"train": state})
     ckpt.wait()
+    open(f'/tmp/b/prof-{rank}.json','w').write(json.dumps(getattr(ckpt, '_prof', [])))
     final_digest = None
     if replicas is not None:
         if cfg.ft.check_heals:
