@@ -12,6 +12,7 @@ time (first step to last).
 
     python tools/bench_async_blocking.py                  # tmpfs and disk, 30 steps, save every 3
     python tools/bench_async_blocking.py --write-docs     # also replace the section in docs/benchmarks.md
+    python tools/bench_async_blocking.py --reps 3         # three runs of each, the median shown
 
 Other words (``--config FILE``, ``--model.dim 128``, ...) go to the trainer as they are.
 """
@@ -102,6 +103,12 @@ def main() -> int:
         default="tmpfs,disk",
         help="comma-separated: tmpfs (/dev/shm), disk (a temporary directory on /tmp's disk)",
     )
+    ap.add_argument(
+        "--reps",
+        type=int,
+        default=1,
+        help="runs per storage and save mode (interleaved); the table shows the median run",
+    )
     ap.add_argument("--write-docs", action="store_true")
     args, extra = ap.parse_known_args()
     started = time.time()
@@ -110,43 +117,54 @@ def main() -> int:
         base_run = run(os.path.join(tmp, "none"), os.path.join(tmp, "none", "ckpt"),
                        args.steps, 10**6, extra)  # fmt: skip
         step = statistics.median(base_run["steps"])
-        results: dict[tuple[str, str], dict] = {}
+        results: dict[tuple[str, str], list[dict]] = {}
         ckpt_bytes = 0
-        for root in args.roots.split(","):
-            for mode, flags in MODES.items():
-                where = tempfile.mkdtemp(prefix="bench-async-", dir=bases[root])
-                try:
-                    name = f"{root}-{len(results)}"
-                    r = run(os.path.join(tmp, name), os.path.join(where, "ckpt"),
-                            args.steps, args.every, [*flags, *extra])  # fmt: skip
-                    steps = sorted(os.listdir(os.path.join(where, "ckpt")))
-                    ckpt_bytes = _size(os.path.join(where, "ckpt", steps[-1]))
-                finally:
-                    shutil.rmtree(where, ignore_errors=True)
-                if r["losses"] != base_run["losses"]:
-                    raise SystemExit(f"{root} {mode}: the losses differ from the run without saves")
-                results[(root, mode)] = r
-                print(f"{root:6} {mode:32} {r['blocked_s'] / r['saves'] * 1000:8.1f} ms blocked "
-                      f"per save ({r['saves']} saves), training {r['train_s']:.1f} s", flush=True)  # fmt: skip
+        runs = [
+            (root, mode, flags)
+            for _ in range(args.reps)
+            for root in args.roots.split(",")
+            for mode, flags in MODES.items()
+        ]
+        for n, (root, mode, flags) in enumerate(runs):
+            where = tempfile.mkdtemp(prefix="bench-async-", dir=bases[root])
+            try:
+                name = f"{root}-{n}"
+                r = run(os.path.join(tmp, name), os.path.join(where, "ckpt"),
+                        args.steps, args.every, [*flags, *extra])  # fmt: skip
+                steps = sorted(os.listdir(os.path.join(where, "ckpt")))
+                ckpt_bytes = _size(os.path.join(where, "ckpt", steps[-1]))
+            finally:
+                shutil.rmtree(where, ignore_errors=True)
+            if r["losses"] != base_run["losses"]:
+                raise SystemExit(f"{root} {mode}: the losses differ from the run without saves")
+            results.setdefault((root, mode), []).append(r)
+            print(f"{root:6} {mode:32} {r['blocked_s'] / r['saves'] * 1000:8.1f} ms blocked "
+                  f"per save ({r['saves']} saves), training {r['train_s']:.1f} s", flush=True)  # fmt: skip
+
+    def per_save(r: dict) -> float:
+        return r["blocked_s"] / r["saves"]
+
     rows = []
     for root in args.roots.split(","):
-        sync = results[(root, "sync")]
-        per_sync = sync["blocked_s"] / sync["saves"]
+        per_sync = statistics.median(per_save(r) for r in results[(root, "sync")])
         for mode in MODES:
-            r = results[(root, mode)]
-            per = r["blocked_s"] / r["saves"]
-            goodput = step * (args.steps - 1) / r["train_s"]
-            rows.append((root, mode, r["saves"], per * 1000, per / per_sync,
-                         statistics.median(r["steps"]) * 1000, goodput))  # fmt: skip
+            rs = results[(root, mode)]
+            per = statistics.median(per_save(r) for r in rs)
+            goodput = statistics.median(step * (args.steps - 1) / r["train_s"] for r in rs)
+            spread = ", ".join(f"{per_save(r) * 1000:.1f}" for r in rs)
+            rows.append((root, mode, rs[0]["saves"], per * 1000, per / per_sync,
+                         statistics.median(statistics.median(r["steps"]) for r in rs) * 1000,
+                         goodput, spread))  # fmt: skip
     took = time.time() - started
-    head = ("| storage | save mode | saves | blocking per save | / sync save | median step | "
-            "goodput |")  # fmt: skip
-    lines = [head, "| --- | --- | --- | --- | --- | --- | --- |"]
-    for root, mode, n, ms, ratio, med, gp in rows:
+    head = ("| storage | save mode | saves per run | blocking per save | / sync save | "
+            "median step | goodput | blocking per save, each run (ms) |")  # fmt: skip
+    lines = [head, "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for root, mode, n, ms, ratio, med, gp, spread in rows:
         lines.append(
-            f"| {root} | {mode} | {n} | {ms:.1f} ms | {ratio:.1%} | {med:.0f} ms | {gp:.0%} |"
+            f"| {root} | {mode} | {n} | {ms:.1f} ms | {ratio:.1%} | {med:.0f} ms | {gp:.0%} "
+            f"| {spread} |"
         )
-    lines.append(f"| - | no checkpoints | 0 | - | - | {step * 1000:.0f} ms | 100% |")
+    lines.append(f"| - | no checkpoints | 0 | - | - | {step * 1000:.0f} ms | 100% | - |")
     print("\n".join(lines))
     if args.write_docs:
         cmd = rerun_command(__file__)
@@ -160,7 +178,9 @@ def main() -> int:
             "optimizer steps waiting for a staging copy, faulting in the staging buffers), the "
             "first save included, divided by the saves. Goodput: the checkpoint-free run's "
             "median step time x steps over the run's training time. Every run's losses equal "
-            "the checkpoint-free run's.",
+            f"the checkpoint-free run's. {args.reps} run(s) per storage and mode, interleaved; "
+            "the table shows medians over the runs ('/ sync save': the median blocking over the "
+            "median sync save's).",
             "",
             *lines,
         ]
