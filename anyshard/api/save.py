@@ -209,12 +209,13 @@ def save(
     files are written and committed in the background. One async save is in flight at a time:
     the next save waits for it, and a failure surfaces there or at ``handle.result()``.
 
-    With ``defer_staging=True`` as well, it returns as soon as the save is planned, and the
-    copies into the staging buffers run in the background too (for device tensors, on a side
-    stream that waits for the work queued so far): the caller must not modify the saved
-    tensors before ``handle.wait_staged()`` returns, e.g. in an optimizer pre-step hook (the
-    Checkpointer's `guard`). Forward and backward passes, which only read the parameters and
-    optimizer states, overlap the copy.
+    With ``defer_staging=True`` as well, it returns at once, having copied only the state
+    dict's containers (dicts and lists); flattening, planning and the copies into the staging
+    buffers run in the background too (for device tensors, on a side stream that waits for the
+    work queued so far), and a value that cannot be stored fails the save there. The caller
+    must not modify the saved tensors before ``handle.wait_staged()`` returns, e.g. in an
+    optimizer pre-step hook (the Checkpointer's `guard`). Forward and backward passes, which
+    only read the parameters and optimizer states, overlap the copy.
 
     With ``base`` (a committed step in the same root: ``path``'s sibling directory), the save is
     incremental: each rank hashes the shards it would write (SHA-256) and references, instead
