@@ -126,7 +126,8 @@ class TrainState:
             return model_sd.copy(), optim_sd
         forget_older_placements()  # its detached tensors must be on this model's meshes
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options())
-        objects, values = self._holdings()  # DCP makes the state of an optimizer without any
+        # taken after DCP's call, which makes the state of an optimizer that has none
+        objects, values = self._holdings()
         # param_groups.{fqn}.{name} -> (group, name), found through the state tensors of fqn
         group_of = {
             id(p): i for i, g in enumerate(self.optimizer.param_groups) for p in g["params"]
