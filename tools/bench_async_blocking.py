@@ -3,12 +3,12 @@ staging copy blocks the step, and async saves staged during forward and backward
 
 Runs the trainer as ``anyshard demo`` does (4 CPU ranks, pp=2 x dp_shard=2, the default model,
 the warm launcher) once per mode and storage root, each run ``--steps`` steps with a checkpoint
-every ``--every`` steps, plus one run without checkpoints. A run's blocking is
-`Checkpointer.blocked_s` on its slowest rank (the trainer's ``end`` event): the time spent in
-``save`` calls (planning; a sync save's whole write and commit), in optimizer steps waiting for
-a staging copy, and faulting in the staging buffers after the first step. The first save is
-included. Goodput is the no-checkpoint run's median step time x steps over the run's training
-time (first step to last).
+every ``--every`` steps, plus one run without checkpoints (all of it ``--reps`` times,
+interleaved). A run's blocking is `Checkpointer.blocked_s` on its slowest rank (the trainer's
+``end`` event): the time spent in ``save`` calls (a sync save's whole write and commit), in
+optimizer steps waiting for a staging copy, and reserving the staging buffers at startup. The
+first save is included. Goodput is the median step time of the same repetition's
+no-checkpoint run x steps over the run's training time (first step to last).
 
     python tools/bench_async_blocking.py                  # tmpfs and disk, 30 steps, save every 3
     python tools/bench_async_blocking.py --write-docs     # also replace the section in docs/benchmarks.md
@@ -114,18 +114,21 @@ def main() -> int:
     started = time.time()
     bases = {"tmpfs": "/dev/shm", "disk": tempfile.gettempdir()}
     with tempfile.TemporaryDirectory() as tmp:
-        base_run = run(os.path.join(tmp, "none"), os.path.join(tmp, "none", "ckpt"),
-                       args.steps, 10**6, extra)  # fmt: skip
-        step = statistics.median(base_run["steps"])
         results: dict[tuple[str, str], list[dict]] = {}
         ckpt_bytes = 0
         runs = [
-            (root, mode, flags)
-            for _ in range(args.reps)
-            for root in args.roots.split(",")
-            for mode, flags in MODES.items()
+            (rep, root, mode, flags)
+            for rep in range(args.reps)
+            for root in ["-", *args.roots.split(",")]
+            for mode, flags in (MODES.items() if root != "-" else [("none", [])])
         ]
-        for n, (root, mode, flags) in enumerate(runs):
+        base_runs: list[dict] = []
+        for n, (rep, root, mode, flags) in enumerate(runs):
+            if root == "-":  # each repetition's checkpoint-free run, its goodput's reference
+                base_runs.append(run(os.path.join(tmp, f"none-{rep}"),
+                                     os.path.join(tmp, f"none-{rep}", "ckpt"),
+                                     args.steps, 10**6, extra))  # fmt: skip
+                continue
             where = tempfile.mkdtemp(prefix="bench-async-", dir=bases[root])
             try:
                 name = f"{root}-{n}"
@@ -135,8 +138,9 @@ def main() -> int:
                 ckpt_bytes = _size(os.path.join(where, "ckpt", steps[-1]))
             finally:
                 shutil.rmtree(where, ignore_errors=True)
-            if r["losses"] != base_run["losses"]:
+            if r["losses"] != base_runs[rep]["losses"]:
                 raise SystemExit(f"{root} {mode}: the losses differ from the run without saves")
+            r["base_step"] = statistics.median(base_runs[rep]["steps"])
             results.setdefault((root, mode), []).append(r)
             print(f"{root:6} {mode:32} {r['blocked_s'] / r['saves'] * 1000:8.1f} ms blocked "
                   f"per save ({r['saves']} saves), training {r['train_s']:.1f} s", flush=True)  # fmt: skip
@@ -150,7 +154,9 @@ def main() -> int:
         for mode in MODES:
             rs = results[(root, mode)]
             per = statistics.median(per_save(r) for r in rs)
-            goodput = statistics.median(step * (args.steps - 1) / r["train_s"] for r in rs)
+            goodput = statistics.median(
+                r["base_step"] * (args.steps - 1) / r["train_s"] for r in rs
+            )
             spread = ", ".join(f"{per_save(r) * 1000:.1f}" for r in rs)
             rows.append((root, mode, rs[0]["saves"], per * 1000, per / per_sync,
                          statistics.median(statistics.median(r["steps"]) for r in rs) * 1000,
@@ -164,6 +170,7 @@ def main() -> int:
             f"| {root} | {mode} | {n} | {ms:.1f} ms | {ratio:.1%} | {med:.0f} ms | {gp:.0%} "
             f"| {spread} |"
         )
+    step = statistics.median(statistics.median(r["steps"]) for r in base_runs)
     lines.append(f"| - | no checkpoints | 0 | - | - | {step * 1000:.0f} ms | 100% | - |")
     print("\n".join(lines))
     if args.write_docs:
@@ -176,9 +183,11 @@ def main() -> int:
             f"{ckpt_bytes / 2**20:.1f} MiB) runs {args.steps} steps, saving every {args.every}. "
             "Blocking: `Checkpointer.blocked_s` of the slowest rank over the run (save calls, "
             "optimizer steps waiting for a staging copy, faulting in the staging buffers), the "
-            "first save included, divided by the saves. Goodput: the checkpoint-free run's "
-            "median step time x steps over the run's training time. Every run's losses equal "
-            f"the checkpoint-free run's. {args.reps} run(s) per storage and mode, interleaved; "
+            "first save included, divided by the saves. Goodput: the median step time of the "
+            "same repetition's checkpoint-free run x steps over the run's training time. Every "
+            "run's losses equal the checkpoint-free run's. "
+            f"{args.reps} run(s) per storage and mode, interleaved with a checkpoint-free run "
+            "each; "
             "the table shows medians over the runs ('/ sync save': the median blocking over the "
             "median sync save's).",
             "",
