@@ -114,13 +114,20 @@ def _median_interval(times: list[float]) -> float:
 
 def _excess(times: dict[int, float], step: int, window: int = 5) -> float | None:
     """How much longer the healthy group's step after ``step`` took than its steps just
-    before (the median of up to ``window`` of them)."""
+    before (the median of up to ``window`` of them), or, for a group that began at ``step``
+    (it started late and healed from the other at once), than its steps just after.
+
+    >>> _excess({4: 0.0, 5: 1.5, 6: 1.9, 7: 2.3, 8: 2.7}, 4)
+    1.1
+    """
     if step not in times or step + 1 not in times:
         return None
-    before = [times[s] for s in range(step - window, step + 1) if s in times]
-    if len(before) < 2:
+    near = [times[s] for s in range(step - window, step + 1) if s in times]
+    if len(near) < 2:
+        near = [times[s] for s in range(step + 1, step + 2 + window) if s in times]
+    if len(near) < 2:
         return None
-    return times[step + 1] - times[step] - _median_interval(before)
+    return times[step + 1] - times[step] - _median_interval(near)
 
 
 def summarize(run_dir: str, scenario: str = "ft-hsdp") -> dict[str, Any]:
