@@ -422,7 +422,6 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
         start = time.perf_counter()
         ckpt.prepare({"train": state})
         ckpt.blocked_s += time.perf_counter() - start
-        ckpt.__dict__.setdefault("_prof", []).append(("prepare", 0, time.perf_counter() - start))
     kill_rank, kill_step, mode, armed = _fault(cfg)
     fault_file = os.path.join(cfg.run_dir, "fault.json")
     losses: list[float] = []
@@ -528,7 +527,6 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
         if replicas is None or replicas.is_primary():  # one replica group writes checkpoints
             saves += ckpt.save(state.step, {"train": state})
     ckpt.wait()
-    open(f"/tmp/b/prof-{rank}.json", "w").write(json.dumps(getattr(ckpt, "_prof", [])))
     final_digest = None
     if replicas is not None:
         if cfg.ft.check_heals:
