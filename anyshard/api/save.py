@@ -233,15 +233,8 @@ def save(
     tensor([3., 4., 5.])
     """
     async_save.wait_for_previous()  # staging buffers are reused; a failure surfaces here
-    error: BaseException | None = None
-    flat: dict | None = None
     incremental = Incremental.of(base, frozen, content_hash)
-    try:
-        if spec is None and not (async_ and defer_staging):
-            flat = flatten_state(state_dict)
-    except Exception as e:  # reported to rank 0 so that no rank waits forever
-        error = e
-    if async_ and defer_staging:
+    if async_ and defer_staging:  # flattens in the background
         return _deferred(
             path,
             state_dict,
@@ -252,6 +245,13 @@ def save(
             check_replicas,
             incremental=incremental,
         )
+    error: BaseException | None = None
+    flat: dict | None = None
+    try:
+        if spec is None:
+            flat = flatten_state(state_dict)
+    except Exception as e:  # reported to rank 0 so that no rank waits forever
+        error = e
     plan, error = _plan_save(
         path,
         state_dict,
