@@ -344,6 +344,9 @@ def worker(rank: int, cfg: dict, store_path: str, out_path: str) -> None:
 
     import anyshard
 
+    # The environment torchrun gives each of its workers: the library sizes its thread pools to
+    # the process's share of the host's CPUs from it.
+    os.environ["LOCAL_WORLD_SIZE"] = str(WORLD)
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD

@@ -6,7 +6,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["io_pool"]
+__all__ = ["cpu_share", "io_pool"]
 
 _LOCK = threading.Lock()
 _POOLS: dict[int, tuple[int, ThreadPoolExecutor]] = {}
@@ -21,3 +21,28 @@ def io_pool(threads: int) -> ThreadPoolExecutor:
             hit = (pid, ThreadPoolExecutor(max_workers=threads, thread_name_prefix="anyshard-io"))
             _POOLS[threads] = hit
         return hit[1]
+
+
+def cpu_share() -> int:
+    """This process's share of the CPUs it may run on: the CPUs of its affinity mask divided
+    among the job's processes on this host (``LOCAL_WORLD_SIZE``, which torchrun and torch's
+    elastic agent set; 1 when unset), at least 1.
+
+    Reads of local files that hit the page cache are memory copies and checksums: bound by the
+    CPU, so that more reading threads than the process's share of the CPUs only add context
+    switches. Remote reads wait on the network and keep their thread count.
+
+    >>> import os
+    >>> cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    >>> cpu_share() == max(1, cpus // int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+    True
+    """
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        cpus = os.cpu_count() or 1
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    except ValueError:
+        local = 1
+    return max(1, cpus // max(local, 1))

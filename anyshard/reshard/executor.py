@@ -14,7 +14,7 @@ from anyshard.errors import ChecksumError, CorruptCheckpointError, StorageError
 from anyshard.format import storage
 from anyshard.format.checksum import crc32c, crc32c_combine
 from anyshard.format.datafile import tensor_bytes
-from anyshard.format.pool import io_pool
+from anyshard.format.pool import cpu_share, io_pool
 from anyshard.geometry.boxes import Piece, box_shape
 from anyshard.reshard.planner import GAP, STAGING, TARGET, ReadPlan, Request
 
@@ -67,7 +67,12 @@ def execute_plan(
     *,
     threads: int = 8,
 ) -> None:
-    """Fill ``targets`` as ``plan`` says; verify every stored shard that was read in full."""
+    """Fill ``targets`` as ``plan`` says; verify every stored shard that was read in full.
+
+    At most ``threads`` reading threads; when every file is local, at most this process's share
+    of the CPUs (`cpu_share`): page-cache reads are bound by the CPU, not by waiting."""
+    if not any(storage.is_url(p) for p in paths.values()):
+        threads = min(threads, cpu_share())
     parts: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
     u8_cache: dict[int, torch.Tensor] = {}
 
@@ -120,7 +125,7 @@ def _staging(plan: ReadPlan, batch: list[Request], src_dtypes, paths) -> dict[in
 # keeps its buffer for the whole plan: a fresh buffer per request would fault in (and zero) as
 # many pages as the request reads. Local files only: on a URL each part would be a GET.
 _BOUNCE_MIN_SPANS = 16
-_BOUNCE_BYTES = 4 << 20
+_BOUNCE_BYTES = 1 << 20
 
 
 class _Task:
@@ -214,8 +219,17 @@ def _run_task(
                     buffers.append(next(gaps))
                 else:
                     buffers.append(staging[i][offset : offset + n])
-            _read(state.reader(r.rank), r, buffers)
-            for c, crc in zip(r.checks, _crc_ranges(buffers, r.checks), strict=True):
+            reader = state.reader(r.rank)
+            if reader.fd is None or not r.checks:
+                _read(reader, r, buffers)
+                crcs = _crc_ranges(buffers, r.checks)
+            else:  # a local file: checksum each part while its bytes are still in the cache
+                summer = _Checksums(r.checks)
+                for part, at in _parts(buffers, _CHECK_PART):
+                    _read(reader, r, part, at=at)
+                    summer.update(part, at)
+                crcs = summer.crcs
+            for c, crc in zip(r.checks, crcs, strict=True):
                 out.append((c.shard, r.offset + c.start, c.stop - c.start, crc))
     finally:
         state.close()
@@ -259,24 +273,12 @@ def _run_streamed(
     copied into place at once; the checksums run on over the reads."""
     target_bytes, staging, _, _, targets, src_dtypes = memory
     reader = state.reader(r.rank)
-    crcs = [0] * len(r.checks)
-    first = [0]  # the first check that may still overlap what is read next
+    summer = _Checksums(r.checks)
 
     def read(buffers: list[memoryview], at: int) -> None:
-        _read(reader, r, buffers, at=at)
-        checks, j = r.checks, first[0]
-        for buf in buffers:
-            n = len(buf)
-            while j < len(checks) and checks[j].stop <= at:
-                j += 1
-            k = j
-            while k < len(checks) and checks[k].start < at + n:
-                c = checks[k]
-                lo, hi = max(c.start, at), min(c.stop, at + n)
-                crcs[k] = crc32c(buf[lo - at : hi - at], crcs[k])
-                k += 1
-            at += n
-        first[0] = j
+        for part, part_at in _parts(buffers, _CHECK_PART, at):
+            _read(reader, r, part, at=part_at)
+            summer.update(part, part_at)
 
     pending: list[memoryview] = []
     gaps = state.gaps_for(r)
@@ -301,7 +303,7 @@ def _run_streamed(
         read(pending, start)
     return [
         (c.shard, r.offset + c.start, c.stop - c.start, crc)
-        for c, crc in zip(r.checks, crcs, strict=True)
+        for c, crc in zip(r.checks, summer.crcs, strict=True)
     ]
 
 
@@ -366,6 +368,65 @@ def _read(reader: storage.FileReader, r: Request, buffers: list[memoryview], at:
         raise StorageError(
             f"{reader.path}: read of {length} bytes at {r.offset + at} failed: {e}"
         ) from e
+
+
+# Reads of a local file that carry checksums go in parts of about this many bytes, each
+# checksummed right after it is read, while its bytes are still in the CPU's cache: reading
+# 256 MiB of page cache and then checksumming it took 56 ms here, in 1 MiB parts 48 ms.
+_CHECK_PART = 1 << 20
+
+
+def _parts(
+    buffers: list[memoryview], size: int, at: int = 0
+) -> Iterator[tuple[list[memoryview], int]]:
+    """``buffers`` (consecutive bytes from ``at`` on) in consecutive parts of about ``size``
+    bytes, each ``(buffers, where it starts)``: small buffers grouped, large ones cut."""
+    part: list[memoryview] = []
+    start = filled = at
+    for buf in buffers:
+        n = len(buf)
+        if filled - start + n <= size:
+            part.append(buf)
+            filled += n
+            continue
+        lo = 0
+        while lo < n:
+            take = min(n - lo, max(size - (filled - start), 0))
+            if take == 0:
+                yield part, start
+                part, start = [], filled
+                take = min(n - lo, size)
+            part.append(buf[lo : lo + take])
+            lo += take
+            filled += take
+    if part:
+        yield part, start
+
+
+class _Checksums:
+    """The crc32c of each of ``checks`` (byte ranges of a request, sorted, not overlapping),
+    run on over its bytes as they are read, in order."""
+
+    def __init__(self, checks) -> None:
+        self.checks = checks
+        self.crcs = [0] * len(checks)
+        self._first = 0  # the first check that may still overlap what is read next
+
+    def update(self, buffers: list[memoryview], at: int) -> None:
+        """Bytes ``buffers`` of the request, from byte ``at`` of it on."""
+        checks, crcs, j = self.checks, self.crcs, self._first
+        for buf in buffers:
+            n = len(buf)
+            while j < len(checks) and checks[j].stop <= at:
+                j += 1
+            k = j
+            while k < len(checks) and checks[k].start < at + n:
+                c = checks[k]
+                lo, hi = max(c.start, at), min(c.stop, at + n)
+                crcs[k] = crc32c(buf[lo - at : hi - at], crcs[k])
+                k += 1
+            at += n
+        self._first = j
 
 
 def _crc_ranges(buffers: list[memoryview], checks) -> list[int]:

@@ -364,18 +364,29 @@ class _ShardIds:
     as ``(rank, stored key, start, stop, crc32c)``."""
 
     def __init__(self, plan: ReadPlan, shard_info, verify: bool):
-        self._plan, self._info, self._ids = plan, shard_info, {}
+        self._plan, self._info = plan, shard_info
+        self._ids: dict[tuple[int, str], dict[int, int]] = {}  # stored shard -> block -> id
         self.verify = verify
 
     def get(self, key: tuple[int, str], k: int) -> int:
-        n = self._ids.get((key, k))
-        if n is None:
-            info = self._info[key]
-            a = info.start + k * info.block_bytes
-            b = min(a + info.block_bytes, info.stop)
-            n = self._ids[(key, k)] = len(self._plan.shards)
-            self._plan.shards.append((key[0], key[1], a, b, info.block_crcs[k]))
-        return n
+        return self.ids(key, k, k + 1)[0]
+
+    def ids(self, key: tuple[int, str], k0: int, k1: int) -> list[int]:
+        """The ids of blocks ``k0 .. k1 - 1`` of stored shard ``key``."""
+        known = self._ids.get(key)
+        if known is None:
+            known = self._ids[key] = {}
+        out = [known.get(k) for k in range(k0, k1)]
+        if None in out:
+            info, shards = self._info[key], self._plan.shards
+            for j, n in enumerate(out):
+                if n is None:
+                    k = k0 + j
+                    a = info.start + k * info.block_bytes
+                    b = min(a + info.block_bytes, info.stop)
+                    n = out[j] = known[k] = len(shards)
+                    shards.append((key[0], key[1], a, b, info.block_crcs[k]))
+        return out
 
 
 def _fully_read(transfers: Sequence[Transfer], shard_info) -> set[tuple[int, str]]:
@@ -450,6 +461,7 @@ def _coalesce(units, transfers, direct, shard_info, shard_ids, limits) -> list[R
         dst.tolist(),
         size.tolist(),
         gap.tolist(),
+        np.concatenate(([0], np.cumsum(gap > 0))).tolist(),
         transfers,
         direct,
         shard_info,
@@ -484,9 +496,12 @@ def _group_starts(joins, src, size, gap, max_request: int, max_spans: int) -> li
 
 
 def _requests(
-    starts, ids, src, dst, size, gap, transfers, direct, shard_info, shard_ids
+    starts, ids, src, dst, size, gap, gaps_before, transfers, direct, shard_info, shard_ids
 ) -> list[Request]:
+    """The requests of the units grouped by ``starts`` (``gaps_before[k]``: how many units
+    before unit ``k`` follow a gap)."""
     kinds = [TARGET if d else STAGING for d in direct]
+    unit_kinds = [kinds[i] for i in ids]
     checked = [shard_ids.verify] * len(transfers)
     out: list[Request] = []
     run: list = []  # a pending repeated read: [transfer, size, src, dst, count, src stride, dst stride]
@@ -514,41 +529,47 @@ def _requests(
             run[:] = [i, size[a], src[a], dst[a], 1, 0, 0]
             continue
         flush()
-        spans = []
-        for k in range(a, b):
-            if k > a and gap[k]:
-                spans.append((GAP, -1, 0, gap[k]))
-            spans.append((kinds[ids[k]], ids[k], dst[k], size[k]))
+        if gaps_before[b] == gaps_before[a + 1]:  # no gap inside: the units are the spans
+            spans = tuple(zip(unit_kinds[a:b], ids[a:b], dst[a:b], size[a:b], strict=True))
+        else:
+            spans = []
+            for k in range(a, b):
+                if k > a and gap[k]:
+                    spans.append((GAP, -1, 0, gap[k]))
+                spans.append((unit_kinds[k], ids[k], dst[k], size[k]))
+            spans = tuple(spans)
         start, end = src[a], src[b - 1] + size[b - 1]
         out.append(
             Request(
                 transfers[i].rank,
                 start,
                 end - start,
-                tuple(spans),
-                _checks(transfers, spans, start, end, shard_info, shard_ids),
+                spans,
+                _checks(transfers, ids[a:b], start, end, shard_info, shard_ids),
             )
         )
     flush()
     return out
 
 
-def _checks(transfers, spans, start, end, shard_info, shard_ids) -> tuple[ShardCheck, ...]:
-    """The parts of checksum blocks that a request reads, in file order, to verify them."""
+def _checks(transfers, unit_ids, start, end, shard_info, shard_ids) -> tuple[ShardCheck, ...]:
+    """The parts of checksum blocks that a request (reading the units of transfers
+    ``unit_ids``) reads, in file order, to verify them."""
     if not shard_ids.verify:
         return ()
     checks = []
-    for key in dict.fromkeys(
-        (transfers[i].rank, transfers[i].fqn) for kind, i, _, _ in spans if kind != GAP
-    ):
+    keys = dict.fromkeys((transfers[i].rank, transfers[i].fqn) for i in dict.fromkeys(unit_ids))
+    for key in keys:
         info = shard_info[key]
         a, b = max(start, info.start), min(end, info.stop)
         if a >= b:
             continue
-        block = info.block_bytes
-        for k in range((a - info.start) // block, (b - 1 - info.start) // block + 1):
-            lo = max(a, info.start + k * block)
-            hi = min(b, info.start + (k + 1) * block)
-            checks.append(ShardCheck(shard_ids.get(key, k), lo - start, hi - start))
-    checks.sort(key=lambda c: c.start)
+        block, base = info.block_bytes, info.start
+        k0, k1 = (a - base) // block, (b - 1 - base) // block + 1
+        at = base + k0 * block - start  # where block k0 begins, relative to the request
+        for n in shard_ids.ids(key, k0, k1):
+            checks.append(ShardCheck(n, max(at, a - start), min(at + block, b - start)))
+            at += block
+    if len(keys) > 1:
+        checks.sort(key=lambda c: c.start)
     return tuple(checks)

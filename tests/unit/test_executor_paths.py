@@ -4,6 +4,8 @@ import os
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import anyshard
 from anyshard.errors import ChecksumError
@@ -169,3 +171,65 @@ def test_a_verified_read_across_several_gaps_checks_each_gap_on_its_own_bytes(tm
     assert max(sum(k == GAP for k, *_ in r.spans) for r in plan.requests) == 2
     want = torch.cat([full[: 21 * rows], full[22 * rows : 43 * rows], full[44 * rows :]])
     assert torch.equal(dest, want)
+
+
+@given(
+    sizes=st.lists(st.integers(0, 40), max_size=12),
+    size=st.integers(1, 24),
+    at=st.integers(0, 9),
+)
+@settings(max_examples=300, deadline=None)
+def test_parts_cover_the_buffers_in_order_each_at_most_the_part_size(sizes, size, at):
+    from anyshard.reshard.executor import _parts
+
+    blob = bytes(range(256)) * 2
+    mv, pos, buffers = memoryview(blob[: sum(sizes)]), 0, []
+    for n in sizes:
+        buffers.append(mv[pos : pos + n])
+        pos += n
+    parts = list(_parts(buffers, size, at))
+    where, joined = at, b""
+    for part, start in parts:
+        n = sum(len(b) for b in part)
+        assert start == where and n <= size
+        assert n > 0 or len(parts) == 1  # an empty part only when there are no bytes
+        where += n
+        joined += b"".join(bytes(b) for b in part)
+    assert joined == blob[: sum(sizes)]
+
+
+@pytest.mark.parametrize("flip_at", [0.1, 0.5, 0.97])  # in the first, a middle and the last part
+def test_a_local_read_in_parts_checks_every_part(tmp_path, monkeypatch, flip_at):
+    from anyshard.reshard import executor
+
+    monkeypatch.setattr(executor, "_CHECK_PART", 4096)  # a 64 KiB shard read in 16 parts
+    path = str(tmp_path / "c")
+    w = torch.randn(64, 256)
+    anyshard.save(path, {"w": w})
+    back = {"w": torch.zeros(64, 256)}
+    anyshard.load(path, back)
+    assert torch.equal(back["w"], w)
+    data = os.path.join(path, "data", "rank-00000.safetensors")
+    size = os.path.getsize(data)
+    with open(data, "r+b") as f:
+        at = size - w.nbytes + int(flip_at * w.nbytes)
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with pytest.raises(ChecksumError, match="'w'"):
+        anyshard.load(path, {"w": torch.zeros(64, 256)})
+
+
+def test_cpu_share_divides_the_affinity_mask_among_the_local_ranks(monkeypatch):
+    from anyshard.format import pool
+
+    monkeypatch.setattr(pool.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert pool.cpu_share() == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "64")
+    assert pool.cpu_share() == 1  # never below one thread
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert pool.cpu_share() == 16
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "not a number")
+    assert pool.cpu_share() == 16
