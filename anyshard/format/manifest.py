@@ -552,6 +552,7 @@ def _check_tensors(manifest: Manifest, where: str) -> None:
             raise CorruptCheckpointError(
                 f"{where}: the manifest's spec does not compile for its layout ({e})"
             ) from None
+    problems: dict[tuple, str | None] = {}  # (mapping, shape, mesh) -> what is wrong, if anything
     for fqn, t in manifest.tensors.items():
         if (
             t.dtype in ST_TO_DTYPE
@@ -581,7 +582,10 @@ def _check_tensors(manifest: Manifest, where: str) -> None:
         elif not 0 <= t.mesh < len(manifest.meshes):
             why = f"mesh {t.mesh} does not exist (the manifest lists {len(manifest.meshes)})"
         else:
-            why = _mapping_problem(t, manifest.meshes[t.mesh], manifest.files)
+            key = (t.mapping, t.shape, t.mesh)  # tensors of one shape share a mapping
+            if key not in problems:
+                problems[key] = _mapping_problem(t, manifest.meshes[t.mesh], manifest.files)
+            why = problems[key]
             if why is None:
                 continue
         raise CorruptCheckpointError(

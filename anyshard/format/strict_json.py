@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 __all__ = [
@@ -89,10 +90,13 @@ def field_str(value: Any, what: str) -> str:
     return value
 
 
+_CONTROL = re.compile("[\x00-\x1f\x7f]")
+
+
 def field_name(value: Any, what: str) -> str:
     """A name (of a tensor, a mesh dim, a file): a non-empty string without control characters."""
     name = field_str(value, what)
-    if not name or any(ord(c) < 32 or ord(c) == 127 for c in name):
+    if not name or _CONTROL.search(name):
         raise FieldError(f"{what} {name!r:.80} is empty or holds control characters")
     return name
 
