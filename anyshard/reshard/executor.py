@@ -106,6 +106,8 @@ def _staging(plan: ReadPlan, batch: list[Request], src_dtypes, paths) -> dict[in
     in fresh memory for every byte it stages."""
     staging: dict[int, memoryview] = {}
     for r in batch:
+        if not r.staged:
+            continue
         local = not storage.is_url(paths[r.rank])
         for kind, i, offset, n in r.spans:
             if kind != STAGING or i in staging:
@@ -168,27 +170,6 @@ class _Task:
             reader.close()
 
 
-def _uniform_rows(r: Request, plan: ReadPlan) -> tuple[int, int, int, int] | None:
-    """``(target, first offset, stride, row bytes)`` when a request is equal rows scattered at a
-    fixed stride into one target (no gaps), else None."""
-    spans = r.spans
-    if len(spans) < _BOUNCE_MIN_SPANS:
-        return None
-    kind, i, first, n = spans[0]
-    if kind != TARGET:
-        return None
-    target = plan.transfers[i].target
-    stride = spans[1][2] - first
-    if stride < n:
-        return None
-    for k, (kind_k, i_k, offset, n_k) in enumerate(spans):
-        if kind_k != TARGET or n_k != n or offset != first + k * stride:
-            return None
-        if i_k != i and plan.transfers[i_k].target != target:
-            return None
-    return target, first, stride, n
-
-
 def _run_task(
     plan: ReadPlan, task: list[Request], memory, paths
 ) -> list[tuple[int, int, int, int]]:
@@ -202,11 +183,15 @@ def _run_task(
             if r.repeat is not None:
                 _run_repeated(r, target_bytes, staging, transfers, state)
                 continue
-            if any(kind == STAGING and i not in staging for kind, i, _, _ in r.spans):
+            if r.staged and any(kind == STAGING and i not in staging for kind, i, _, _ in r.spans):
                 out += _run_streamed(plan, r, memory, state)
                 continue
-            rows = _uniform_rows(r, plan)
-            if rows is not None and state.reader(r.rank).fd is not None:
+            rows = r.rows
+            if (
+                rows is not None
+                and len(r.spans) >= _BOUNCE_MIN_SPANS
+                and state.reader(r.rank).fd is not None
+            ):
                 out += _run_rows(r, rows, state, target_u8)
                 continue
             # (a URL streams the rows straight into place with one GET: no bounce buffer)

@@ -103,6 +103,11 @@ class Request(NamedTuple):
     ``repeat = (count, file_stride, dest_stride)`` makes a request stand for ``count`` reads of a
     single span, the k-th at ``offset + k * file_stride`` into ``offset + k * dest_stride`` of the
     span's destination: the rows of a strided region, planned and run without an object each.
+
+    ``rows = (target, first, stride, n)`` says what the planner found of the spans: they are
+    all ``TARGET`` spans of ``n`` bytes into target tensor number ``target``, the k-th at byte
+    ``first + k * stride`` (``stride >= n``), with no gap between them; ``staged`` says whether a
+    span is ``STAGING``. The executor reads them instead of walking the spans.
     """
 
     rank: int
@@ -111,6 +116,8 @@ class Request(NamedTuple):
     spans: tuple[tuple[int, int, int, int], ...]
     checks: tuple[ShardCheck, ...] = ()
     repeat: tuple[int, int, int] | None = None
+    rows: tuple[int, int, int, int] | None = None
+    staged: bool = True
 
     @property
     def count(self) -> int:
@@ -454,8 +461,11 @@ def _coalesce(units, transfers, direct, shard_info, shard_ids, limits) -> list[R
     joins &= rank_col == np.roll(rank_col, 1)
     joins[0] = False
     starts = _group_starts(joins, src, size, gap, max_request, max_spans)
+    staged, uniform = _group_kinds(starts, ids, dst, size, gap, transfers, direct)
     return _requests(
         starts,
+        staged,
+        uniform,
         ids.tolist(),
         src.tolist(),
         dst.tolist(),
@@ -495,11 +505,54 @@ def _group_starts(joins, src, size, gap, max_request: int, max_spans: int) -> li
     return out
 
 
+def _group_kinds(starts, ids, dst, size, gap, transfers, direct) -> tuple[list, list]:
+    """For each group of units (``starts``): whether it stages any unit, and whether its units
+    are equal rows into one target at a fixed stride, with no gap between them
+    (`Request.rows`)."""
+    first = np.asarray(starts, dtype=np.int64)
+    direct_of = np.asarray(direct, dtype=bool)[ids]
+    staged = np.logical_or.reduceat(~direct_of, first)
+    target_of = np.array([t.target for t in transfers], dtype=np.int64)[ids]
+    step = np.zeros_like(dst)
+    step[1:] = dst[1:] - dst[:-1]
+    # unit k breaks its group's rows if it differs from unit k - 1 (k not a group's first)
+    breaks = np.zeros(len(ids), dtype=bool)
+    breaks[1:] = (
+        (gap[1:] != 0)
+        | (size[1:] != size[:-1])
+        | (target_of[1:] != target_of[:-1])
+        | ~direct_of[1:]
+        | ~direct_of[:-1]
+        | (step[1:] < size[1:])
+    )
+    breaks[first] = ~direct_of[first]
+    # ... or if its stride differs from the one before (k not a group's first two)
+    strides = np.zeros(len(ids), dtype=bool)
+    strides[1:] = step[1:] != step[:-1]
+    strides[first] = False
+    second = first + 1
+    strides[second[second < len(ids)]] = False
+    uniform = ~np.logical_or.reduceat(breaks | strides, first)
+    return staged.tolist(), uniform.tolist()
+
+
 def _requests(
-    starts, ids, src, dst, size, gap, gaps_before, transfers, direct, shard_info, shard_ids
+    starts,
+    staged,
+    uniform,
+    ids,
+    src,
+    dst,
+    size,
+    gap,
+    gaps_before,
+    transfers,
+    direct,
+    shard_info,
+    shard_ids,
 ) -> list[Request]:
     """The requests of the units grouped by ``starts`` (``gaps_before[k]``: how many units
-    before unit ``k`` follow a gap)."""
+    before unit ``k`` follow a gap; ``staged`` and ``uniform``: `_group_kinds`)."""
     kinds = [TARGET if d else STAGING for d in direct]
     unit_kinds = [kinds[i] for i in ids]
     checked = [shard_ids.verify] * len(transfers)
@@ -510,11 +563,16 @@ def _requests(
         if run:
             i, n, s0, d0, count, ds, dd = run
             repeat = (count, ds, dd) if count > 1 else None
-            out.append(Request(transfers[i].rank, s0, n, ((kinds[i], i, d0, n),), (), repeat))
+            staged_i = kinds[i] == STAGING
+            out.append(
+                Request(
+                    transfers[i].rank, s0, n, ((kinds[i], i, d0, n),), (), repeat, None, staged_i
+                )
+            )
             run.clear()
 
     bounds = starts + [len(ids)]
-    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+    for g, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
         i = ids[a]
         if b - a == 1 and not checked[i]:
             if run and run[0] == i and run[1] == size[a]:
@@ -539,6 +597,9 @@ def _requests(
                 spans.append((unit_kinds[k], ids[k], dst[k], size[k]))
             spans = tuple(spans)
         start, end = src[a], src[b - 1] + size[b - 1]
+        rows = None
+        if uniform[g] and b - a > 1:
+            rows = (transfers[i].target, dst[a], dst[a + 1] - dst[a], size[a])
         out.append(
             Request(
                 transfers[i].rank,
@@ -546,6 +607,9 @@ def _requests(
                 end - start,
                 spans,
                 _checks(transfers, ids[a:b], start, end, shard_info, shard_ids),
+                None,
+                rows,
+                staged[g],
             )
         )
     flush()

@@ -44,6 +44,8 @@ def test_a_contiguous_run_scattered_over_strided_rows_lands_exactly(ckpt, rows):
     assert plan.bytes_read == rows * 4 * 4
     (request,) = plan.requests
     assert len(request.spans) == rows  # 64 rows take the bounce path (>= 16 equal rows)
+    # the planner's summary: target 0, 16 bytes a row from byte 8, every 32 bytes
+    assert request.rows == (0, 8, 32, 16) and not request.staged
 
 
 def test_a_corrupt_shard_read_through_the_bounce_buffer_fails_its_checksum(ckpt):

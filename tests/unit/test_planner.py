@@ -258,6 +258,7 @@ def test_executing_the_plan_fills_the_target_exactly_once_reading_little_more_th
     assert_reads_stay_in_needed_shards(plan, ckpt)
     assert not any(r.checks for r in plan.requests)
     assert_batches_fit_the_staging_budget(plan, direct_ok, knobs)
+    assert_request_summaries_match_their_spans(plan)
 
     # Verified: every byte read lies in a checksum block (here a whole shard) read whole and
     # checked, and the targets are filled the same.
@@ -268,6 +269,28 @@ def test_executing_the_plan_fills_the_target_exactly_once_reading_little_more_th
     assert_checks_match_the_bytes_read(plan, ckpt)
     assert_shards_read_in_full_are_checked_in_full(plan, ckpt)
     assert_every_byte_read_is_checked(plan, ckpt)
+    assert_request_summaries_match_their_spans(plan)
+
+
+def assert_request_summaries_match_their_spans(plan):
+    """`Request.staged` and `Request.rows` say what walking the spans finds."""
+    for r in plan.requests:
+        assert r.staged == any(kind == STAGING for kind, *_ in r.spans)
+        rows = None
+        spans = r.spans
+        if len(spans) > 1 and all(kind == TARGET for kind, *_ in spans):
+            targets = {plan.transfers[i].target for _, i, _, _ in spans}
+            sizes = {n for *_, n in spans}
+            first, stride = spans[0][2], spans[1][2] - spans[0][2]
+            at = [offset for _, _, offset, _ in spans]
+            if (
+                len(targets) == 1
+                and len(sizes) == 1
+                and stride >= spans[0][3]
+                and at == [first + k * stride for k in range(len(spans))]
+            ):
+                rows = (targets.pop(), first, stride, spans[0][3])
+        assert r.rows == rows, (r.spans[:4], r.rows, rows)
 
 
 def assert_fills_exactly(plan, ckpt, expected, targets):
