@@ -375,9 +375,6 @@ class _ShardIds:
         self._ids: dict[tuple[int, str], dict[int, int]] = {}  # stored shard -> block -> id
         self.verify = verify
 
-    def get(self, key: tuple[int, str], k: int) -> int:
-        return self.ids(key, k, k + 1)[0]
-
     def ids(self, key: tuple[int, str], k0: int, k1: int) -> list[int]:
         """The ids of blocks ``k0 .. k1 - 1`` of stored shard ``key``."""
         known = self._ids.get(key)
@@ -461,9 +458,10 @@ def _coalesce(units, transfers, direct, shard_info, shard_ids, limits) -> list[R
     joins &= rank_col == np.roll(rank_col, 1)
     joins[0] = False
     starts = _group_starts(joins, src, size, gap, max_request, max_spans)
-    staged, uniform = _group_kinds(starts, ids, dst, size, gap, transfers, direct)
+    gapless, staged, uniform = _group_kinds(starts, ids, dst, size, gap, transfers, direct)
     return _requests(
         starts,
+        gapless,
         staged,
         uniform,
         ids.tolist(),
@@ -471,7 +469,6 @@ def _coalesce(units, transfers, direct, shard_info, shard_ids, limits) -> list[R
         dst.tolist(),
         size.tolist(),
         gap.tolist(),
-        np.concatenate(([0], np.cumsum(gap > 0))).tolist(),
         transfers,
         direct,
         shard_info,
@@ -505,11 +502,14 @@ def _group_starts(joins, src, size, gap, max_request: int, max_spans: int) -> li
     return out
 
 
-def _group_kinds(starts, ids, dst, size, gap, transfers, direct) -> tuple[list, list]:
-    """For each group of units (``starts``): whether it stages any unit, and whether its units
-    are equal rows into one target at a fixed stride, with no gap between them
-    (`Request.rows`)."""
+def _group_kinds(starts, ids, dst, size, gap, transfers, direct) -> tuple[list, list, list]:
+    """For each group of units (``starts``): whether no gap lies between its units, whether it
+    stages any unit, and whether its units are equal rows into one target at a fixed stride,
+    with no gap between them (`Request.rows`)."""
     first = np.asarray(starts, dtype=np.int64)
+    inner_gap = gap != 0
+    inner_gap[first] = False  # a gap before a group's first unit is not inside it
+    gapless = ~np.logical_or.reduceat(inner_gap, first)
     direct_of = np.asarray(direct, dtype=bool)[ids]
     staged = np.logical_or.reduceat(~direct_of, first)
     target_of = np.array([t.target for t in transfers], dtype=np.int64)[ids]
@@ -518,7 +518,7 @@ def _group_kinds(starts, ids, dst, size, gap, transfers, direct) -> tuple[list, 
     # unit k breaks its group's rows if it differs from unit k - 1 (k not a group's first)
     breaks = np.zeros(len(ids), dtype=bool)
     breaks[1:] = (
-        (gap[1:] != 0)
+        inner_gap[1:]
         | (size[1:] != size[:-1])
         | (target_of[1:] != target_of[:-1])
         | ~direct_of[1:]
@@ -533,11 +533,12 @@ def _group_kinds(starts, ids, dst, size, gap, transfers, direct) -> tuple[list, 
     second = first + 1
     strides[second[second < len(ids)]] = False
     uniform = ~np.logical_or.reduceat(breaks | strides, first)
-    return staged.tolist(), uniform.tolist()
+    return gapless.tolist(), staged.tolist(), uniform.tolist()
 
 
 def _requests(
     starts,
+    gapless,
     staged,
     uniform,
     ids,
@@ -545,14 +546,13 @@ def _requests(
     dst,
     size,
     gap,
-    gaps_before,
     transfers,
     direct,
     shard_info,
     shard_ids,
 ) -> list[Request]:
-    """The requests of the units grouped by ``starts`` (``gaps_before[k]``: how many units
-    before unit ``k`` follow a gap; ``staged`` and ``uniform``: `_group_kinds`)."""
+    """The requests of the units grouped by ``starts`` (``gapless``, ``staged`` and
+    ``uniform``: `_group_kinds`)."""
     kinds = [TARGET if d else STAGING for d in direct]
     unit_kinds = [kinds[i] for i in ids]
     checked = [shard_ids.verify] * len(transfers)
@@ -587,7 +587,7 @@ def _requests(
             run[:] = [i, size[a], src[a], dst[a], 1, 0, 0]
             continue
         flush()
-        if gaps_before[b] == gaps_before[a + 1]:  # no gap inside: the units are the spans
+        if gapless[g]:  # the units are the spans
             spans = tuple(zip(unit_kinds[a:b], ids[a:b], dst[a:b], size[a:b], strict=True))
         else:
             spans = []
