@@ -2,7 +2,8 @@
 
 One invocation runs the same fault schedule (one SIGKILL per ``--fault-every`` steps, the
 default model, an asynchronous checkpoint every 2 steps) under each of ``--modes``, each once
-without faults and once with them:
+without faults and once with them (FT-HSDP modes ``--reps`` times, each with its own fault-free
+run just before it: this machine's speed drifts by more than the faults cost):
 
 - ``restart`` (a): the demo's job, 4 ranks pp=2 x dp_shard=2 under torch's elastic agent
   (``--launcher warm``, as ``anyshard demo`` launches it, or ``torchrun``): rank 3 dies and the
@@ -317,6 +318,13 @@ def main() -> int:
         help="state size of the heal-rate measurement (0: skip)",
     )
     p.add_argument("--heal-reps", type=int, default=3, help="repetitions of the heal-rate run")
+    p.add_argument(
+        "--reps",
+        type=int,
+        default=1,
+        help="FT-HSDP: runs of each mode, each paired with a fault-free run just before it; "
+        "the table shows the run of the median goodput ratio, and every run's ratio and stalls",
+    )
     p.add_argument("--write-docs", action="store_true")
     args, trainer_args = p.parse_known_args()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -326,17 +334,26 @@ def main() -> int:
     sections = []
     if "restart" in modes:
         sections.append(_restart_table(args, extra, fault_steps))
-    ft = {}
+    runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for mode, heal, back in (
-            ("ft", None, None),
-            ("ft-relayout", "tp=2", None),
-            ("elastic", None, args.back_s),
-        ):
-            if mode in modes:
-                ft[mode] = _ft_columns(
-                    args.steps, fault_steps, extra, heal, args.heartbeat_ms, tmp, back
-                )
+        for rep in range(args.reps):  # each: a fault-free run, then each mode's faulty run
+            rep_dir = os.path.join(tmp, f"rep{rep}")
+            os.makedirs(rep_dir)
+            for mode, heal, back in (
+                ("ft", None, None),
+                ("ft-relayout", "tp=2", None),
+                ("elastic", None, args.back_s),
+            ):
+                if mode in modes:
+                    runs.setdefault(mode, []).append(
+                        _ft_columns(
+                            args.steps, fault_steps, extra, heal, args.heartbeat_ms, rep_dir, back
+                        )
+                    )
+    ft = {}
+    for mode, got in runs.items():  # the run of the median ratio, with every run's ratio
+        got.sort(key=lambda c: c["goodput_faulty"] / c["goodput_clean"])
+        ft[mode] = {**got[len(got) // 2], "runs": got}
     rate = {}
     if args.heal_gib > 0:  # each in fresh processes, the layouts interleaved; median and fastest
         runs: dict[str, list] = {"dp_shard=2": [], "tp=2": []}
@@ -440,6 +457,10 @@ def _ft_table(args, ft, fault_steps, rate):
             ("goodput, no fault / with faults", *[f"{c['goodput_clean']:.1%} / {c['goodput_faulty']:.1%}" for c in cols]),
             ("goodput with faults / without", *[f"{c['goodput_faulty'] / c['goodput_clean']:.1%}" for c in cols]),
             ("healthy group's stall per fault", *[_fmt([x["healthy_stall_s"] for x in fs], "{:.2f} s") for fs in f]),
+            *([
+                (f"goodput with faults / without, each of {args.reps} runs", *[", ".join(f"{r['goodput_faulty'] / r['goodput_clean']:.1%}" for r in c["runs"]) for c in cols]),
+                (f"healthy group's stall per fault, each of {args.reps} runs", *["; ".join(_fmt([x["healthy_stall_s"] for x in r["summary"]["faults"]], "{:.2f}") for r in c["runs"]) + " s" for c in cols]),
+            ] if args.reps > 1 else []),
             ("failed group's recovery (kill -> first step; (d): node away included)", *[_fmt([x["recovery_s"] for x in fs], "{:.1f} s") for fs in f]),
             ("heal source, layout", *[_fmt([f"{x['heal_source']}, {x['heal_layout']}" for x in fs], "{}") for fs in f]),
             ("bytes moved per heal", *[_fmt([x["heal_bytes"] and x["heal_bytes"] / 2**20 for x in fs], "{:.1f} MiB") for fs in f]),
@@ -447,6 +468,7 @@ def _ft_table(args, ft, fault_steps, rate):
             ("heal bit-identical (state digests)", *[_fmt([x["heal_bit_identical"] for x in fs], "{}") for fs in f]),
             ("healthy processes restarted", *[str(c["summary"]["healthy_restarts"]) for c in cols]),
             ("steps the healthy group redid", *[str(c["summary"]["lost_steps"]) for c in cols]),
+            ("steps it saved after losing the other group", *[str(c["summary"].get("rescued_steps", 0)) for c in cols]),
         ]  # fmt: skip
     for into, r in rate.items():
         per = r["seconds"] / r["gib"]

@@ -154,9 +154,29 @@ class DataLoader:
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's (inputs, targets) of the next step, int64 ``[local_batch, seq_len]``
         each, targets being inputs shifted by one token; advances the position by one step."""
-        first = self.samples_consumed + self.dp_rank * self.local_batch
-        rows = self._samples(first, self.local_batch)
+        batch = self.batch_at(self.samples_consumed, self.dp_rank, self.dp_size)
         self.samples_consumed += self.global_batch
+        return batch
+
+    def batch_at(
+        self, position: int, dp_rank: int, dp_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank ``dp_rank`` of ``dp_size``'s (inputs, targets) of the step whose global batch
+        starts at sample ``position``; the position does not move. A fault-tolerant replica
+        group trains a lost group's share of a step with it.
+
+        >>> loader = DataLoader(torch.arange(100), seq_len=4, global_batch=4, dp_rank=0, dp_size=2,
+        ...                     seed=0)
+        >>> loader.batch_at(0, 1, 4)[0].tolist() == loader.next_batch()[0][1:].tolist()
+        True
+        """
+        if self.global_batch % dp_size or not 0 <= dp_rank < dp_size:
+            raise ValueError(
+                f"rank {dp_rank} of dp_size {dp_size} has no share of a global batch of "
+                f"{self.global_batch}: dp_size must divide it and dp_rank lie in [0, dp_size)"
+            )
+        local = self.global_batch // dp_size
+        rows = self._samples(position + dp_rank * local, local)
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
     def peek_global_batch(self, step: int) -> torch.Tensor:

@@ -211,6 +211,7 @@ def summarize(run_dir: str, scenario: str = "ft-hsdp") -> dict[str, Any]:
         max(0, sum(1 for e in groups[r]["events"] if e["event"] == "start") - 1) for r in healthy
     )
     lost = sum(1 for r in healthy for e in groups[r]["events"] if e["event"] == "uncommitted")
+    rescued = sum(1 for r in healthy for e in groups[r]["events"] if e["event"] == "rescued")
     goodput = None
     if healthy:  # the share of the healthy groups' training time not lost to the faults
         times = sorted(x["time"] for x in groups[healthy[0]]["losses"])
@@ -223,6 +224,7 @@ def summarize(run_dir: str, scenario: str = "ft-hsdp") -> dict[str, Any]:
         "faults": faults,
         "healthy_restarts": healthy_restarts,
         "lost_steps": lost,
+        "rescued_steps": rescued,
         "goodput": goodput,
     }
 
@@ -298,7 +300,7 @@ def print_summary(summary: dict[str, Any], log: Callable[[str], None] = print) -
     goodput = f"{summary['goodput']:.1%}" if summary["goodput"] is not None else "-"
     log(
         f"healthy restarts {summary['healthy_restarts']}; lost steps {summary['lost_steps']}; "
-        f"goodput {goodput}"
+        f"steps saved after losing a group {summary.get('rescued_steps', 0)}; goodput {goodput}"
     )
 
 

@@ -37,6 +37,10 @@ __all__ = ["Parallel", "TrainStep", "build", "setup_mesh"]
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
 
+# a rescue of a step that lost groups: the batches of their shares this group trains, and the
+# factor the summed gradients take before the average over the new quorum
+RescuePlan = tuple[list[tuple[torch.Tensor, torch.Tensor]], float]
+
 
 @dataclass
 class Parallel:
@@ -301,6 +305,11 @@ class TrainStep:
         # apply the step (FT-HSDP sets it: the cross-group gradient average and commit vote)
         self.replica_sync: Callable[[nn.Module], bool] | None = None
         self.committed = True  # whether the last call applied its optimizer step
+        # FT-HSDP, after a step the quorum did not commit: the new quorum's rescue plan (the
+        # batches of lost groups' shares this group trains, and the factor its summed
+        # gradients take), or None to drop the step
+        self.replica_rescue: Callable[[], RescuePlan | None] | None = None
+        self.rescued = 0  # lost groups' shares the last call trained to save its step
         self.schedule = None
         if par.cfg.pp > 1:
             from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -336,6 +345,30 @@ class TrainStep:
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         par = self.par
+        local = self._forward_backward(inputs, targets)
+        self.committed = True
+        self.rescued = 0
+        if self.replica_sync is not None:  # FT-HSDP: average over replica groups, then vote
+            self.committed = self.replica_sync(self.model)
+            if not self.committed and self.replica_rescue is not None:
+                local = self._rescue(local)
+        if self.committed:
+            self._settle_grads()
+            if self.grad_clip > 0:
+                self._clip()
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        # the global mean: every data rank's (and cp chunk's) last-stage loss, averaged
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(local)
+            holders = par.data_size * par.cfg.cp * par.cfg.tp
+            return float(local) / holders
+        return float(local)
+
+    def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one batch (gradients accumulate, summed over the tied and
+        expert copies); this rank's loss, float64."""
+        par = self.par
         if par.cfg.cp > 1:  # this rank's contiguous chunk of the sequence
             n = inputs.shape[1] // par.cfg.cp
             c = par.coords["cp"]
@@ -357,21 +390,38 @@ class TrainStep:
                 self.schedule.step()
         self._sync_tied_grads()
         self._sync_expert_grads()
-        self.committed = True
-        if self.replica_sync is not None:  # FT-HSDP: average over replica groups, then vote
-            self.committed = self.replica_sync(self.model)
-        if self.committed:
-            self._settle_grads()
-            if self.grad_clip > 0:
-                self._clip()
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        # the global mean: every data rank's (and cp chunk's) last-stage loss, averaged
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(local)
-            holders = par.data_size * par.cfg.cp * par.cfg.tp
-            return float(local) / holders
-        return float(local)
+        return local
+
+    def _rescue(self, local: torch.Tensor) -> torch.Tensor:
+        """Save a step the quorum did not commit, when groups were lost during it: this
+        group's gradients stay, it trains (a part of) the lost groups' shares of the batch as
+        the new quorum assigns them, and the sum, scaled, is averaged over the new quorum.
+        Sets ``committed``; returns the loss over every share trained."""
+        plan = self.replica_rescue() if self.replica_rescue is not None else None
+        if plan is None:
+            return local
+        batches, scale = plan
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        kept = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        for inputs, targets in batches:
+            local = local + self._forward_backward(inputs, targets)
+        for p, k in zip(params, kept, strict=True):
+            g = p.grad
+            if k is not None and g is not None:
+                k_place, g_place = getattr(k, "placements", None), getattr(g, "placements", None)
+                if g_place is not None and g_place != k_place:
+                    g = g.redistribute(g.device_mesh, k_place)
+                g = k + g
+            elif k is not None:
+                g = k
+            if g is not None:
+                g.mul_(scale)
+            p.grad = g
+        self.rescued = len(batches)
+        self.committed = self.replica_sync(self.model) if self.replica_sync else False
+        return local / (1 + len(batches))
 
     def _tied_param(self) -> nn.Parameter | None:
         if self._tied_group is None:

@@ -29,8 +29,12 @@ import torch.distributed as dist
 
 from anyshard.api.redistribute import redistribute
 from anyshard.trainer_integration.ft import AnyshardTransport
+from anyshard.trainer_integration.gpt.parallel import RescuePlan
 
 __all__ = ["ReplicaGroup"]
+
+# the probe's slots (see ReplicaGroup._probe): 0-2 the layout, then these
+_RESCUING, _FRESH, _GROUPS, _HELD = 3, 4, 5, 7
 
 
 def _layout_code(name: str) -> float:
@@ -127,6 +131,10 @@ class ReplicaGroup:
         )
         self._canon: dict[str, Any] | None = None
         self.reduce_s = 0.0
+        self._step_share: tuple[int, int] | None = None  # (groups, this group's rank) this step
+        self._in_rescue = False  # the next sync averages a rescued step
+        self.rescue_event: dict[str, Any] | None = None  # a heal the rescue's quorum ran
+        self.rescue_info: dict[str, Any] | None = None  # what the last rescue trained
 
     def _state_dict(self) -> dict[str, Any]:
         return self.state.state_dict()
@@ -142,6 +150,11 @@ class ReplicaGroup:
         """Join this step's quorum (healing from a peer if this group is behind, or serving a
         group that is); returns what a heal moved (this group's ranks together), if one ran:
         ``event`` "heal" (this group healed) or "heal_sent"."""
+        self._step_share = None
+        self.rescue_info = self.rescue_event = None
+        return self._join()
+
+    def _join(self) -> dict[str, Any] | None:
         before = self.transport.last
         start = time.perf_counter()
         self.manager.start_quorum()
@@ -170,32 +183,63 @@ class ReplicaGroup:
         """This rank's (dp_rank, dp_size) in this step's global batch: the groups in the quorum
         split the whole batch between them, so a step processes every sample of its batch
         whatever the number of groups (the configured share when the batch does not split)."""
-        t, p = self.cfg.train, self.cfg.parallel
         n, r = self.manager.num_participants(), self.manager.participating_rank()
-        size = n * data_size
-        fits = r is not None and n > 0 and t.global_batch % size == 0
-        if fits and p.pp > 1:
-            fits = (t.global_batch // size) % p.microbatches == 0
-        if not fits:
+        if r is None or not self._splits(n, data_size):
+            self._step_share = None
             return self.replica * data_size + data_rank, self.cfg.ft.replicas * data_size
-        return r * data_size + data_rank, size
+        self._step_share = (n, r)
+        return r * data_size + data_rank, n * data_size
+
+    def _splits(self, groups: int, data_size: int) -> bool:
+        """Whether a step's global batch splits between ``groups`` groups of ``data_size``
+        data ranks (and, with pipeline stages, each share into the microbatches)."""
+        t, p = self.cfg.train, self.cfg.parallel
+        size = groups * data_size
+        if groups < 1 or t.global_batch % size:
+            return False
+        return p.pp == 1 or (t.global_batch // size) % p.microbatches == 0
 
     def is_primary(self) -> bool:
         """Whether this group writes the storage checkpoints (the quorum's first replica)."""
         return self.manager.participating_rank() == 0
 
+    def _probe(self, *, rescue: tuple[int, int] | None = None, refuse: bool = False):
+        """The small reduction (MAX) every group makes before its gradients' average: the
+        layouts (whether they differ, whether one has pipeline stages) and what a rescue needs
+        (whether a group saves a step in this quorum, or runs a fresh one; the step's former
+        group count and which of its shares are held). None if it failed (a peer gone)."""
+        slots = self.cfg.ft.replicas
+        code = _layout_code(self.layout)
+        probe = torch.zeros(_HELD + slots + 1, dtype=torch.float64)
+        probe[0], probe[1], probe[2] = code, -code, float(self.cfg.parallel.pp)
+        if rescue is not None:
+            n, r = rescue
+            probe[_RESCUING], probe[_GROUPS], probe[_GROUPS + 1] = 1.0, n, -n
+            probe[_HELD + r] = 1.0
+        elif not self._in_rescue:
+            probe[_FRESH] = 1.0
+        probe[_HELD + slots] = float(refuse)
+        self.manager.allreduce(probe, reduce_op=dist.ReduceOp.MAX).wait()
+        return None if self.manager.errored() else probe
+
     @torch.no_grad()
     def sync(self, model) -> bool:
-        """Average the gradients over the groups of the quorum; whether the step commits."""
+        """Average the gradients over the groups of the quorum; whether the step commits.
+        The gradients change only if it commits: a step that does not can be rescued."""
         start = time.perf_counter()
         params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         for _, p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        code = _layout_code(self.layout)
-        pp = float(self.cfg.parallel.pp)
-        probe = torch.tensor([code, -code, pp], dtype=torch.float64)
-        self.manager.allreduce(probe, reduce_op=dist.ReduceOp.MAX).wait()
+        rescuing, self._in_rescue = self._in_rescue, False
+        probe = self._probe()
+        if probe is None:
+            return self.manager.should_commit()
+        if probe[_RESCUING] > 0 and not rescuing:
+            # groups of this quorum are saving the step they lost a peer in; this group's
+            # fresh step (it has just joined) is redone in the next quorum, with them
+            self.manager.report_error(RuntimeError("a peer group is rescuing its step"))
+            return self.manager.should_commit()
         mixed = float(probe[0]) != -float(probe[1])
         if mixed and float(probe[2]) > 1:  # every group sees it: none waits for the others
             raise RuntimeError(
@@ -205,27 +249,81 @@ class ReplicaGroup:
                 "group a layout without pp, or the same layout (ft.heal_layout)"
             )
         if mixed:
-            self._reduce_canonical(params)
+            apply = self._reduce_canonical(params)
         else:
-            self._reduce([p.grad for _, p in params])
+            apply = self._reduce([p.grad for _, p in params])
+        committed = self.manager.should_commit()
+        if committed:
+            apply()
         self.reduce_s += time.perf_counter() - start
-        return self.manager.should_commit()
+        return committed
 
-    def _reduce(self, grads: list[torch.Tensor]) -> None:
-        """Average local tensors over the groups (rank r of every group holds the same part)."""
+    def rescue(self, loader, data_rank: int, data_size: int) -> RescuePlan | None:
+        """After a step the quorum did not commit: the next quorum, and if it keeps only
+        groups that trained the step (a peer was lost), the plan that saves it. Every such
+        group keeps its gradients and trains a part of the lost groups' shares of the same
+        batch; the sum, scaled by (groups now / groups then), averages to the full batch's
+        gradient. None when the step is to be redone instead (a group joined, a share did
+        not split, a rank's reduction failed). ``rescue_event`` is what the quorum's heal
+        moved, if one ran."""
+        share, self._step_share = self._step_share, None
+        self.rescue_event = self.rescue_info = None
+        if share is None:
+            return None
+        self.rescue_event = self._join()
+        n, r = self.manager.num_participants(), self.manager.participating_rank()
+        healed = self.rescue_event is not None and self.rescue_event["event"] == "heal"
+        refuse = healed or r is None or not self._splits(n, data_size)
+        probe = self._probe(rescue=share, refuse=refuse)
+        ok = (
+            probe is not None
+            and probe[_FRESH] == 0
+            and probe[_HELD + self.cfg.ft.replicas] == 0
+            and probe[_GROUPS] == -probe[_GROUPS + 1]
+        )
+        agreed = torch.tensor([1.0 if ok else 0.0])
+        if dist.is_initialized():  # the group's ranks decide together
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        if not agreed.item():
+            return None
+        before = int(probe[_GROUPS])
+        held = probe[_HELD : _HELD + before]
+        lost = [g for g in range(before) if held[g] == 0]
+        position = loader.samples_consumed - loader.global_batch  # the step's first sample
+        batches = [
+            loader.batch_at(position, g * data_size + data_rank, before * data_size)
+            for g in lost[r::n]
+        ]
+        self._in_rescue = True
+        self.rescue_info = {
+            "groups_before": before,
+            "groups_now": n,
+            "lost": lost,
+            "trained": lost[r::n],
+        }
+        return batches, n / before
+
+    def _reduce(self, grads: list[torch.Tensor]):
+        """Average local tensors over the groups (rank r of every group holds the same part);
+        returns what writes the average into them."""
         locals_ = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
         if not locals_:
-            return
+            return lambda: None
         flat = torch.cat([x.reshape(-1).to(torch.float32) for x in locals_])
         self.manager.allreduce(flat).wait()
-        off = 0
-        for x in locals_:
-            n = x.numel()
-            x.copy_(flat[off : off + n].view(x.shape))
-            off += n
 
-    def _reduce_canonical(self, params) -> None:
-        """Average gradients of differing layouts: through row chunks over this group's ranks."""
+        def apply() -> None:
+            off = 0
+            for x in locals_:
+                n = x.numel()
+                x.copy_(flat[off : off + n].view(x.shape))
+                off += n
+
+        return apply
+
+    def _reduce_canonical(self, params):
+        """Average gradients of differing layouts: through row chunks over this group's ranks;
+        returns what moves the average back into them."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor import empty as dt_empty
@@ -244,8 +342,8 @@ class ReplicaGroup:
                 p.grad = g.redistribute(g.device_mesh, whole)
         native = {n: p.grad for n, p in params}
         redistribute(native, self._canon)
-        self._reduce(list(self._canon.values()))
-        redistribute(self._canon, native)
+        apply = self._reduce(list(self._canon.values()))
+        return lambda: (apply(), redistribute(self._canon, native))
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)

@@ -414,6 +414,7 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
 
         replicas = ReplicaGroup(cfg, state, layout)
         step_fn.replica_sync = replicas.sync
+        step_fn.replica_rescue = lambda: replicas.rescue(state.loader, par.data_rank, par.data_size)
     # The state dict, taken now, before the first step: the first save does not walk the model
     # inside the loop, and a restarted replica group's first quorum (which waits for the state
     # dict a heal fills) does not either, which would hold the healthy group up
@@ -478,6 +479,14 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
         loss = step_fn(inputs, targets)
         if t.min_step_s > 0:  # a larger model's step time: faults land mid-run
             time.sleep(max(0.0, t.min_step_s - (time.perf_counter() - step_began)))
+        if replicas is not None and rank == 0:  # a step saved after a peer was lost
+            path, now = os.path.join(cfg.run_dir, "events.jsonl"), time.time()
+            if replicas.rescue_event is not None:
+                event = {**replicas.rescue_event, "step": state.step, "layout": layout}
+                _append(path, {**event, "attempt": _attempt(), "time": now})
+            if replicas.rescue_info is not None and step_fn.committed:
+                event = {"event": "rescued", "step": state.step, **replicas.rescue_info}
+                _append(path, {**event, "time": now})
         if not step_fn.committed:  # the quorum did not commit: redo this step's batch
             loader.samples_consumed -= loader.global_batch
             if rank == 0:
@@ -497,6 +506,8 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
             if replicas is not None:  # the groups that took part, and this group's data share
                 record["groups"] = replicas.manager.num_participants()
                 record["share"] = [loader.dp_rank // par.data_size, loader.dp_size // par.data_size]
+                if replicas.rescue_info is not None:  # the lost groups' shares it trained too
+                    record["shares"] = 1 + len(replicas.rescue_info["trained"])
             _append(os.path.join(cfg.run_dir, "losses.jsonl"), record)
             if first:
                 event = {
