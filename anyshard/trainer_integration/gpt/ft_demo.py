@@ -210,8 +210,10 @@ def summarize(run_dir: str, scenario: str = "ft-hsdp") -> dict[str, Any]:
     healthy_restarts = sum(  # every start of a healthy group after its first
         max(0, sum(1 for e in groups[r]["events"] if e["event"] == "start") - 1) for r in healthy
     )
-    lost = sum(1 for r in healthy for e in groups[r]["events"] if e["event"] == "uncommitted")
+    # a step that did not commit is lost unless the next quorum saved it ("rescued")
     rescued = sum(1 for r in healthy for e in groups[r]["events"] if e["event"] == "rescued")
+    failed = sum(1 for r in healthy for e in groups[r]["events"] if e["event"] == "uncommitted")
+    lost = failed - rescued
     goodput = None
     if healthy:  # the share of the healthy groups' training time not lost to the faults
         times = sorted(x["time"] for x in groups[healthy[0]]["losses"])

@@ -37,10 +37,6 @@ __all__ = ["Parallel", "TrainStep", "build", "setup_mesh"]
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
 
-# a rescue of a step that lost groups: the batches of their shares this group trains, and the
-# factor the summed gradients take before the average over the new quorum
-RescuePlan = tuple[list[tuple[torch.Tensor, torch.Tensor]], float]
-
 
 @dataclass
 class Parallel:
@@ -305,11 +301,10 @@ class TrainStep:
         # apply the step (FT-HSDP sets it: the cross-group gradient average and commit vote)
         self.replica_sync: Callable[[nn.Module], bool] | None = None
         self.committed = True  # whether the last call applied its optimizer step
-        # FT-HSDP, after a step the quorum did not commit: the new quorum's rescue plan (the
-        # batches of lost groups' shares this group trains, and the factor its summed
-        # gradients take), or None to drop the step
-        self.replica_rescue: Callable[[], RescuePlan | None] | None = None
-        self.rescued = 0  # lost groups' shares the last call trained to save its step
+        # FT-HSDP: keep the gradients of a step the quorum did not commit, so that the next
+        # quorum can save it (`resume`) instead of redoing it; the next plain call drops them
+        self.keep_uncommitted = False
+        self._kept_loss: torch.Tensor | None = None
         self.schedule = None
         if par.cfg.pp > 1:
             from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -344,20 +339,55 @@ class TrainStep:
                 self._expert_group = mesh.get_group()
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        if self._kept_loss is not None:  # an uncommitted step that is not being saved
+            self.optimizer.zero_grad(set_to_none=True)
+            self._kept_loss = None
+        return self._finish(self._forward_backward(inputs, targets), keep=self.keep_uncommitted)
+
+    def resume(self, batches: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> float:
+        """Save the last step, which the quorum did not commit (FT-HSDP lost a group during
+        it): to the gradients it kept, add those of ``batches`` (the lost groups' shares of the
+        same batch that this group trains), scale the sum, and average, vote and step as a
+        call does. Its loss is the mean over every share this group trained."""
+        if self._kept_loss is None:
+            raise RuntimeError("no uncommitted step's gradients are kept to resume")
+        local, self._kept_loss = self._kept_loss, None
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        kept = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        for inputs, targets in batches:
+            local = local + self._forward_backward(inputs, targets)
+        for p, k in zip(params, kept, strict=True):
+            g = p.grad
+            if k is not None and g is not None:
+                k_place, g_place = getattr(k, "placements", None), getattr(g, "placements", None)
+                if g_place is not None and g_place != k_place:
+                    g = g.redistribute(g.device_mesh, k_place)
+                g = k + g
+            elif k is not None:
+                g = k
+            if g is not None:
+                g.mul_(scale)
+            p.grad = g
+        return self._finish(local / (1 + len(batches)), keep=False)
+
+    def _finish(self, local: torch.Tensor, *, keep: bool) -> float:
+        """Average over the replica groups and vote (FT-HSDP), step the optimizer if the step
+        commits; keep the gradients of one that does not if ``keep``. Returns the loss."""
         par = self.par
-        local = self._forward_backward(inputs, targets)
         self.committed = True
-        self.rescued = 0
         if self.replica_sync is not None:  # FT-HSDP: average over replica groups, then vote
             self.committed = self.replica_sync(self.model)
-            if not self.committed and self.replica_rescue is not None:
-                local = self._rescue(local)
         if self.committed:
             self._settle_grads()
             if self.grad_clip > 0:
                 self._clip()
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.committed or not keep:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self._kept_loss = local.clone()
         # the global mean: every data rank's (and cp chunk's) last-stage loss, averaged
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(local)
@@ -391,37 +421,6 @@ class TrainStep:
         self._sync_tied_grads()
         self._sync_expert_grads()
         return local
-
-    def _rescue(self, local: torch.Tensor) -> torch.Tensor:
-        """Save a step the quorum did not commit, when groups were lost during it: this
-        group's gradients stay, it trains (a part of) the lost groups' shares of the batch as
-        the new quorum assigns them, and the sum, scaled, is averaged over the new quorum.
-        Sets ``committed``; returns the loss over every share trained."""
-        plan = self.replica_rescue() if self.replica_rescue is not None else None
-        if plan is None:
-            return local
-        batches, scale = plan
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        kept = [p.grad for p in params]
-        for p in params:
-            p.grad = None
-        for inputs, targets in batches:
-            local = local + self._forward_backward(inputs, targets)
-        for p, k in zip(params, kept, strict=True):
-            g = p.grad
-            if k is not None and g is not None:
-                k_place, g_place = getattr(k, "placements", None), getattr(g, "placements", None)
-                if g_place is not None and g_place != k_place:
-                    g = g.redistribute(g.device_mesh, k_place)
-                g = k + g
-            elif k is not None:
-                g = k
-            if g is not None:
-                g.mul_(scale)
-            p.grad = g
-        self.rescued = len(batches)
-        self.committed = self.replica_sync(self.model) if self.replica_sync else False
-        return local / (1 + len(batches))
 
     def _tied_param(self) -> nn.Parameter | None:
         if self._tied_group is None:

@@ -29,12 +29,8 @@ import torch.distributed as dist
 
 from anyshard.api.redistribute import redistribute
 from anyshard.trainer_integration.ft import AnyshardTransport
-from anyshard.trainer_integration.gpt.parallel import RescuePlan
 
 __all__ = ["ReplicaGroup"]
-
-# the probe's slots (see ReplicaGroup._probe): 0-2 the layout, then these
-_RESCUING, _FRESH, _GROUPS, _HELD = 3, 4, 5, 7
 
 
 def _layout_code(name: str) -> float:
@@ -132,9 +128,10 @@ class ReplicaGroup:
         self._canon: dict[str, Any] | None = None
         self.reduce_s = 0.0
         self._step_share: tuple[int, int] | None = None  # (groups, this group's rank) this step
-        self._in_rescue = False  # the next sync averages a rescued step
-        self.rescue_event: dict[str, Any] | None = None  # a heal the rescue's quorum ran
-        self.rescue_info: dict[str, Any] | None = None  # what the last rescue trained
+        self._kept: tuple[int, int] | None = None  # the share of an uncommitted step, kept
+        self._lost: tuple[int, list[int]] | None = None  # this step saves the last: (groups, lost)
+        self._resuming = False  # the step being averaged is a saved one
+        self.rescue_info: dict[str, Any] | None = None  # what this step's rescue trains
 
     def _state_dict(self) -> dict[str, Any]:
         return self.state.state_dict()
@@ -148,11 +145,43 @@ class ReplicaGroup:
 
     def start_step(self) -> dict[str, Any] | None:
         """Join this step's quorum (healing from a peer if this group is behind, or serving a
-        group that is); returns what a heal moved (this group's ranks together), if one ran:
+        group that is), and agree with the quorum whether this step saves the last one (see
+        `rescue`); returns what a heal moved (this group's ranks together), if one ran:
         ``event`` "heal" (this group healed) or "heal_sent"."""
-        self._step_share = None
-        self.rescue_info = self.rescue_event = None
-        return self._join()
+        self._step_share, self.rescue_info = None, None
+        healed = self._join()
+        self._lost = self._agree(healed is not None and healed["event"] == "heal")
+        return healed
+
+    def _agree(self, healed: bool) -> tuple[int, list[int]] | None:
+        """Whether the quorum just joined saves the step the previous one did not commit: when
+        every group in it kept its gradients of that step, split between the same groups, and
+        none joined or healed since. Then (groups of that split, the shares of the groups lost
+        since). One small reduction (MAX) across the quorum every step, and one in the group:
+        every participant and every rank decides alike, and one quorum per step keeps the
+        groups in step."""
+        kept, self._kept = self._kept, None
+        slots = self.cfg.ft.replicas
+        held = torch.zeros(slots + 3, dtype=torch.float64)
+        if kept is None or healed:
+            held[slots + 2] = 1.0  # a fresh step: nobody saves the last one
+        else:
+            groups, rank = kept
+            held[rank], held[slots], held[slots + 1] = 1.0, groups, -groups
+        self.manager.allreduce(held, reduce_op=dist.ReduceOp.MAX).wait()
+        ok = (
+            self.manager.errored() is None
+            and held[slots + 2] == 0
+            and held[slots] == -held[slots + 1]
+            and self.manager.participating_rank() is not None
+        )
+        agreed = torch.tensor([1.0 if ok else 0.0])
+        if dist.is_initialized():
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        if not agreed.item():
+            return None
+        groups = int(held[slots])
+        return groups, [g for g in range(groups) if held[g] == 0]
 
     def _join(self) -> dict[str, Any] | None:
         before = self.transport.last
@@ -203,104 +232,64 @@ class ReplicaGroup:
         """Whether this group writes the storage checkpoints (the quorum's first replica)."""
         return self.manager.participating_rank() == 0
 
-    def _probe(self, *, rescue: tuple[int, int] | None = None, refuse: bool = False):
-        """The small reduction (MAX) every group makes before its gradients' average: the
-        layouts (whether they differ, whether one has pipeline stages) and what a rescue needs
-        (whether a group saves a step in this quorum, or runs a fresh one; the step's former
-        group count and which of its shares are held). None if it failed (a peer gone)."""
-        slots = self.cfg.ft.replicas
-        code = _layout_code(self.layout)
-        probe = torch.zeros(_HELD + slots + 1, dtype=torch.float64)
-        probe[0], probe[1], probe[2] = code, -code, float(self.cfg.parallel.pp)
-        if rescue is not None:
-            n, r = rescue
-            probe[_RESCUING], probe[_GROUPS], probe[_GROUPS + 1] = 1.0, n, -n
-            probe[_HELD + r] = 1.0
-        elif not self._in_rescue:
-            probe[_FRESH] = 1.0
-        probe[_HELD + slots] = float(refuse)
-        self.manager.allreduce(probe, reduce_op=dist.ReduceOp.MAX).wait()
-        return None if self.manager.errored() else probe
-
     @torch.no_grad()
     def sync(self, model) -> bool:
         """Average the gradients over the groups of the quorum; whether the step commits.
-        The gradients change only if it commits: a step that does not can be rescued."""
+        The gradients change only if it commits: a step that does not can be saved by the next
+        quorum (`rescue`), which this group then offers."""
         start = time.perf_counter()
+        resuming, self._resuming = self._resuming, False
         params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         for _, p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        rescuing, self._in_rescue = self._in_rescue, False
-        probe = self._probe()
-        if probe is None:
-            return self.manager.should_commit()
-        if probe[_RESCUING] > 0 and not rescuing:
-            # groups of this quorum are saving the step they lost a peer in; this group's
-            # fresh step (it has just joined) is redone in the next quorum, with them
-            self.manager.report_error(RuntimeError("a peer group is rescuing its step"))
-            return self.manager.should_commit()
-        mixed = float(probe[0]) != -float(probe[1])
-        if mixed and float(probe[2]) > 1:  # every group sees it: none waits for the others
-            raise RuntimeError(
-                f"replica group {self.replica} ({self.layout}) meets a group of another layout, "
-                f"and one of them has pipeline stages (pp={int(probe[2])}): gradients are "
-                "averaged across differing layouts only without pipeline stages; give every "
-                "group a layout without pp, or the same layout (ft.heal_layout)"
-            )
-        if mixed:
-            apply = self._reduce_canonical(params)
-        else:
-            apply = self._reduce([p.grad for _, p in params])
+        code = _layout_code(self.layout)
+        pp = float(self.cfg.parallel.pp)
+        probe = torch.tensor([code, -code, pp], dtype=torch.float64)
+        self.manager.allreduce(probe, reduce_op=dist.ReduceOp.MAX).wait()
+        apply = None
+        if self.manager.errored() is None:  # a failed probe holds garbage: the step fails
+            mixed = float(probe[0]) != -float(probe[1])
+            if mixed and float(probe[2]) > 1:  # every group sees it: none waits for the others
+                raise RuntimeError(
+                    f"replica group {self.replica} ({self.layout}) meets a group of another "
+                    f"layout, and one of them has pipeline stages (pp={int(probe[2])}): "
+                    "gradients are averaged across differing layouts only without pipeline "
+                    "stages; give every group a layout without pp, or the same layout "
+                    "(ft.heal_layout)"
+                )
+            if mixed:
+                apply = self._reduce_canonical(params)
+            else:
+                apply = self._reduce([p.grad for _, p in params])
         committed = self.manager.should_commit()
-        if committed:
+        if committed and apply is not None:
             apply()
+        elif not committed and not resuming:
+            self._kept = self._step_share
         self.reduce_s += time.perf_counter() - start
         return committed
 
-    def rescue(self, loader, data_rank: int, data_size: int) -> RescuePlan | None:
-        """After a step the quorum did not commit: the next quorum, and if it keeps only
-        groups that trained the step (a peer was lost), the plan that saves it. Every such
-        group keeps its gradients and trains a part of the lost groups' shares of the same
-        batch; the sum, scaled by (groups now / groups then), averages to the full batch's
-        gradient. None when the step is to be redone instead (a group joined, a share did
-        not split, a rank's reduction failed). ``rescue_event`` is what the quorum's heal
-        moved, if one ran."""
-        share, self._step_share = self._step_share, None
-        self.rescue_event = self.rescue_info = None
-        if share is None:
+    def rescue(self, loader, data_rank: int, data_size: int):
+        """The batches and the factor that save the last step, which the quorum did not commit
+        because groups were lost during it, or None when this step is a fresh one.
+
+        The groups that trained it kept their gradients, and the quorum now holds only them
+        (`start_step` agreed on it). Each trains a part of the lost groups' shares of the same
+        batch, adds those gradients to its own and scales the sum by (groups now / groups
+        then): their average over the quorum is the gradient of the whole batch, the same as
+        the uninterrupted step's. Pass the result to ``TrainStep.resume``."""
+        if self._lost is None:
             return None
-        self.rescue_event = self._join()
+        before, lost = self._lost
         n, r = self.manager.num_participants(), self.manager.participating_rank()
-        healed = self.rescue_event is not None and self.rescue_event["event"] == "heal"
-        refuse = healed or r is None or not self._splits(n, data_size)
-        probe = self._probe(rescue=share, refuse=refuse)
-        ok = (
-            probe is not None
-            and probe[_FRESH] == 0
-            and probe[_HELD + self.cfg.ft.replicas] == 0
-            and probe[_GROUPS] == -probe[_GROUPS + 1]
-        )
-        agreed = torch.tensor([1.0 if ok else 0.0])
-        if dist.is_initialized():  # the group's ranks decide together
-            dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-        if not agreed.item():
-            return None
-        before = int(probe[_GROUPS])
-        held = probe[_HELD : _HELD + before]
-        lost = [g for g in range(before) if held[g] == 0]
-        position = loader.samples_consumed - loader.global_batch  # the step's first sample
+        mine = lost[r::n]
+        position = loader.samples_consumed - loader.global_batch  # this step's first sample
         batches = [
-            loader.batch_at(position, g * data_size + data_rank, before * data_size)
-            for g in lost[r::n]
+            loader.batch_at(position, g * data_size + data_rank, before * data_size) for g in mine
         ]
-        self._in_rescue = True
-        self.rescue_info = {
-            "groups_before": before,
-            "groups_now": n,
-            "lost": lost,
-            "trained": lost[r::n],
-        }
+        self._resuming = True
+        self.rescue_info = {"groups_before": before, "groups_now": n, "lost": lost, "trained": mine}
         return batches, n / before
 
     def _reduce(self, grads: list[torch.Tensor]):

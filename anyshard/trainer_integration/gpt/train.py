@@ -414,7 +414,7 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
 
         replicas = ReplicaGroup(cfg, state, layout)
         step_fn.replica_sync = replicas.sync
-        step_fn.replica_rescue = lambda: replicas.rescue(state.loader, par.data_rank, par.data_size)
+        step_fn.keep_uncommitted = True
     # The state dict, taken now, before the first step: the first save does not walk the model
     # inside the loop, and a restarted replica group's first quorum (which waits for the state
     # dict a heal fills) does not either, which would hold the healthy group up
@@ -476,17 +476,14 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
             if mode == "raise":
                 raise RuntimeError(f"injected fault on rank {rank} at step {state.step}")
             os.kill(os.getpid(), signal.SIGKILL)
-        loss = step_fn(inputs, targets)
+        # FT-HSDP: the quorum may save the last step, which lost a group, instead of redoing it
+        rescue = None if replicas is None else replicas.rescue(loader, par.data_rank, par.data_size)
+        loss = step_fn(inputs, targets) if rescue is None else step_fn.resume(*rescue)
         if t.min_step_s > 0:  # a larger model's step time: faults land mid-run
             time.sleep(max(0.0, t.min_step_s - (time.perf_counter() - step_began)))
-        if replicas is not None and rank == 0:  # a step saved after a peer was lost
-            path, now = os.path.join(cfg.run_dir, "events.jsonl"), time.time()
-            if replicas.rescue_event is not None:
-                event = {**replicas.rescue_event, "step": state.step, "layout": layout}
-                _append(path, {**event, "attempt": _attempt(), "time": now})
-            if replicas.rescue_info is not None and step_fn.committed:
-                event = {"event": "rescued", "step": state.step, **replicas.rescue_info}
-                _append(path, {**event, "time": now})
+        if rescue is not None and step_fn.committed and rank == 0:
+            event = {"event": "rescued", "step": state.step, **replicas.rescue_info}
+            _append(os.path.join(cfg.run_dir, "events.jsonl"), {**event, "time": time.time()})
         if not step_fn.committed:  # the quorum did not commit: redo this step's batch
             loader.samples_consumed -= loader.global_batch
             if rank == 0:
@@ -506,7 +503,7 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
             if replicas is not None:  # the groups that took part, and this group's data share
                 record["groups"] = replicas.manager.num_participants()
                 record["share"] = [loader.dp_rank // par.data_size, loader.dp_size // par.data_size]
-                if replicas.rescue_info is not None:  # the lost groups' shares it trained too
+                if rescue is not None:  # the lost groups' shares it trained too
                     record["shares"] = 1 + len(replicas.rescue_info["trained"])
             _append(os.path.join(cfg.run_dir, "losses.jsonl"), record)
             if first:
