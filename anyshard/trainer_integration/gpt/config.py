@@ -206,6 +206,9 @@ class FtConfig:
     # so that it heals into another layout than the healthy groups'
     heal_layout: str | None = None
     timeout_s: float = 30.0  # collectives, quorums and heals across groups
+    # a job's first step waits up to this long for every group to be in its quorum (groups that
+    # start a little apart otherwise run the first steps short-handed); 0: it does not wait
+    wait_all_s: float = 0.0
     # log a digest of the whole logical state after each heal (both sides) and at the end:
     # a check that heals are bit-identical; it gathers every tensor
     check_heals: bool = False

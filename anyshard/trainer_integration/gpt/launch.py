@@ -181,6 +181,7 @@ def launch_replicas(
     heartbeat_ms: int = 1000,
     lose: Sequence[tuple[int, int, float | None]] = (),
     min_replicas: int = 1,
+    join_ms: int = 100,
 ) -> int:
     """FT-HSDP: ``replicas`` groups of ``nproc`` ranks, each under its own elastic agent (a
     process of its own), with a torchft lighthouse; ``faults`` are REPLICA:RANK:STEP[:MODE].
@@ -197,7 +198,9 @@ def launch_replicas(
                 f"--fault {f!r}: expected REPLICA:RANK:STEP[:MODE], REPLICA < {replicas}"
             )
         per_group.setdefault(int(head), []).append(rest)
-    lighthouse, address = start_lighthouse(heartbeat_ms=heartbeat_ms, min_replicas=min_replicas)
+    lighthouse, address = start_lighthouse(
+        heartbeat_ms=heartbeat_ms, join_ms=join_ms, min_replicas=min_replicas
+    )
     run_dir = _run_dir(trainer_args)
 
     def start(g: int) -> subprocess.Popen:
@@ -297,6 +300,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=1000,
         help="with --replicas: the lighthouse drops a group silent this long (default 1000)",
     )
+    p.add_argument(
+        "--join-ms",
+        type=int,
+        default=100,
+        help="with --replicas: how long a new quorum waits for groups that still heartbeat but "
+        "have not asked to join (default 100)",
+    )
     args, trainer_args = p.parse_known_args(argv)
     if args.nproc_per_node < 1:
         p.error("--nproc-per-node must be at least 1")
@@ -323,6 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 heartbeat_ms=args.heartbeat_ms,
                 lose=lose,
                 min_replicas=args.min_replicas,
+                join_ms=args.join_ms,
             )
         except (ValueError, FileNotFoundError, RuntimeError) as e:
             p.error(str(e))

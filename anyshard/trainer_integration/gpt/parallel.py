@@ -344,21 +344,27 @@ class TrainStep:
             self._kept_loss = None
         return self._finish(self._forward_backward(inputs, targets), keep=self.keep_uncommitted)
 
-    def resume(self, batches: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> float:
+    def resume(
+        self, batches: list[tuple[torch.Tensor, torch.Tensor]], scale: float, kept: bool = True
+    ) -> float:
         """Save the last step, which the quorum did not commit (FT-HSDP lost a group during
-        it): to the gradients it kept, add those of ``batches`` (the lost groups' shares of the
-        same batch that this group trains), scale the sum, and average, vote and step as a
-        call does. Its loss is the mean over every share this group trained."""
-        if self._kept_loss is None:
+        it): to the gradients it kept (none unless ``kept``: a group that has just healed to
+        that step), add those of ``batches`` (lost groups' shares of the same batch that this
+        group trains), scale the sum, and average, vote and step as a call does. Its loss is
+        the mean over the shares this group trained."""
+        if kept and self._kept_loss is None:
             raise RuntimeError("no uncommitted step's gradients are kept to resume")
-        local, self._kept_loss = self._kept_loss, None
+        if not kept and self._kept_loss is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        local = self._kept_loss if kept else torch.zeros((), dtype=torch.float64)
+        self._kept_loss = None
         params = [p for p in self.model.parameters() if p.requires_grad]
-        kept = [p.grad for p in params]
+        own = [p.grad for p in params]  # what this group kept
         for p in params:
             p.grad = None
         for inputs, targets in batches:
             local = local + self._forward_backward(inputs, targets)
-        for p, k in zip(params, kept, strict=True):
+        for p, k in zip(params, own, strict=True):
             g = p.grad
             if k is not None and g is not None:
                 k_place, g_place = getattr(k, "placements", None), getattr(g, "placements", None)
@@ -370,7 +376,7 @@ class TrainStep:
             if g is not None:
                 g.mul_(scale)
             p.grad = g
-        return self._finish(local / (1 + len(batches)), keep=False)
+        return self._finish(local / max(1, int(kept) + len(batches)), keep=False)
 
     def _finish(self, local: torch.Tensor, *, keep: bool) -> float:
         """Average over the replica groups and vote (FT-HSDP), step the optimizer if the step

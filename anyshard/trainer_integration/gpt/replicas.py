@@ -129,9 +129,12 @@ class ReplicaGroup:
         self.reduce_s = 0.0
         self._step_share: tuple[int, int] | None = None  # (groups, this group's rank) this step
         self._kept: tuple[int, int] | None = None  # the share of an uncommitted step, kept
-        self._lost: tuple[int, list[int]] | None = None  # this step saves the last: (groups, lost)
+        # this step saves the last one: (groups then, shares nobody kept, groups that kept none)
+        self._lost: tuple[int, list[int], list[int]] | None = None
         self._resuming = False  # the step being averaged is a saved one
         self.rescue_info: dict[str, Any] | None = None  # what this step's rescue trains
+        wait = cfg.ft.wait_all_s
+        self._wait_until = time.monotonic() + wait if wait > 0 else None  # see _waits_for_all
 
     def _state_dict(self) -> dict[str, Any]:
         return self.state.state_dict()
@@ -150,38 +153,62 @@ class ReplicaGroup:
         ``event`` "heal" (this group healed) or "heal_sent"."""
         self._step_share, self.rescue_info = None, None
         healed = self._join()
+        while self._waits_for_all():  # the job's first step: until every group is in
+            time.sleep(0.1)
+            healed = self._join() or healed
         self._lost = self._agree(healed is not None and healed["event"] == "heal")
         return healed
 
-    def _agree(self, healed: bool) -> tuple[int, list[int]] | None:
+    def _waits_for_all(self) -> bool:
+        """At the job's first quorum (``ft.wait_all_s`` > 0), whether to ask for another: some
+        group is missing and the wait is not over. The group's ranks decide together."""
+        if self._wait_until is None:
+            return False
+        wait = self.manager.num_participants() < self.cfg.ft.replicas
+        flag = torch.tensor([1.0 if wait and time.monotonic() < self._wait_until else 0.0])
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not flag.item():
+            self._wait_until = None
+        return self._wait_until is not None
+
+    def _agree(self, healed: bool) -> tuple[int, list[int], list[int]] | None:
         """Whether the quorum just joined saves the step the previous one did not commit: when
-        every group in it kept its gradients of that step, split between the same groups, and
-        none joined or healed since. Then (groups of that split, the shares of the groups lost
-        since). One small reduction (MAX) across the quorum every step, and one in the group:
-        every participant and every rank decides alike, and one quorum per step keeps the
-        groups in step."""
+        the groups in it that trained that step kept their gradients and agree on its split,
+        and every other group in it (one that joined or healed since) stands at the same step.
+        Then (groups of that split, the shares nobody kept, the ranks in this quorum of the
+        groups that kept none). One small reduction (MAX) across the quorum every step, and one
+        in the group: every participant and every rank decides alike, and one quorum per step
+        keeps the groups in step."""
         kept, self._kept = self._kept, None
         slots = self.cfg.ft.replicas
-        held = torch.zeros(slots + 3, dtype=torch.float64)
-        if kept is None or healed:
-            held[slots + 2] = 1.0  # a fresh step: nobody saves the last one
+        rank = self.manager.participating_rank()
+        # [0, slots): shares of the old split kept; [slots, 2 slots): fresh groups by their rank
+        # in this quorum; then the old split's group count, and its negation (MAX of both: all
+        # keepers agree on it)
+        held = torch.zeros(2 * slots + 2, dtype=torch.float64)
+        if kept is not None and not healed:
+            groups, old = kept
+            held[old], held[2 * slots], held[2 * slots + 1] = 1.0, groups, -groups
         else:
-            groups, rank = kept
-            held[rank], held[slots], held[slots + 1] = 1.0, groups, -groups
+            held[2 * slots + 1] = -float(2**20)
+            if rank is not None:
+                held[slots + rank] = 1.0
         self.manager.allreduce(held, reduce_op=dist.ReduceOp.MAX).wait()
+        groups = int(held[2 * slots])
         ok = (
             self.manager.errored() is None
-            and held[slots + 2] == 0
-            and held[slots] == -held[slots + 1]
-            and self.manager.participating_rank() is not None
+            and rank is not None
+            and groups >= 1
+            and held[2 * slots] == -held[2 * slots + 1]
         )
         agreed = torch.tensor([1.0 if ok else 0.0])
         if dist.is_initialized():
             dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         if not agreed.item():
             return None
-        groups = int(held[slots])
-        return groups, [g for g in range(groups) if held[g] == 0]
+        fresh = [j for j in range(self.manager.num_participants()) if held[slots + j] > 0]
+        return groups, [g for g in range(groups) if held[g] == 0], fresh
 
     def _join(self) -> dict[str, Any] | None:
         before = self.transport.last
@@ -271,26 +298,36 @@ class ReplicaGroup:
         return committed
 
     def rescue(self, loader, data_rank: int, data_size: int):
-        """The batches and the factor that save the last step, which the quorum did not commit
-        because groups were lost during it, or None when this step is a fresh one.
+        """What saves the last step, which the quorum did not commit because groups were lost
+        during it: (batches, scale, kept), or None when this step is a fresh one.
 
-        The groups that trained it kept their gradients, and the quorum now holds only them
-        (`start_step` agreed on it). Each trains a part of the lost groups' shares of the same
-        batch, adds those gradients to its own and scales the sum by (groups now / groups
-        then): their average over the quorum is the gradient of the whole batch, the same as
-        the uninterrupted step's. Pass the result to ``TrainStep.resume``."""
+        The groups that trained it kept their gradients (``kept``); `start_step` agreed on it.
+        The lost groups' shares of the same batch go to the groups of this quorum, first to
+        those that kept none (a group that came back and healed to the step, which would
+        otherwise wait), then to the others, in turn. Each group adds the gradients of its
+        shares to what it kept and scales the sum by (groups now / groups then): their average
+        over the quorum is the gradient of the whole batch, the same as the uninterrupted
+        step's. Pass the result to ``TrainStep.resume``."""
         if self._lost is None:
             return None
-        before, lost = self._lost
+        before, lost, fresh = self._lost
         n, r = self.manager.num_participants(), self.manager.participating_rank()
-        mine = lost[r::n]
+        order = fresh + [j for j in range(n) if j not in fresh]
+        mine = [g for i, g in enumerate(lost) if order[i % n] == r]
         position = loader.samples_consumed - loader.global_batch  # this step's first sample
         batches = [
             loader.batch_at(position, g * data_size + data_rank, before * data_size) for g in mine
         ]
+        kept = r not in fresh
         self._resuming = True
-        self.rescue_info = {"groups_before": before, "groups_now": n, "lost": lost, "trained": mine}
-        return batches, n / before
+        self.rescue_info = {
+            "groups_before": before,
+            "groups_now": n,
+            "lost": lost,
+            "trained": mine,
+            "kept": kept,
+        }
+        return batches, n / before, kept
 
     def _reduce(self, grads: list[torch.Tensor]):
         """Average local tensors over the groups (rank r of every group holds the same part);

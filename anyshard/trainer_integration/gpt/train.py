@@ -503,8 +503,10 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
             if replicas is not None:  # the groups that took part, and this group's data share
                 record["groups"] = replicas.manager.num_participants()
                 record["share"] = [loader.dp_rank // par.data_size, loader.dp_size // par.data_size]
-                if rescue is not None:  # the lost groups' shares it trained too
-                    record["shares"] = 1 + len(replicas.rescue_info["trained"])
+                if rescue is not None:  # a saved step: the shares of its split this group trained
+                    info = replicas.rescue_info
+                    record["share"][1] = info["groups_before"]
+                    record["shares"] = int(info["kept"]) + len(info["trained"])
             _append(os.path.join(cfg.run_dir, "losses.jsonl"), record)
             if first:
                 event = {
