@@ -77,14 +77,14 @@ def _global_losses(run_dir) -> tuple[dict[int, float], list[int]]:
     return out, sorted(per)
 
 
-def _launch(run, steps: int, *extra: str):
+def _launch(run, steps: int, *extra: str, returncode: int = 0):
     cmd = [sys.executable, "-m", "anyshard.trainer_integration.gpt.launch"]
     cmd += ["--replicas", "2", "--nproc-per-node", "2", "--config", TINY]
     cmd += ["--parallel.dp_shard", "2", "--train.steps", str(steps)]
     cmd += ["--checkpoint.every_steps", "4", "--run_dir", str(run)]
     cmd += ["--checkpoint.root", str(run / "ckpt"), *extra]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    assert out.returncode == returncode, out.stdout[-3000:] + out.stderr[-5000:]
 
 
 ELASTIC_STEPS = 60
@@ -142,14 +142,9 @@ def _splits(run) -> dict[int, int]:
 
 
 def _run(run, steps: int, *extra: str, returncode: int = 0):
-    cmd = [sys.executable, "-m", "anyshard.trainer_integration.gpt.launch"]
-    cmd += ["--replicas", "2", "--nproc-per-node", "2", "--config", TINY]
-    cmd += ["--parallel.dp_shard", "2", "--train.steps", str(steps)]
-    cmd += ["--checkpoint.every_steps", "4", "--run_dir", str(run)]
-    cmd += ["--checkpoint.root", str(run / "ckpt"), "--ft.check_heals", "true"]
-    cmd += ["--ft.wait_all_s", "60", *extra]  # both groups from the first step
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert out.returncode == returncode, out.stdout[-3000:] + out.stderr[-5000:]
+    """`_launch` with state digests, both groups from the first step; returns ``run``."""
+    extra = ("--ft.check_heals", "true", "--ft.wait_all_s", "60", *extra)
+    _launch(run, steps, *extra, returncode=returncode)
     return run
 
 
