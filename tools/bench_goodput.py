@@ -12,6 +12,11 @@ run just before it: this machine's speed drifts by more than the faults cost):
   dies, group 1 alone restarts and heals from group 0 (`anyshard.redistribute`) while group 0
   keeps training;
 - ``ft-relayout`` (c): the same, but group 1 comes back under tp=2 and heals into that layout;
+- ``ft-relayout-dp`` (c, the other way): both groups run tp=2, and group 1 comes back under
+  dp_shard=2; its fault-free run is tp=2 too. On CPU tp=2 steps are about 1.4x slower than
+  dp_shard=2, so in ``ft-relayout`` the healed group paces both groups for the rest of the run;
+  here neither group is slower than the fault-free run's, and what remains is the cost of the
+  heal and of averaging gradients across two layouts;
 - ``elastic`` (d): group 1's whole node (agent and ranks) is lost; group 0 goes on alone on the
   whole batch (4 -> 2 ranks) until the node is relaunched ``--back-s`` later and heals from
   group 0's memory (2 -> 4 ranks).
@@ -19,8 +24,8 @@ run just before it: this machine's speed drifts by more than the faults cost):
 Goodput is useful step time (steps x the median step time of the mode's fault-free run) over
 the wall time of the whole job, launch included. FT-HSDP rows also give the healthy group's
 stall per fault, the failed group's recovery and what each heal moved; ``--heal-gib`` measures
-the heal rate of a larger replica state (two groups of 2 ranks, dp_shard=2 -> dp_shard=2 and
-dp_shard=2 -> tp=2).
+the heal rate of a larger replica state (two groups of 2 ranks, dp_shard=2 -> dp_shard=2,
+dp_shard=2 -> tp=2 and tp=2 -> dp_shard=2).
 
     python tools/bench_goodput.py                    # 100 steps, a fault every 50
     python tools/bench_goodput.py --write-docs       # also replace the section in docs/benchmarks.md
@@ -102,9 +107,11 @@ def launch_ft(
     heal_layout: str | None,
     heartbeat_ms: int,
     lose_back_s: float | None = None,
+    layout: str = "dp_shard",
 ) -> float:
-    """FT-HSDP: 2 replica groups x 2 ranks (dp_shard=2), group 1 killed at each of ``faults``
-    (rank 1 SIGKILLed, or with ``lose_back_s`` its whole node, relaunched that much later)."""
+    """FT-HSDP: 2 replica groups x 2 ranks (``layout`` = 2), group 1 killed at each of
+    ``faults`` (rank 1 SIGKILLed, or with ``lose_back_s`` its whole node, relaunched that much
+    later)."""
     if lose_back_s is None:
         hits = [x for s in faults for x in ("--fault", f"1:1:{s}")]
     else:
@@ -114,7 +121,7 @@ def launch_ft(
         "--replicas", "2", "--nproc-per-node", "2", "--max-restarts", str(len(faults)),
         "--heartbeat-ms", str(heartbeat_ms),
         *hits,
-        "--parallel.dp_shard", "2",
+        f"--parallel.{layout}", "2",
         "--train.steps", str(steps),
         "--checkpoint.keep_last", "2",
         "--checkpoint.root", os.path.join(run_dir, "ckpt"),
@@ -145,11 +152,11 @@ def _phases(event: dict) -> str:
 
 
 def _heal_worker(
-    role: str, rank: int, port: int, src_port: int, out: str, gib: float, into: str
+    role: str, rank: int, port: int, src_port: int, out: str, gib: float, frm: str, into: str
 ) -> None:
     """One rank of a replica group for the heal-rate measurement: the source holds ``gib`` GiB
-    of fp32 state in dp_shard=2 (rows), the healer receives it in ``into``: dp_shard=2 (rows,
-    the same layout) or tp=2 (columns)."""
+    of fp32 state in ``frm``, the healer receives it in ``into``: each dp_shard=2 (rows) or
+    tp=2 (columns)."""
     import datetime
 
     import torch
@@ -165,7 +172,7 @@ def _heal_worker(
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, wait_for_workers=False)
     dist.init_process_group("gloo", store=dist.PrefixStore("w/", store), rank=rank, world_size=2)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("g",))
-    cols = role == "healer" and into == "tp=2"
+    cols = (into if role == "healer" else frm) == "tp=2"
     place = [Shard(1)] if cols else [Shard(0)]
     n = max(1, int(gib * 2**30 / 4 / (4096 * 4096)))  # 64 MiB tensors
     state = {}
@@ -212,9 +219,9 @@ def _heal_worker(
     dist.destroy_process_group()
 
 
-def heal_rate(gib: float, into: str) -> dict:
-    """Heal a ``gib`` GiB replica state from a 2-rank group (dp_shard=2) into another (``into``:
-    dp_shard=2 or tp=2)."""
+def heal_rate(gib: float, frm: str, into: str) -> dict:
+    """Heal a ``gib`` GiB replica state from a 2-rank group (``frm``) into another (``into``);
+    each dp_shard=2 or tp=2."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -223,7 +230,7 @@ def heal_rate(gib: float, into: str) -> dict:
         procs = [
             ctx.Process(
                 target=_heal_worker,
-                args=(role, r, port, src_port, os.path.join(tmp, role), gib, into),
+                args=(role, r, port, src_port, os.path.join(tmp, role), gib, frm, into),
             )
             for role, port in (("source", src_port), ("healer", dst_port))
             for r in range(2)
@@ -249,22 +256,27 @@ def _ft_columns(
     heartbeat_ms: int,
     tmp: str,
     lose_back_s: float | None = None,
+    layout: str = "dp_shard",
 ):
     from anyshard.trainer_integration.gpt.ft_demo import summarize
 
     tag = "elastic" if lose_back_s is not None else heal_layout or "same"
-    clean_dir, faulty_dir = os.path.join(tmp, "ft-clean"), os.path.join(tmp, f"ft-{tag}")
-    if not os.path.exists(clean_dir):  # one fault-free run serves every FT-HSDP mode
-        _CLEAN_WALL[clean_dir] = launch_ft(clean_dir, steps, [], extra, None, heartbeat_ms)
+    clean_dir = os.path.join(tmp, f"ft-clean-{layout}")
+    faulty_dir = os.path.join(tmp, f"ft-{layout}-{tag}")
+    if not os.path.exists(clean_dir):  # one fault-free run serves the modes of its layout
+        _CLEAN_WALL[clean_dir] = launch_ft(
+            clean_dir, steps, [], extra, None, heartbeat_ms, layout=layout
+        )
     clean_wall = _CLEAN_WALL[clean_dir]
     faulty_wall = launch_ft(
-        faulty_dir, steps, faults, extra, heal_layout, heartbeat_ms, lose_back_s
+        faulty_dir, steps, faults, extra, heal_layout, heartbeat_ms, lose_back_s, layout
     )
     clean = records(os.path.join(clean_dir, "replica-0", "losses.jsonl"))
     faulty = records(os.path.join(faulty_dir, "replica-0", "losses.jsonl"))
     step = statistics.median(step_times(clean))
     summary = summarize(faulty_dir, "elastic" if lose_back_s is not None else "ft-hsdp")
     return {
+        "layout": layout,
         "clean_wall": clean_wall,
         "faulty_wall": faulty_wall,
         "step": step,
@@ -303,9 +315,10 @@ def main() -> int:
     )
     p.add_argument(
         "--modes",
-        default="restart,ft,ft-relayout,elastic",
+        default="restart,ft,ft-relayout,ft-relayout-dp,elastic",
         help="comma-separated: restart (a: the whole group restarts), ft (b: FT-HSDP, the "
-        "failed group heals into its layout), ft-relayout (c: it heals into tp=2), elastic "
+        "failed group heals into its layout), ft-relayout (c: it heals into tp=2), "
+        "ft-relayout-dp (c the other way: groups run tp=2, it heals into dp_shard=2), elastic "
         "(d: group 1's node is lost, the job goes on at 2 ranks, the node returns --back-s "
         "later and heals: 4 -> 2 -> 4 ranks)",
     )
@@ -339,15 +352,23 @@ def main() -> int:
         for rep in range(args.reps):  # each: a fault-free run, then each mode's faulty run
             rep_dir = os.path.join(tmp, f"rep{rep}")
             os.makedirs(rep_dir)
-            for mode, heal, back in (
-                ("ft", None, None),
-                ("ft-relayout", "tp=2", None),
-                ("elastic", None, args.back_s),
+            for mode, layout, heal, back in (
+                ("ft", "dp_shard", None, None),
+                ("ft-relayout", "dp_shard", "tp=2", None),
+                ("ft-relayout-dp", "tp", "dp_shard=2", None),
+                ("elastic", "dp_shard", None, args.back_s),
             ):
                 if mode in modes:
                     runs.setdefault(mode, []).append(
                         _ft_columns(
-                            args.steps, fault_steps, extra, heal, args.heartbeat_ms, rep_dir, back
+                            args.steps,
+                            fault_steps,
+                            extra,
+                            heal,
+                            args.heartbeat_ms,
+                            rep_dir,
+                            back,
+                            layout,
                         )
                     )
     ft = {}
@@ -356,13 +377,14 @@ def main() -> int:
         ft[mode] = {**got[len(got) // 2], "runs": got}
     rate = {}
     if args.heal_gib > 0:  # each in fresh processes, the layouts interleaved; median and fastest
-        runs: dict[str, list] = {"dp_shard=2": [], "tp=2": []}
+        pairs = [("dp_shard=2", "dp_shard=2"), ("dp_shard=2", "tp=2"), ("tp=2", "dp_shard=2")]
+        runs: dict[tuple[str, str], list] = {pair: [] for pair in pairs}
         for _ in range(args.heal_reps):
-            for into, got in runs.items():
-                got.append(heal_rate(args.heal_gib, into))
-        for into, got in runs.items():
+            for (frm, into), got in runs.items():
+                got.append(heal_rate(args.heal_gib, frm, into))
+        for pair, got in runs.items():
             seconds = sorted(r["seconds"] for r in got)
-            rate[into] = {
+            rate[pair] = {
                 "gib": got[0]["gib"],
                 "seconds": statistics.median(seconds),
                 "min": seconds[0],
@@ -441,6 +463,7 @@ def _ft_table(args, ft, fault_steps, rate):
     names = {
         "ft": "(b) heal, same layout",
         "ft-relayout": "(c) heal into tp=2",
+        "ft-relayout-dp": "(c) tp=2, heal into dp_shard=2",
         "elastic": "(d) elastic 4 -> 2 -> 4",
     }
     for mode, c in ft.items():
@@ -450,7 +473,7 @@ def _ft_table(args, ft, fault_steps, rate):
     if cols:
         f = [c["summary"]["faults"] for c in cols]
         rows = [
-            ("replica groups x ranks", *["2 x 2 (dp_shard=2)"] * len(cols)),
+            ("replica groups x ranks", *[f"2 x 2 ({c['layout']}=2)" for c in cols]),
             ("faults (group 1: rank 1 SIGKILLed; (d): its node) at steps", *[", ".join(map(str, fault_steps))] * len(cols)),
             ("wall time, no fault / with faults", *[f"{c['clean_wall']:.1f} s / {c['faulty_wall']:.1f} s" for c in cols]),
             ("median step, no fault / with faults", *[f"{c['step'] * 1000:.0f} / {c['faulty_step'] * 1000:.0f} ms" for c in cols]),
@@ -470,11 +493,11 @@ def _ft_table(args, ft, fault_steps, rate):
             ("steps the healthy group redid", *[str(c["summary"]["lost_steps"]) for c in cols]),
             ("steps it saved after losing the other group", *[str(c["summary"].get("rescued_steps", 0)) for c in cols]),
         ]  # fmt: skip
-    for into, r in rate.items():
+    for (frm, into), r in rate.items():
         per = r["seconds"] / r["gib"]
         rows.append(
             (
-                f"heal of a {r['gib']:.2f} GiB replica state, dp_shard=2 -> {into} ({args.heal_reps} runs)",
+                f"heal of a {r['gib']:.2f} GiB replica state, {frm} -> {into} ({args.heal_reps} runs)",
                 *[f"{r['seconds']:.2f} s median, {r['min']:.2f} s fastest ({per:.2f} s per GiB)"]
                 * max(1, len(cols)),
             )
