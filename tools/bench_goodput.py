@@ -15,8 +15,9 @@ run just before it: this machine's speed drifts by more than the faults cost):
 - ``ft-relayout-dp`` (c, the other way): both groups run tp=2, and group 1 comes back under
   dp_shard=2; its fault-free run is tp=2 too. On CPU tp=2 steps are about 1.4x slower than
   dp_shard=2, so in ``ft-relayout`` the healed group paces both groups for the rest of the run;
-  here neither group is slower than the fault-free run's, and what remains is the cost of the
-  heal and of averaging gradients across two layouts;
+  here the healed group is not the slower one. On shared cores its faster steps also leave the
+  other group more CPU, so this ratio can exceed 100% and does not isolate what a heal into
+  another layout costs;
 - ``elastic`` (d): group 1's whole node (agent and ranks) is lost; group 0 goes on alone on the
   whole batch (4 -> 2 ranks) until the node is relaunched ``--back-s`` later and heals from
   group 0's memory (2 -> 4 ranks).
@@ -349,7 +350,7 @@ def main() -> int:
         sections.append(_restart_table(args, extra, fault_steps))
     runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for rep in range(args.reps):  # each: a fault-free run, then each mode's faulty run
+        for rep in range(args.reps):  # each: a fault-free run per layout, each mode's faulty run
             rep_dir = os.path.join(tmp, f"rep{rep}")
             os.makedirs(rep_dir)
             for mode, layout, heal, back in (
