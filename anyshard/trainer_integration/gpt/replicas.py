@@ -297,7 +297,9 @@ class ReplicaGroup:
         self.reduce_s += time.perf_counter() - start
         return committed
 
-    def rescue(self, loader, data_rank: int, data_size: int):
+    def rescue(
+        self, loader, data_rank: int, data_size: int
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], float, bool] | None:
         """What saves the last step, which the quorum did not commit because groups were lost
         during it: (batches, scale, kept), or None when this step is a fresh one.
 
