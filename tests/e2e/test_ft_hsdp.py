@@ -9,11 +9,13 @@ Run: python -m pytest tests/e2e/test_ft_hsdp.py -q
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 from ft_events import check_peer_heal, events
 
 pytest.importorskip("torchft")
@@ -198,3 +200,43 @@ def test_a_group_that_comes_back_at_once_trains_its_lost_share(tmp_path):
     assert fresh["kept"] is False and fresh["trained"] == [1], fresh
     got = {e["digest"] for e in healthy + failed if e["event"] == "end"}
     assert got == {_uninterrupted_like(joined, 5)}
+
+
+RELAYOUT_STEPS, SWITCH_AT = 8, 3
+
+
+def test_one_group_switches_layout_in_the_run_within_the_noise_floor(tmp_path):
+    """Group 1 alone switches from dp_shard=2 to tp=2 after step 3 (``--group-args``, the
+    running group's state moved by `anyshard.redistribute`), while group 0 goes on: every step
+    still commits with both groups, both end bit-identical to each other, and the job's losses
+    stay within the noise floor of a job whose group 1 ran tp=2 from the start (both against
+    the job that never switches)."""
+    switched, plain, mixed = tmp_path / "switched", tmp_path / "plain", tmp_path / "mixed"
+    _run(switched, RELAYOUT_STEPS, "--group-args", f"1:--parallel.relayout_at {SWITCH_AT}:tp=2")
+    _run(plain, RELAYOUT_STEPS)
+    _run(mixed, RELAYOUT_STEPS, "--group-args", "1:--parallel.dp_shard 1 --parallel.tp 2")
+    healthy, moved = events(switched, 0), events(switched, 1)
+    assert not [e for e in healthy if e["event"] == "relayout"]
+    (relayout,) = [e for e in moved if e["event"] == "relayout"]
+    assert relayout["step"] == SWITCH_AT and relayout["to"] == "tp=2", relayout
+    assert relayout["received_bytes"] > 0
+    assert not [e for e in healthy + moved if e["event"] == "uncommitted"]
+    assert [e["attempt"] for e in healthy + moved if e["event"] == "start"] == [0, 0]
+    layouts = [json.loads(x)["layout"] for x in open(switched / "replica-1" / "losses.jsonl")]
+    assert layouts == ["dp_shard=2"] * SWITCH_AT + ["tp=2"] * (RELAYOUT_STEPS - SWITCH_AT)
+    (got, steps), (want, _), (floor_run, _) = (
+        _global_losses(switched),
+        _global_losses(plain),
+        _global_losses(mixed),
+    )
+    assert steps == list(range(1, RELAYOUT_STEPS + 1)) and len(got) == RELAYOUT_STEPS
+    assert all(got[s] == want[s] for s in range(1, SWITCH_AT + 1))  # the same until the switch
+    floor = max(abs(floor_run[s] - want[s]) for s in range(SWITCH_AT + 1, RELAYOUT_STEPS + 1))
+    for s in range(SWITCH_AT + 1, RELAYOUT_STEPS + 1):
+        # a group in another layout reads the same samples: a rank of a tp=2 group that read
+        # the data shares of its dp_shard=2 layout would be off by 1e-4 at the first step
+        ulps = 4 * float(torch.finfo(torch.float32).eps) * 2 ** math.floor(math.log2(want[s]))
+        assert abs(got[s] - want[s]) <= max(floor, ulps), (s, got[s], want[s], floor, ulps)
+        assert abs(got[s] - want[s]) <= 1e-5 * abs(want[s]), (s, got[s], want[s])
+    ends = [e["digest"] for e in healthy + moved if e["event"] == "end"]
+    assert len(ends) == 2 and ends[0] == ends[1] is not None

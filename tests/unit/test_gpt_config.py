@@ -295,6 +295,22 @@ RULES = [
         ["--ft.replicas=2", "--parallel.dp_shard=2", "--ft.heal_layout=dp_shard=4"],
         "ft.heal_layout (dp_shard=4) has 4 ranks, a group 2",
     ),
+    (
+        ["--ft.replicas=2", "--parallel.dp_shard=2", "--parallel.relayout_at=3:pp=2"],
+        "parallel.relayout_at (3:pp=2): under FT-HSDP a group that changes layout averages its "
+        "gradients with groups of another layout, which works only without pipeline stages "
+        "(pp=2)",
+    ),
+    (
+        [
+            "--ft.replicas=2",
+            "--parallel.tp=2",
+            "--train.global_batch=6",
+            "--parallel.relayout_at=3:dp_shard=2",
+        ],
+        "parallel.relayout_at (3:dp_shard=2): train.global_batch (6) is not divisible by "
+        "ft.replicas * its data-parallel degree = 2 * 2",
+    ),
 ]
 
 

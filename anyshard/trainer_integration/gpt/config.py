@@ -507,6 +507,20 @@ def _relayout_problems(cfg: Config) -> list[str]:
         )
     if not 0 < step < cfg.train.steps:
         problems.append(f"{where}: the step must lie in [1, train.steps) = [1, {cfg.train.steps})")
+    f = cfg.ft
+    if f.replicas > 1:  # one group changes layout while the others go on in theirs
+        if max(p.pp, cfg.parallel.pp) > 1:
+            problems.append(
+                f"{where}: under FT-HSDP a group that changes layout averages its gradients "
+                f"with groups of another layout, which works only without pipeline stages "
+                f"(pp={max(p.pp, cfg.parallel.pp)}); choose both layouts without pp"
+            )
+        if cfg.train.global_batch % (f.replicas * p.dp_size):
+            problems.append(
+                f"{where}: train.global_batch ({cfg.train.global_batch}) is not divisible by "
+                f"ft.replicas * its data-parallel degree = {f.replicas} * {p.dp_size}; set it "
+                f"to a multiple of {f.replicas * p.dp_size}"
+            )
     m, t = cfg.model, cfg.train
     problems += [
         f"{where}: {x}"

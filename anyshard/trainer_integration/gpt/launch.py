@@ -22,6 +22,8 @@ own elastic agent (so a fault restarts only its group), and a torchft lighthouse
 that they all report to (``--heartbeat-ms``: how soon a silent group is dropped).
 ``--fault REPLICA:RANK:STEP[:MODE]`` kills RANK of group REPLICA at STEP; the k-th ``--fault``
 of a group strikes in its k-th attempt (give it ``--max-restarts`` at least that many).
+``--group-args REPLICA:OPTIONS`` gives trainer options to one group alone (e.g.
+``'1:--parallel.relayout_at 20:tp=2'``: group 1 switches layout at step 20, the others go on).
 
     python -m anyshard.trainer_integration.gpt.launch --replicas 2 --nproc-per-node 2 \
         --max-restarts 1 --fault 1:1:10 --parallel.dp_shard 2 --ft.heal_layout tp=2
@@ -33,6 +35,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -40,7 +43,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 __all__ = ["PRELOAD", "launch", "launch_replicas", "main", "start_lighthouse"]
 
@@ -182,6 +185,7 @@ def launch_replicas(
     lose: Sequence[tuple[int, int, float | None]] = (),
     min_replicas: int = 1,
     join_ms: int = 100,
+    group_args: Mapping[int, Sequence[str]] | None = None,
 ) -> int:
     """FT-HSDP: ``replicas`` groups of ``nproc`` ranks, each under its own elastic agent (a
     process of its own), with a torchft lighthouse; ``faults`` are REPLICA:RANK:STEP[:MODE].
@@ -189,7 +193,14 @@ def launch_replicas(
     are SIGKILLed together (a lost node: the others go on, smaller), and BACK_S seconds later
     it is launched again and rejoins (None: it stays away). The job steps only while at least
     ``min_replicas`` groups are in its quorum (a MIN:MAX job of ``min_replicas`` to ``replicas``
-    groups). Returns 0 when every group finished, else 1."""
+    groups). ``group_args`` maps a group to trainer options for it alone, after the shared
+    ones (``--parallel.relayout_at 20:tp=2``: that group switches layout in the run). Returns 0
+    when every group finished, else 1."""
+    group_args = dict(group_args or {})
+    if any(not 0 <= g < replicas for g in group_args):
+        raise ValueError(
+            f"--group-args: a REPLICA below {replicas} expected, got {sorted(group_args)}"
+        )
     per_group: dict[int, list[str]] = {}
     for f in faults:
         head, _, rest = f.partition(":")
@@ -211,7 +222,8 @@ def launch_replicas(
             env["ANYSHARD_FAULTS"] = ",".join(per_group[g])
         cmd = [sys.executable, "-m", "anyshard.trainer_integration.gpt.launch"]
         cmd += ["--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts)]
-        cmd += [*trainer_args, "--ft.replicas", str(replicas), "--ft.replica", str(g)]
+        cmd += [*trainer_args, *group_args.get(g, ())]
+        cmd += ["--ft.replicas", str(replicas), "--ft.replica", str(g)]
         cmd += ["--ft.lighthouse", address, "--ft.min_replicas", str(min_replicas)]
         return subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
 
@@ -307,6 +319,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="with --replicas: how long a new quorum waits for groups that still heartbeat but "
         "have not asked to join (default 100)",
     )
+    p.add_argument(
+        "--group-args",
+        action="append",
+        default=[],
+        metavar="REPLICA:OPTIONS",
+        help="with --replicas: trainer options for group REPLICA alone, after the shared ones, "
+        "e.g. '1:--parallel.relayout_at 20:tp=2' (that group switches layout at step 20)",
+    )
     args, trainer_args = p.parse_known_args(argv)
     if args.nproc_per_node < 1:
         p.error("--nproc-per-node must be at least 1")
@@ -324,6 +344,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     )
                 back = float(parts[2]) if len(parts) == 3 else None
                 lose.append((int(parts[0]), int(parts[1]), back))
+            per_group: dict[int, list[str]] = {}
+            for item in args.group_args:
+                head, _, rest = item.partition(":")
+                if not head.isdigit() or not rest.strip():
+                    raise ValueError(f"--group-args {item!r}: expected REPLICA:OPTIONS")
+                per_group.setdefault(int(head), []).extend(shlex.split(rest))
             return launch_replicas(
                 args.replicas,
                 args.nproc_per_node,
@@ -334,11 +360,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 lose=lose,
                 min_replicas=args.min_replicas,
                 join_ms=args.join_ms,
+                group_args=per_group,
             )
         except (ValueError, FileNotFoundError, RuntimeError) as e:
             p.error(str(e))
     if args.fault:
         p.error("--fault needs --replicas; set ANYSHARD_FAULT=RANK:STEP for a single group")
+    if args.group_args:
+        p.error("--group-args needs --replicas; give a single group's options as they are")
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:

@@ -142,6 +142,13 @@ class ReplicaGroup:
     def _load(self, sd: dict[str, Any]) -> None:
         self.state.load_state_dict(sd)
 
+    def rebind(self, state, layout: str) -> None:
+        """The group switched to ``layout`` in the run (``parallel.relayout_at``): heals serve
+        ``state`` from now on, and the layout probe names the new layout. Gradients kept from
+        an uncommitted step belonged to the old model: the group keeps none, and the next
+        quorum gives it the shares to train as it would a group that has just joined."""
+        self.state, self.layout, self._kept = state, layout, None
+
     def restored(self, step: int) -> None:
         """The group restored ``step`` from storage: the Manager counts from there."""
         self.manager.load_state_dict({"step": step, "batches_committed": 0})

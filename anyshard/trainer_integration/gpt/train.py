@@ -436,9 +436,13 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
             ckpt.wait()  # a save in flight still reads the old layout's tensors
             old = layout
             cfg, state, step_fn, cost = relayout(cfg, state, switch[1])
-            layout, switch = _layout_name(cfg), None
+            layout, switch, par = _layout_name(cfg), None, step_fn.par
             if guarded:
                 ckpt.guard(state.optimizer)
+            if replicas is not None:  # this group alone changes layout; the quorum goes on
+                replicas.rebind(state, layout)
+                step_fn.replica_sync = replicas.sync
+                step_fn.keep_uncommitted = True
             if rank == 0:
                 event = {"event": "relayout", "step": state.step, "from": old, "to": layout}
                 _append(os.path.join(cfg.run_dir, "events.jsonl"), {**event, **cost})
