@@ -23,7 +23,10 @@ run just before it: this machine's speed drifts by more than the faults cost):
   group 0's memory (2 -> 4 ranks).
 
 Goodput is useful step time (steps x the median step time of the mode's fault-free run) over
-the wall time of the whole job, launch included. FT-HSDP rows also give the healthy group's
+the wall time of the whole job, launch included. The (c) modes also run the job without a
+fault but with group 1 switching to the heal layout at the first fault's step
+(``--group-args 1:--parallel.relayout_at``): goodput with faults against that run is what the
+faults and heals cost, apart from how fast the new layout trains. FT-HSDP rows also give the healthy group's
 stall per fault, the failed group's recovery and what each heal moved; ``--heal-gib`` measures
 the heal rate of a larger replica state (two groups of 2 ranks, dp_shard=2 -> dp_shard=2,
 dp_shard=2 -> tp=2 and tp=2 -> dp_shard=2).
@@ -109,10 +112,11 @@ def launch_ft(
     heartbeat_ms: int,
     lose_back_s: float | None = None,
     layout: str = "dp_shard",
+    switch: str | None = None,
 ) -> float:
     """FT-HSDP: 2 replica groups x 2 ranks (``layout`` = 2), group 1 killed at each of
     ``faults`` (rank 1 SIGKILLed, or with ``lose_back_s`` its whole node, relaunched that much
-    later)."""
+    later); ``switch`` (STEP:LAYOUT): group 1 changes layout at STEP without a fault."""
     if lose_back_s is None:
         hits = [x for s in faults for x in ("--fault", f"1:1:{s}")]
     else:
@@ -128,6 +132,7 @@ def launch_ft(
         "--checkpoint.root", os.path.join(run_dir, "ckpt"),
         "--run_dir", run_dir,
         *(["--ft.heal_layout", heal_layout] if heal_layout else []),
+        *(["--group-args", f"1:--parallel.relayout_at {switch}"] if switch else []),
         *extra,
     ]  # fmt: skip
     return _timed_run(cmd, "FT-HSDP training", {})
@@ -269,6 +274,12 @@ def _ft_columns(
             clean_dir, steps, [], extra, None, heartbeat_ms, layout=layout
         )
     clean_wall = _CLEAN_WALL[clean_dir]
+    switch_wall = None
+    if heal_layout is not None:  # the same layouts at the same steps, without a fault
+        switch_wall = launch_ft(
+            os.path.join(tmp, f"ft-{layout}-switch-{tag}"), steps, [], extra, None,
+            heartbeat_ms, layout=layout, switch=f"{faults[0]}:{heal_layout}",
+        )  # fmt: skip
     faulty_wall = launch_ft(
         faulty_dir, steps, faults, extra, heal_layout, heartbeat_ms, lose_back_s, layout
     )
@@ -284,6 +295,7 @@ def _ft_columns(
         "faulty_step": statistics.median(step_times(faulty)),
         "goodput_clean": steps * step / clean_wall,
         "goodput_faulty": steps * step / faulty_wall,
+        "switch_wall": switch_wall,
         "summary": summary,
     }
 
@@ -480,6 +492,10 @@ def _ft_table(args, ft, fault_steps, rate):
             ("median step, no fault / with faults", *[f"{c['step'] * 1000:.0f} / {c['faulty_step'] * 1000:.0f} ms" for c in cols]),
             ("goodput, no fault / with faults", *[f"{c['goodput_clean']:.1%} / {c['goodput_faulty']:.1%}" for c in cols]),
             ("goodput with faults / without", *[f"{c['goodput_faulty'] / c['goodput_clean']:.1%}" for c in cols]),
+            *([
+                ("goodput with faults / fault-free with group 1 switching layout at the first fault's step", *[f"{c['switch_wall'] / c['faulty_wall']:.1%}" if c["switch_wall"] else "-" for c in cols]),
+                *([(f"the same, each of {args.reps} runs", *[", ".join(f"{r['switch_wall'] / r['faulty_wall']:.1%}" for r in c["runs"]) if c["switch_wall"] else "-" for c in cols])] if args.reps > 1 else []),
+            ] if any(c["switch_wall"] for c in cols) else []),
             ("healthy group's stall per fault", *[_fmt([x["healthy_stall_s"] for x in fs], "{:.2f} s") for fs in f]),
             *([
                 (f"goodput with faults / without, each of {args.reps} runs", *[", ".join(f"{r['goodput_faulty'] / r['goodput_clean']:.1%}" for r in c["runs"]) for c in cols]),
