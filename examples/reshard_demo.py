@@ -101,11 +101,16 @@ def run(world: int, path: str, layout: str, mode: str, tmp: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--dir", help="where to write the checkpoint (default: a temporary directory)"
+        "--dir",
+        help="where to write the checkpoint, kept afterwards (default: a temporary directory, "
+        "removed at the end)",
     )
     args = parser.parse_args(argv)
-    tmp = tempfile.mkdtemp(prefix="anyshard-demo-")
-    path = os.path.join(args.dir or tmp, "step-000100")
+    with tempfile.TemporaryDirectory(prefix="anyshard-demo-") as tmp:
+        return _demo(os.path.join(args.dir or tmp, "step-000100"), tmp)
+
+
+def _demo(path: str, tmp: str) -> int:
     print(f"anyshard {anyshard.__version__}: checkpoint at {path}")
     run(4, path, "fsdp2xtp2", "save", tmp)
     with anyshard.open(path) as ckpt:
