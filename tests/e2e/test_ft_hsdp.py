@@ -211,6 +211,8 @@ def test_one_group_switches_layout_in_the_run_within_the_noise_floor(tmp_path):
     still commits with both groups, both end bit-identical to each other, and the job's losses
     stay within the noise floor of a job whose group 1 ran tp=2 from the start (both against
     the job that never switches)."""
+    from anyshard.trainer_integration.gpt.ft_demo import summarize
+
     switched, plain, mixed = tmp_path / "switched", tmp_path / "plain", tmp_path / "mixed"
     _run(switched, RELAYOUT_STEPS, "--group-args", f"1:--parallel.relayout_at {SWITCH_AT}:tp=2")
     _run(plain, RELAYOUT_STEPS)
@@ -224,6 +226,9 @@ def test_one_group_switches_layout_in_the_run_within_the_noise_floor(tmp_path):
     assert [e["attempt"] for e in healthy + moved if e["event"] == "start"] == [0, 0]
     layouts = [json.loads(x)["layout"] for x in open(switched / "replica-1" / "losses.jsonl")]
     assert layouts == ["dp_shard=2"] * SWITCH_AT + ["tp=2"] * (RELAYOUT_STEPS - SWITCH_AT)
+    phases = [(p["layout"], p["first_step"], p["last_step"])
+              for p in summarize(str(switched))["phases"] if p["replica"] == 1]  # fmt: skip
+    assert phases == [("dp_shard=2", 1, SWITCH_AT), ("tp=2", SWITCH_AT + 1, RELAYOUT_STEPS)]
     (got, steps), (want, _), (floor_run, _) = (
         _global_losses(switched),
         _global_losses(plain),

@@ -4,7 +4,7 @@ Two replica groups of 2 ranks (dp_shard=2 inside each) train on torchft with a l
 127.0.0.1. Rank 1 of group 1 is SIGKILLed; only group 1 restarts (its elastic agent), under
 ``tp=2`` this time, and heals from group 0 over the network (`anyshard.redistribute`, nothing
 pickled) while group 0 keeps stepping. `summarize` reads what the groups logged and reports
-phases, faults (recovery, the healthy groups' stall, where the heal came from and into which
+phases (each launch of each group, split where the group changed layout in the run), faults (recovery, the healthy groups' stall, where the heal came from and into which
 layout), restarts of healthy processes, lost steps (steps the healthy groups redid) and goodput.
 
 The healthy groups' stall per fault is the time from their step at the fault to their step
@@ -146,7 +146,7 @@ def summarize(run_dir: str, scenario: str = "ft-hsdp") -> dict[str, Any]:
         for e in g["events"]:
             if e["event"] != "start":
                 continue
-            mine = [x["step"] for x in g["losses"] if x["attempt"] == e["attempt"]]
+            mine = [x for x in g["losses"] if x["attempt"] == e["attempt"]]
             if "time" in e:  # this launch's steps only (a lost group is launched anew)
                 began = e["time"] - e["startup_to_first_step_s"]
                 later = [
@@ -155,17 +155,24 @@ def summarize(run_dir: str, scenario: str = "ft-hsdp") -> dict[str, Any]:
                     if x["event"] == "start" and x.get("time", 0) > e["time"]
                 ]
                 end = min(later, default=float("inf"))
-                mine = [x["step"] for x in g["losses"] if began <= x["time"] < end]
-            phases.append(
-                {
-                    "replica": r,
-                    "attempt": e["attempt"],
-                    "layout": e["layout"],
-                    "world_size": e["world_size"],
-                    "first_step": min(mine, default=None),
-                    "last_step": max(mine, default=None),
-                }
-            )
+                mine = [x for x in g["losses"] if began <= x["time"] < end]
+            runs: list[list[dict]] = []  # a group that changed layout in the run: one per layout
+            for x in sorted(mine, key=lambda x: x["step"]):
+                if runs and runs[-1][-1].get("layout", e["layout"]) == x.get("layout", e["layout"]):
+                    runs[-1].append(x)
+                else:
+                    runs.append([x])
+            for run in runs or [[]]:
+                phases.append(
+                    {
+                        "replica": r,
+                        "attempt": e["attempt"],
+                        "layout": run[0].get("layout", e["layout"]) if run else e["layout"],
+                        "world_size": e["world_size"],
+                        "first_step": run[0]["step"] if run else None,
+                        "last_step": run[-1]["step"] if run else None,
+                    }
+                )
     failed = {r for r, g in groups.items() if g["faults"]}
     healthy = [r for r in groups if r not in failed]
     if scenario == "elastic" and healthy:
