@@ -334,7 +334,9 @@ def plot(run_dir: str, summary: dict[str, Any]) -> str | None:
                 runs.append([x])
         color = None
         for k, mine in enumerate(runs):
-            label = f"group {r}, {mine[0]['layout']}" + (" (after its fault)" if k else "")
+            label = f"group {r}, {mine[0]['layout']}" + (
+                f" (from step {mine[0]['step']})" if k else ""
+            )
             line = ax.plot(
                 [x["step"] for x in mine],
                 [x["loss"] for x in mine],
@@ -343,6 +345,13 @@ def plot(run_dir: str, summary: dict[str, Any]) -> str | None:
                 color=color,
             )[0]
             color = color or line.get_color()
+    for r in _replicas(run_dir):  # a group that changed layout in the run
+        for e in _records(os.path.join(run_dir, f"replica-{r}", "events.jsonl")):
+            if e["event"] == "relayout":
+                ax.axvline(
+                    e["step"], color="purple", linestyle="-.",
+                    label=f"group {r} relayout to {e['to']} (no checkpoint)",
+                )  # fmt: skip
     for f in summary["faults"]:
         what = "lost (node)" if f.get("mode") == "node lost" else "killed"
         ax.axvline(f["step"], color="red", linestyle="--", label=f"group {f['replica']} {what}")
