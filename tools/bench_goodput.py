@@ -26,9 +26,9 @@ Goodput is useful step time (steps x the median step time of the mode's fault-fr
 the wall time of the whole job, launch included. The (c) modes also run the job without a
 fault but with group 1 switching to the heal layout at the first fault's step
 (``--group-args 1:--parallel.relayout_at``): goodput with faults against that run is what the
-faults and heals cost, apart from how fast the new layout trains. FT-HSDP rows also give the healthy group's
-stall per fault, the failed group's recovery and what each heal moved; ``--heal-gib`` measures
-the heal rate of a larger replica state (two groups of 2 ranks, dp_shard=2 -> dp_shard=2,
+faults and heals cost, apart from how fast the new layout trains. FT-HSDP rows also give the
+healthy group's stall per fault, the failed group's recovery and what each heal moved;
+``--heal-gib`` measures the heal rate of a larger replica state (two groups of 2 ranks, dp_shard=2 -> dp_shard=2,
 dp_shard=2 -> tp=2 and tp=2 -> dp_shard=2).
 
     python tools/bench_goodput.py                    # 100 steps, a fault every 50

@@ -4,8 +4,9 @@ Two replica groups of 2 ranks (dp_shard=2 inside each) train on torchft with a l
 127.0.0.1. Rank 1 of group 1 is SIGKILLed; only group 1 restarts (its elastic agent), under
 ``tp=2`` this time, and heals from group 0 over the network (`anyshard.redistribute`, nothing
 pickled) while group 0 keeps stepping. `summarize` reads what the groups logged and reports
-phases (each launch of each group, split where the group changed layout in the run), faults (recovery, the healthy groups' stall, where the heal came from and into which
-layout), restarts of healthy processes, lost steps (steps the healthy groups redid) and goodput.
+phases (each launch of each group, split where the group changed layout in the run), faults
+(recovery, the healthy groups' stall, where the heal came from and into which layout),
+restarts of healthy processes, lost steps (steps the healthy groups redid) and goodput.
 
 The healthy groups' stall per fault is the time from their step at the fault to their step
 after the heal, less as many steps at their pace before the fault; goodput is one less the
