@@ -28,8 +28,8 @@ fault but with group 1 switching to the heal layout at the first fault's step
 (``--group-args 1:--parallel.relayout_at``): goodput with faults against that run is what the
 faults and heals cost, apart from how fast the new layout trains. FT-HSDP rows also give the
 healthy group's stall per fault, the failed group's recovery and what each heal moved;
-``--heal-gib`` measures the heal rate of a larger replica state (two groups of 2 ranks, dp_shard=2 -> dp_shard=2,
-dp_shard=2 -> tp=2 and tp=2 -> dp_shard=2).
+``--heal-gib`` measures the heal rate of a larger replica state in a table of its own (two
+groups of 2 ranks, dp_shard=2 -> dp_shard=2, dp_shard=2 -> tp=2 and tp=2 -> dp_shard=2).
 
     python tools/bench_goodput.py                    # 100 steps, a fault every 50
     python tools/bench_goodput.py --write-docs       # also replace the section in docs/benchmarks.md
