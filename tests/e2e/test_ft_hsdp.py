@@ -245,3 +245,19 @@ def test_one_group_switches_layout_in_the_run_within_the_noise_floor(tmp_path):
         assert abs(got[s] - want[s]) <= 1e-5 * abs(want[s]), (s, got[s], want[s])
     ends = [e["digest"] for e in healthy + moved if e["event"] == "end"]
     assert len(ends) == 2 and ends[0] == ends[1] is not None
+
+
+def test_a_group_killed_after_its_switch_heals_and_switches_again(tmp_path):
+    """Group 1 switches to tp=2 after step 3 and is SIGKILLed at step 6: it comes back in its
+    configured dp_shard=2, heals from group 0, and switches again after its first step; the
+    healthy group never restarts, and both end bit-identical."""
+    run = tmp_path / "run"
+    # 30 steps of at least 0.3 s left when group 1 dies: time for it to restart and join
+    _launch(run, 36, "--fault", "1:1:6", "--max-restarts", "1", "--train.min_step_s", "0.3",
+            "--ft.check_heals", "true", "--group-args", "1:--parallel.relayout_at 3:tp=2")  # fmt: skip
+    healthy, failed = check_peer_heal(str(run), steps=36, kill_step=6, layout="dp_shard=2")
+    (heal,) = [e for e in failed if e["event"] == "heal" and e["attempt"] == 1]
+    moved = [(e["step"], e["to"]) for e in failed if e["event"] == "relayout"]
+    assert moved == [(3, "tp=2"), (heal["step"] + 1, "tp=2")], moved
+    ends = [e["digest"] for e in healthy + failed if e["event"] == "end"]
+    assert len(ends) == 2 and ends[0] == ends[1] is not None
