@@ -239,7 +239,7 @@ def test_one_group_switches_layout_in_the_run_within_the_noise_floor(tmp_path):
     floor = max(abs(floor_run[s] - want[s]) for s in range(SWITCH_AT + 1, RELAYOUT_STEPS + 1))
     for s in range(SWITCH_AT + 1, RELAYOUT_STEPS + 1):
         # a group in another layout reads the same samples: a rank of a tp=2 group that read
-        # the data shares of its dp_shard=2 layout would be off by 1e-4 at the first step
+        # the data shares of its dp_shard=2 layout was off by 3e-4 relative at the first step
         ulps = 4 * float(torch.finfo(torch.float32).eps) * 2 ** math.floor(math.log2(want[s]))
         assert abs(got[s] - want[s]) <= max(floor, ulps), (s, got[s], want[s], floor, ulps)
         assert abs(got[s] - want[s]) <= 1e-5 * abs(want[s]), (s, got[s], want[s])
