@@ -36,6 +36,19 @@ def _records(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def _stretches(losses: list[dict]) -> list[list[dict]]:
+    """Loss records in runs of consecutive steps of one layout (a group that changed layout
+    in the run, or was launched again, has several)."""
+    runs: list[list[dict]] = []
+    for x in losses:
+        last = runs[-1][-1] if runs else None
+        if last and x["step"] == last["step"] + 1 and x["layout"] == last["layout"]:
+            runs[-1].append(x)
+        else:
+            runs.append([x])
+    return runs
+
+
 def _replicas(run_dir: str) -> list[int]:
     names = (
         [n for n in os.listdir(run_dir) if n.startswith("replica-")]
@@ -157,18 +170,13 @@ def summarize(run_dir: str, scenario: str = "ft-hsdp") -> dict[str, Any]:
                 ]
                 end = min(later, default=float("inf"))
                 mine = [x for x in g["losses"] if began <= x["time"] < end]
-            runs: list[list[dict]] = []  # a group that changed layout in the run: one per layout
-            for x in sorted(mine, key=lambda x: x["step"]):
-                if runs and runs[-1][-1].get("layout", e["layout"]) == x.get("layout", e["layout"]):
-                    runs[-1].append(x)
-                else:
-                    runs.append([x])
-            for run in runs or [[]]:
+            # a group that changed layout in the run: a phase per layout
+            for run in _stretches(sorted(mine, key=lambda x: x["step"])) or [[]]:
                 phases.append(
                     {
                         "replica": r,
                         "attempt": e["attempt"],
-                        "layout": run[0].get("layout", e["layout"]) if run else e["layout"],
+                        "layout": run[0]["layout"] if run else e["layout"],
                         "world_size": e["world_size"],
                         "first_step": run[0]["step"] if run else None,
                         "last_step": run[-1]["step"] if run else None,
@@ -325,14 +333,8 @@ def plot(run_dir: str, summary: dict[str, Any]) -> str | None:
         return None
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
     for r in _replicas(run_dir):
-        recs = _records(os.path.join(run_dir, f"replica-{r}", "losses.jsonl"))
-        runs: list[list[dict]] = []  # a line per stretch of consecutive steps of one layout
-        for x in recs:
-            last = runs[-1][-1] if runs else None
-            if last and x["step"] == last["step"] + 1 and x["layout"] == last["layout"]:
-                runs[-1].append(x)
-            else:
-                runs.append([x])
+        # a line per stretch of consecutive steps of one layout
+        runs = _stretches(_records(os.path.join(run_dir, f"replica-{r}", "losses.jsonl")))
         color = None
         for k, mine in enumerate(runs):
             label = f"group {r}, {mine[0]['layout']}" + (

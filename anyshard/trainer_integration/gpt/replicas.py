@@ -142,12 +142,20 @@ class ReplicaGroup:
     def _load(self, sd: dict[str, Any]) -> None:
         self.state.load_state_dict(sd)
 
-    def rebind(self, state, layout: str) -> None:
+    def attach(self, step_fn) -> None:
+        """Make ``step_fn`` (a `TrainStep`) average over the groups and vote before its
+        optimizer step, keeping the gradients of a step the quorum does not commit."""
+        step_fn.replica_sync = self.sync
+        step_fn.keep_uncommitted = True
+
+    def rebind(self, state, layout: str, step_fn) -> None:
         """The group switched to ``layout`` in the run (``parallel.relayout_at``): heals serve
-        ``state`` from now on, and the layout probe names the new layout. Gradients kept from
-        an uncommitted step belonged to the old model: the group keeps none, and the next
-        quorum gives it the shares to train as it would a group that has just joined."""
+        ``state`` from now on, the layout probe names the new layout, and ``step_fn`` (the new
+        layout's `TrainStep`) is attached. Gradients kept from an uncommitted step belonged to
+        the old model: the group keeps none, and the next quorum gives it the shares to train
+        as it would a group that has just joined."""
         self.state, self.layout, self._kept = state, layout, None
+        self.attach(step_fn)
 
     def restored(self, step: int) -> None:
         """The group restored ``step`` from storage: the Manager counts from there."""

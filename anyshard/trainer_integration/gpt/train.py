@@ -413,8 +413,7 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
         from anyshard.trainer_integration.gpt.replicas import ReplicaGroup
 
         replicas = ReplicaGroup(cfg, state, layout)
-        step_fn.replica_sync = replicas.sync
-        step_fn.keep_uncommitted = True
+        replicas.attach(step_fn)
     # The state dict, taken now, before the first step: the first save does not walk the model
     # inside the loop, and a restarted replica group's first quorum (which waits for the state
     # dict a heal fills) does not either, which would hold the healthy group up
@@ -440,9 +439,7 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
             if guarded:
                 ckpt.guard(state.optimizer)
             if replicas is not None:  # this group alone changes layout; the quorum goes on
-                replicas.rebind(state, layout)
-                step_fn.replica_sync = replicas.sync
-                step_fn.keep_uncommitted = True
+                replicas.rebind(state, layout, step_fn)
             if rank == 0:
                 event = {"event": "relayout", "step": state.step, "from": old, "to": layout}
                 _append(os.path.join(cfg.run_dir, "events.jsonl"), {**event, **cost})
