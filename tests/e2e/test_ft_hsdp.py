@@ -167,37 +167,43 @@ def _uninterrupted_like(run, steps: int) -> str:
 
 def test_a_step_that_loses_its_peer_group_is_saved_bit_identical(tmp_path):
     """Group 1 dies as the fifth step begins (and stays away), while group 0 trains its share of
-    it: group 0 keeps its gradients, trains group 1's share too in the next quorum, and
-    commits the step instead of redoing it. Its state after that step (the run's end) is
-    bit-identical to an uninterrupted run's: the same shares' gradients, summed and halved,
-    are what the all-reduce of the two groups averages."""
+    it: group 0 keeps its gradients, trains group 1's share too before the next quorum (while
+    the lighthouse notices the loss), and commits the step instead of redoing it. Its state
+    after that step (the run's end) is bit-identical to an uninterrupted run's: the same
+    shares' gradients, summed and halved, are what the all-reduce of the two groups
+    averages."""
     saved = _run(tmp_path / "saved", 5, "--fault", "1:1:4", returncode=1)
     healthy = events(saved, 0)
     # the step failed once (its gradient average lost the peer), and the next quorum saved it
     assert [e["step"] for e in healthy if e["event"] == "uncommitted"] == [4], healthy
     (rescued,) = [e for e in healthy if e["event"] == "rescued"]
     assert rescued["step"] == 4 and rescued["lost"] == rescued["trained"] == [1], rescued
+    assert rescued["trained_ahead"] == [1], rescued
     assert rescued["groups_before"] == 2 and rescued["groups_now"] == 1 and rescued["kept"]
     (end,) = [e for e in healthy if e["event"] == "end"]
     assert end["step"] == 5 and end["digest"] is not None
     assert end["digest"] == _uninterrupted_like(saved, 5)
 
 
-def test_a_group_that_comes_back_at_once_trains_its_lost_share(tmp_path):
+@pytest.mark.parametrize("head_start", [True, False])
+def test_a_group_that_comes_back_at_once_is_in_the_saving_quorum(tmp_path, head_start):
     """The same fault in a job that steps only with both groups (``--min-replicas 2``): the
-    restarted group is in the quorum that saves the step; it heals to that step and trains its
-    own lost share, while group 0 adds only what it kept. Both end bit-identical to an
+    restarted group is in the quorum that saves the step, and heals to that step. Group 0 has
+    trained the lost share while it waited for that quorum (``ft.head_start``), and the
+    restarted group adds nothing; without a head start, the restarted group trains its own
+    lost share, while group 0 adds only what it kept. Both end bit-identical to an
     uninterrupted run."""
     joined = _run(tmp_path / "joined", 5, "--fault", "1:1:4", "--max-restarts", "1",
-                  "--min-replicas", "2")  # fmt: skip
+                  "--min-replicas", "2", "--ft.head_start", str(head_start).lower())  # fmt: skip
     healthy, failed = events(joined, 0), events(joined, 1)
     assert [e["step"] for e in healthy if e["event"] == "uncommitted"] == [4], healthy
     (kept,) = [e for e in healthy if e["event"] == "rescued"]
-    assert kept["kept"] is True and kept["trained"] == [] and kept["groups_now"] == 2, kept
+    assert kept["kept"] is True and kept["groups_now"] == 2, kept
+    assert kept["trained"] == kept["trained_ahead"] == ([1] if head_start else []), kept
     (heal,) = [e for e in failed if e["event"] == "heal"]
     assert heal["step"] == 4 and heal["source"] == "replica_0"
     (fresh,) = [e for e in failed if e["event"] == "rescued"]
-    assert fresh["kept"] is False and fresh["trained"] == [1], fresh
+    assert fresh["kept"] is False and fresh["trained"] == ([] if head_start else [1]), fresh
     got = {e["digest"] for e in healthy + failed if e["event"] == "end"}
     assert got == {_uninterrupted_like(joined, 5)}
 

@@ -209,6 +209,9 @@ class FtConfig:
     # a job's first step waits up to this long for every group to be in its quorum (groups that
     # start a little apart otherwise run the first steps short-handed); 0: it does not wait
     wait_all_s: float = 0.0
+    # after a step that lost the other of two groups, train its share before the next quorum,
+    # while the lighthouse notices the loss (costs one more set of gradients in memory)
+    head_start: bool = True
     # log a digest of the whole logical state after each heal (both sides) and at the end:
     # a check that heals are bit-identical; it gathers every tensor
     check_heals: bool = False

@@ -305,6 +305,8 @@ class TrainStep:
         # quorum can save it (`resume`) instead of redoing it; the next plain call drops them
         self.keep_uncommitted = False
         self._kept_loss: torch.Tensor | None = None
+        # FT-HSDP: gradients and loss of one more share of the kept step, trained ahead
+        self._ahead: tuple[list[torch.Tensor | None], torch.Tensor] | None = None
         self.schedule = None
         if par.cfg.pp > 1:
             from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -342,26 +344,57 @@ class TrainStep:
         if self._kept_loss is not None:  # an uncommitted step that is not being saved
             self.optimizer.zero_grad(set_to_none=True)
             self._kept_loss = None
+        self._ahead = None
         return self._finish(self._forward_backward(inputs, targets), keep=self.keep_uncommitted)
 
+    def train_ahead(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        """Train one more share of the kept, uncommitted step now (FT-HSDP: the share of a
+        group that was probably lost during it), into gradients of its own: the kept ones stay
+        as they are until `resume` adds them (``ahead=True``) or a plain call drops them."""
+        if self._kept_loss is None:
+            raise RuntimeError("no uncommitted step's gradients are kept to train ahead of")
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        own = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        try:
+            loss = self._forward_backward(inputs, targets)
+            self._ahead = ([p.grad for p in params], loss)
+        finally:
+            for p, k in zip(params, own, strict=True):
+                p.grad = k
+
     def resume(
-        self, batches: list[tuple[torch.Tensor, torch.Tensor]], scale: float, kept: bool = True
+        self,
+        batches: list[tuple[torch.Tensor, torch.Tensor]],
+        scale: float,
+        kept: bool = True,
+        ahead: bool = False,
     ) -> float:
         """Save the last step, which the quorum did not commit (FT-HSDP lost a group during
         it): to the gradients it kept (none unless ``kept``: a group that has just healed to
-        that step), add those of ``batches`` (lost groups' shares of the same batch that this
-        group trains), scale the sum, and average, vote and step as a call does. Its loss is
-        the mean over the shares this group trained."""
+        that step), add those of the share trained ahead (``ahead``, `train_ahead`) and of
+        ``batches`` (lost groups' shares of the same batch that this group trains), scale the
+        sum, and average, vote and step as a call does. Its loss is the mean over the shares
+        this group trained."""
         if kept and self._kept_loss is None:
             raise RuntimeError("no uncommitted step's gradients are kept to resume")
+        if ahead and self._ahead is None:
+            raise RuntimeError("no share of the uncommitted step was trained ahead")
         if not kept and self._kept_loss is not None:
             self.optimizer.zero_grad(set_to_none=True)
         local = self._kept_loss if kept else torch.zeros((), dtype=torch.float64)
         self._kept_loss = None
+        trained_ahead, self._ahead = self._ahead if ahead else None, None
         params = [p for p in self.model.parameters() if p.requires_grad]
         own = [p.grad for p in params]  # what this group kept
         for p in params:
             p.grad = None
+        if trained_ahead is not None:  # as if its backward had run first, here
+            grads, loss = trained_ahead
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g
+            local = local + loss
         for inputs, targets in batches:
             local = local + self._forward_backward(inputs, targets)
         for p, k in zip(params, own, strict=True):
@@ -376,7 +409,8 @@ class TrainStep:
             if g is not None:
                 g.mul_(scale)
             p.grad = g
-        return self._finish(local / max(1, int(kept) + len(batches)), keep=False)
+        shares = int(kept) + int(trained_ahead is not None) + len(batches)
+        return self._finish(local / max(1, shares), keep=False)
 
     def _finish(self, local: torch.Tensor, *, keep: bool) -> float:
         """Average over the replica groups and vote (FT-HSDP), step the optimizer if the step

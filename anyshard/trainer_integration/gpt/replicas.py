@@ -129,8 +129,11 @@ class ReplicaGroup:
         self.reduce_s = 0.0
         self._step_share: tuple[int, int] | None = None  # (groups, this group's rank) this step
         self._kept: tuple[int, int] | None = None  # the share of an uncommitted step, kept
-        # this step saves the last one: (groups then, shares nobody kept, groups that kept none)
-        self._lost: tuple[int, list[int], list[int]] | None = None
+        self._ahead: int | None = None  # the share of the kept step trained ahead (`train_ahead`)
+        self._ahead_s = 0.0
+        # this step saves the last one: (groups then, shares nobody kept, groups that kept none,
+        # {share trained ahead: the rank in this quorum of the group that trained it})
+        self._lost: tuple[int, list[int], list[int], dict[int, int]] | None = None
         self._resuming = False  # the step being averaged is a saved one
         self.rescue_info: dict[str, Any] | None = None  # what this step's rescue trains
         wait = cfg.ft.wait_all_s
@@ -154,12 +157,30 @@ class ReplicaGroup:
         layout's `TrainStep`) is attached. Gradients kept from an uncommitted step belonged to
         the old model: the group keeps none, and the next quorum gives it the shares to train
         as it would a group that has just joined."""
-        self.state, self.layout, self._kept = state, layout, None
+        self.state, self.layout, self._kept, self._ahead = state, layout, None, None
         self.attach(step_fn)
 
     def restored(self, step: int) -> None:
         """The group restored ``step`` from storage: the Manager counts from there."""
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
+
+    def train_ahead(self, step_fn, loader, data_rank: int, data_size: int) -> None:
+        """Before the quorum that follows a step of two groups that did not commit, while the
+        lighthouse has not yet noticed that the other group is gone: train the other group's
+        share of that step (``step_fn.train_ahead``), so that `rescue` need not train it after
+        the quorum. Wasted only when the other group lived on (then it kept its share). With
+        more groups it is unknown which were lost, and nothing is trained ahead. Off with
+        ``ft.head_start = false``; it holds one more set of gradients meanwhile."""
+        self._ahead = None
+        if not self.cfg.ft.head_start or self._kept is None or self._kept[0] != 2:
+            return
+        start = time.perf_counter()
+        other = 1 - self._kept[1]
+        # the loader was set back to the uncommitted step's first sample
+        step_fn.train_ahead(
+            *loader.batch_at(loader.samples_consumed, other * data_size + data_rank, 2 * data_size)
+        )
+        self._ahead, self._ahead_s = other, time.perf_counter() - start
 
     def start_step(self) -> dict[str, Any] | None:
         """Join this step's quorum (healing from a peer if this group is behind, or serving a
@@ -187,25 +208,29 @@ class ReplicaGroup:
             self._wait_until = None
         return self._wait_until is not None
 
-    def _agree(self, healed: bool) -> tuple[int, list[int], list[int]] | None:
+    def _agree(self, healed: bool) -> tuple[int, list[int], list[int], dict[int, int]] | None:
         """Whether the quorum just joined saves the step the previous one did not commit: when
         the groups in it that trained that step kept their gradients and agree on its split,
         and every other group in it (one that joined or healed since) stands at the same step.
         Then (groups of that split, the shares nobody kept, the ranks in this quorum of the
-        groups that kept none). One small reduction (MAX) across the quorum every step, and one
-        in the group: every participant and every rank decides alike, and one quorum per step
-        keeps the groups in step."""
+        groups that kept none, the shares trained ahead and by whom). One small reduction (MAX)
+        across the quorum every step, and one in the group: every participant and every rank
+        decides alike, and one quorum per step keeps the groups in step."""
         kept, self._kept = self._kept, None
         slots = self.cfg.ft.replicas
         rank = self.manager.participating_rank()
         # [0, slots): shares of the old split kept; [slots, 2 slots): fresh groups by their rank
         # in this quorum; then the old split's group count, and its negation (MAX of both: all
-        # keepers agree on it)
-        held = torch.zeros(2 * slots + 2, dtype=torch.float64)
+        # keepers agree on it); then, per share of the old split, 1 + the rank in this quorum
+        # of the group that trained it ahead
+        held = torch.zeros(3 * slots + 2, dtype=torch.float64)
         if kept is not None and not healed:
             groups, old = kept
             held[old], held[2 * slots], held[2 * slots + 1] = 1.0, groups, -groups
+            if self._ahead is not None and rank is not None:
+                held[2 * slots + 2 + self._ahead] = 1.0 + rank
         else:
+            self._ahead = None
             held[2 * slots + 1] = -float(2**20)
             if rank is not None:
                 held[slots + rank] = 1.0
@@ -223,7 +248,9 @@ class ReplicaGroup:
         if not agreed.item():
             return None
         fresh = [j for j in range(self.manager.num_participants()) if held[slots + j] > 0]
-        return groups, [g for g in range(groups) if held[g] == 0], fresh
+        lost = [g for g in range(groups) if held[g] == 0]
+        ahead = {g: int(held[2 * slots + 2 + g]) - 1 for g in lost if held[2 * slots + 2 + g] > 0}
+        return groups, lost, fresh, ahead
 
     def _join(self) -> dict[str, Any] | None:
         before = self.transport.last
@@ -314,37 +341,44 @@ class ReplicaGroup:
 
     def rescue(
         self, loader, data_rank: int, data_size: int
-    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], float, bool] | None:
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], float, bool, bool] | None:
         """What saves the last step, which the quorum did not commit because groups were lost
-        during it: (batches, scale, kept), or None when this step is a fresh one.
+        during it: (batches, scale, kept, ahead), or None when this step is a fresh one.
 
         The groups that trained it kept their gradients (``kept``); `start_step` agreed on it.
-        The lost groups' shares of the same batch go to the groups of this quorum, first to
-        those that kept none (a group that came back and healed to the step, which would
-        otherwise wait), then to the others, in turn. Each group adds the gradients of its
-        shares to what it kept and scales the sum by (groups now / groups then): their average
-        over the quorum is the gradient of the whole batch, the same as the uninterrupted
-        step's. Pass the result to ``TrainStep.resume``."""
+        A lost share that a group of this quorum trained ahead (`train_ahead`) is that group's
+        (``ahead``). The other lost groups' shares of the same batch go to the groups of this
+        quorum, first to those that kept none (a group that came back and healed to the step,
+        which would otherwise wait), then to the others, in turn. Each group adds the gradients
+        of its shares to what it kept and scales the sum by (groups now / groups then): their
+        average over the quorum is the gradient of the whole batch, the same as the
+        uninterrupted step's. Pass the result to ``TrainStep.resume``."""
         if self._lost is None:
+            self._ahead = None
             return None
-        before, lost, fresh = self._lost
+        before, lost, fresh, ahead_by = self._lost
         n, r = self.manager.num_participants(), self.manager.participating_rank()
         order = fresh + [j for j in range(n) if j not in fresh]
-        mine = [g for i, g in enumerate(lost) if order[i % n] == r]
+        rest = [g for g in lost if g not in ahead_by]
+        mine = [g for i, g in enumerate(rest) if order[i % n] == r]
+        ahead = [g for g in lost if ahead_by.get(g) == r]  # this group's claim: `_agree`
         position = loader.samples_consumed - loader.global_batch  # this step's first sample
         batches = [
             loader.batch_at(position, g * data_size + data_rank, before * data_size) for g in mine
         ]
         kept = r not in fresh
-        self._resuming = True
+        self._resuming, self._ahead = True, None
         self.rescue_info = {
             "groups_before": before,
             "groups_now": n,
             "lost": lost,
-            "trained": mine,
+            "trained": ahead + mine,
+            "trained_ahead": ahead,
             "kept": kept,
         }
-        return batches, n / before, kept
+        if ahead:
+            self.rescue_info["ahead_s"] = round(self._ahead_s, 4)
+        return batches, n / before, kept, bool(ahead)
 
     def _reduce(self, grads: list[torch.Tensor]):
         """Average local tensors over the groups (rank r of every group holds the same part);

@@ -444,6 +444,8 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
                 event = {"event": "relayout", "step": state.step, "from": old, "to": layout}
                 _append(os.path.join(cfg.run_dir, "events.jsonl"), {**event, **cost})
         if replicas is not None:
+            # a step that lost the other group: train its share while the lighthouse notices
+            replicas.train_ahead(step_fn, state.loader, par.data_rank, par.data_size)
             healed = replicas.start_step()  # may fill the state from a healthy group
             if not joined and (healed is None or healed["event"] != "heal"):
                 # no group is ahead (the whole job starts or restarts): the newest committed
