@@ -129,7 +129,8 @@ class ReplicaGroup:
         self.reduce_s = 0.0
         self._step_share: tuple[int, int] | None = None  # (groups, this group's rank) this step
         self._kept: tuple[int, int] | None = None  # the share of an uncommitted step, kept
-        self._ahead: int | None = None  # the share of the kept step trained ahead (`train_ahead`)
+        # the share of the kept step trained ahead; `train_ahead` sets it before each quorum
+        self._ahead: int | None = None
         self._ahead_s = 0.0
         # this step saves the last one: (groups then, shares nobody kept, groups that kept none,
         # {share trained ahead: the rank in this quorum of the group that trained it})
@@ -157,7 +158,7 @@ class ReplicaGroup:
         layout's `TrainStep`) is attached. Gradients kept from an uncommitted step belonged to
         the old model: the group keeps none, and the next quorum gives it the shares to train
         as it would a group that has just joined."""
-        self.state, self.layout, self._kept, self._ahead = state, layout, None, None
+        self.state, self.layout, self._kept = state, layout, None
         self.attach(step_fn)
 
     def restored(self, step: int) -> None:
@@ -230,7 +231,6 @@ class ReplicaGroup:
             if self._ahead is not None and rank is not None:
                 held[2 * slots + 2 + self._ahead] = 1.0 + rank
         else:
-            self._ahead = None
             held[2 * slots + 1] = -float(2**20)
             if rank is not None:
                 held[slots + rank] = 1.0
@@ -354,7 +354,6 @@ class ReplicaGroup:
         average over the quorum is the gradient of the whole batch, the same as the
         uninterrupted step's. Pass the result to ``TrainStep.resume``."""
         if self._lost is None:
-            self._ahead = None
             return None
         before, lost, fresh, ahead_by = self._lost
         n, r = self.manager.num_participants(), self.manager.participating_rank()
@@ -367,7 +366,7 @@ class ReplicaGroup:
             loader.batch_at(position, g * data_size + data_rank, before * data_size) for g in mine
         ]
         kept = r not in fresh
-        self._resuming, self._ahead = True, None
+        self._resuming = True
         self.rescue_info = {
             "groups_before": before,
             "groups_now": n,
