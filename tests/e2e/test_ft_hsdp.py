@@ -260,9 +260,8 @@ def test_a_group_killed_after_its_switch_heals_and_switches_again(tmp_path):
     run = tmp_path / "run"
     # 30 steps of at least 0.3 s left when group 1 dies: time for it to restart and join; both
     # groups take the first step (else group 1, healed into a later step, switches after it)
-    _launch(run, 36, "--fault", "1:1:6", "--max-restarts", "1", "--train.min_step_s", "0.3",
-            "--ft.check_heals", "true", "--ft.wait_all_s", "60",
-            "--group-args", "1:--parallel.relayout_at 3:tp=2")  # fmt: skip
+    _run(run, 36, "--fault", "1:1:6", "--max-restarts", "1", "--train.min_step_s", "0.3",
+         "--group-args", "1:--parallel.relayout_at 3:tp=2")  # fmt: skip
     healthy, failed = check_peer_heal(str(run), steps=36, kill_step=6, layout="dp_shard=2")
     (heal,) = [e for e in failed if e["event"] == "heal" and e["attempt"] == 1]
     moved = [(e["step"], e["to"]) for e in failed if e["event"] == "relayout"]
