@@ -46,6 +46,10 @@ MODES = {
     "async, staged during the step": [
         "--checkpoint.async_", "true", "--checkpoint.stage_in_background", "true",
     ],
+    "async, staged during the step, save thread at nice 10": [
+        "--checkpoint.async_", "true", "--checkpoint.stage_in_background", "true",
+        "--checkpoint.save_nice", "10",
+    ],
 }  # fmt: skip
 
 
