@@ -46,10 +46,6 @@ MODES = {
     "async, staged during the step": [
         "--checkpoint.async_", "true", "--checkpoint.stage_in_background", "true",
     ],
-    "async, staged during the step, save thread at nice 10": [
-        "--checkpoint.async_", "true", "--checkpoint.stage_in_background", "true",
-        "--checkpoint.save_nice", "10",
-    ],
 }  # fmt: skip
 
 

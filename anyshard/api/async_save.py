@@ -14,13 +14,11 @@ import torch
 import torch.distributed as dist
 
 from anyshard.api import collectives as coll
-from anyshard.format.pool import lower_thread_priority
 
 __all__ = [
     "SaveHandle",
     "background_group",
     "current_stream_event",
-    "lower_priority",
     "reserve",
     "stage",
     "start",
@@ -168,27 +166,12 @@ def _executor() -> ThreadPoolExecutor:
         return _EXECUTOR[0]
 
 
-def start(group, nice: int = 0) -> None:
+def start(group) -> None:
     """Start the save thread and create its gloo group for ``group`` now (collective over
     ``group``, like the first async save), so that the first save does neither while the
-    training loop waits.
-
-    ``nice`` > 0 lowers the save thread's OS priority to that nice value (Linux, where each
-    thread has its own; ignored elsewhere), and with it that of the I/O workers it starts
-    (`anyshard.format.pool.io_pool` keeps them apart from those of normal-priority callers):
-    when the training loop's threads want every core, the kernel gives them the save thread's
-    share first. A value below the thread's present one needs privileges (CAP_SYS_NICE):
-    without them the thread keeps the lower priority for the rest of the process."""
+    training loop waits."""
     background_group(group)
-    lower_priority(nice).result()
-
-
-def lower_priority(nice: int) -> Future:
-    """Have the save thread lower its OS priority to ``nice`` before its next job (see
-    `start`); returns the future of that change, done before anything submitted after it runs."""
-    if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:
-        raise ValueError(f"nice must be an int in 0..19, got {nice!r}")
-    return _executor().submit(lower_thread_priority, nice)
+    _executor().submit(lambda: None).result()
 
 
 def submit(fn: Callable[[], None], staged: threading.Event | None = None) -> SaveHandle:

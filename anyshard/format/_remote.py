@@ -24,7 +24,6 @@ from functools import cache
 from typing import TypeVar
 
 from anyshard.errors import StorageError
-from anyshard.format.pool import thread_nice
 
 __all__ = ["MultipartWriter", "call", "read_spans", "retry"]
 
@@ -185,22 +184,14 @@ def call(fs, method: str, timeout: float, *args, **kwargs):
 # --- streamed writes --------------------------------------------------------------------------
 
 _POOL_LOCK = threading.Lock()
-# nice value of the submitting thread -> (pid, executor): part uploads, apart from callers' own
-# pools, one per priority like `io_pool` (workers inherit the priority of the thread that
-# starts them)
-_POOLS: dict[int, tuple[int, ThreadPoolExecutor]] = {}
+_POOL: list = [None, None]  # [pid, executor]: part uploads, apart from callers' own pools
 
 
 def _uploads() -> ThreadPoolExecutor:
-    nice = thread_nice()
     with _POOL_LOCK:
-        hit = _POOLS.get(nice)
-        if hit is None or hit[0] != os.getpid():
-            hit = _POOLS[nice] = (
-                os.getpid(),
-                ThreadPoolExecutor(16, thread_name_prefix="anyshard-upload"),
-            )
-        return hit[1]
+        if _POOL[0] != os.getpid():
+            _POOL[:] = [os.getpid(), ThreadPoolExecutor(16, thread_name_prefix="anyshard-upload")]
+        return _POOL[1]
 
 
 class MultipartWriter:

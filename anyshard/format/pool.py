@@ -3,56 +3,23 @@
 from __future__ import annotations
 
 import os
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["cpu_share", "io_pool", "lower_thread_priority", "thread_nice"]
+__all__ = ["cpu_share", "io_pool"]
 
 _LOCK = threading.Lock()
-_POOLS: dict[tuple[int, int], tuple[int, ThreadPoolExecutor]] = {}
-
-
-def thread_nice() -> int:
-    """The calling thread's nice value where threads have their own (Linux), else 0."""
-    if sys.platform != "linux":
-        return 0
-    try:
-        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    except OSError:
-        return 0
-
-
-def lower_thread_priority(nice: int) -> int:
-    """Raise the calling thread's nice value to ``nice`` (Linux only, where each thread has its
-    own; elsewhere the call would reach the whole process, and does nothing). A value below the
-    current one needs privileges: without them the thread keeps its value. Returns the value the
-    thread has afterwards.
-
-    Threads that this thread starts inherit its value: `io_pool` therefore keeps one pool per
-    value, so that work submitted from a low-priority thread never starts workers that later
-    serve normal-priority callers."""
-    current = thread_nice()
-    if sys.platform != "linux" or nice == current:
-        return current
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-    except OSError:  # lowering the value back needs CAP_SYS_NICE or RLIMIT_NICE
-        pass
-    return thread_nice()
+_POOLS: dict[int, tuple[int, ThreadPoolExecutor]] = {}
 
 
 def io_pool(threads: int) -> ThreadPoolExecutor:
-    """A process-wide pool of ``threads`` workers (re-created after a fork), one per nice value
-    of the calling thread: its workers start from the threads that submit to it, and inherit
-    their priority (`lower_thread_priority`)."""
-    key = (threads, thread_nice())
+    """A process-wide pool of ``threads`` workers (re-created after a fork)."""
     with _LOCK:
         pid = os.getpid()
-        hit = _POOLS.get(key)
+        hit = _POOLS.get(threads)
         if hit is None or hit[0] != pid:
             hit = (pid, ThreadPoolExecutor(max_workers=threads, thread_name_prefix="anyshard-io"))
-            _POOLS[key] = hit
+            _POOLS[threads] = hit
         return hit[1]
 
 

@@ -102,12 +102,6 @@ class Checkpointer:
     lists them, e.g. ``"model.tok_emb.weight"``) known not to change, which skip the hashing.
     Retention never deletes a file that a kept step references.
 
-    ``save_nice`` > 0 runs async saves' background work (the save thread and the I/O workers it
-    starts) at that OS nice value, on Linux: where the training loop's threads want every core
-    (CPU training, or more ranks than cores), the kernel gives them the save's share first, and
-    a guarded save holds the loop up less. The background work then finishes later; a thread's
-    priority cannot be raised again without privileges (see `anyshard.api.async_save.start`).
-
     `restore_latest` picks the newest step that every rank can read, from local disk where all
     the files it needs are there (a restart on the same nodes), else from ``root`` (a replacement
     node, or a lost local disk).
@@ -137,7 +131,6 @@ class Checkpointer:
         process_group=None,
         incremental: bool = False,
         frozen: Collection[str] | None = None,
-        save_nice: int = 0,
     ):
         if every_steps is None:
             raise ValueError("every_steps must be a positive int, got None")
@@ -157,12 +150,6 @@ class Checkpointer:
             )
         if frozen and not incremental:
             raise ValueError("frozen names only apply with incremental=True")
-        if (
-            isinstance(save_nice, bool)
-            or not isinstance(save_nice, int)
-            or not 0 <= save_nice <= 19
-        ):
-            raise ValueError(f"save_nice must be an int in 0..19, got {save_nice!r}")
         self.root = root
         self.every_steps = every_steps
         self.keep_last = keep_last
@@ -173,8 +160,6 @@ class Checkpointer:
         self.keep_local = keep_local
         self.incremental = incremental
         self.frozen = frozenset(frozen or ())
-        self.save_nice = save_nice
-        self._niced = False  # whether the save thread was told its priority
         self._base: str | None = None  # the newest committed step of this root we know of
         self._issued: str | None = None  # the save in flight, a base once it has committed
         self._pending: list = []  # SaveHandles of the background work in flight
@@ -194,8 +179,7 @@ class Checkpointer:
         With ``async_``, collective over the process group: it starts the save thread and its
         gloo group, which the first save would otherwise do while the training loop waits."""
         if self.async_:
-            async_save.start(self.process_group, self.save_nice)
-            self._niced = True
+            async_save.start(self.process_group)
         for h in self._hooks:
             h.remove()
         self._hooks = [
@@ -263,9 +247,6 @@ class Checkpointer:
 
     def _save(self, step: int, app_state: Mapping[str, Any]) -> None:
         self.wait()
-        if self.async_ and not self._niced:
-            async_save.lower_priority(self.save_nice)  # runs before the save it comes ahead of
-            self._niced = True
         state = _state_dicts(app_state)
         path = self.step_path(step)
         if self.local_dir is not None:  # the root is cleared and written in the background

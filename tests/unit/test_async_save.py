@@ -1,8 +1,5 @@
 """Async save: staged at return, written and committed in the background, errors surface."""
 
-import json
-import subprocess
-import sys
 import threading
 
 import pytest
@@ -170,66 +167,3 @@ def test_prepare_reserves_staging_buffers_that_the_first_save_reuses(tmp_path):
     ckpt.save(1, state)
     ckpt.wait()
     assert _async._STAGING["model.w"] is buf
-
-
-_NICE_CHILD = r"""
-import json, os, sys, torch
-import anyshard
-from anyshard.api import async_save
-from anyshard.format import pool
-from anyshard.trainer_integration import Checkpointer
-
-def os_nice(tid):  # field 19 of /proc/<pid>/task/<tid>/stat, after the parenthesised name
-    with open(f"/proc/self/task/{tid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[16])
-
-root = sys.argv[1]
-model = torch.nn.Linear(64, 64)
-opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-ckpt = Checkpointer(root, async_=True, save_nice=7)
-ckpt.guard(opt)
-for step in (1, 2):
-    model(torch.randn(4, 64)).square().sum().backward()
-    ckpt.save(step, {"model": model.state_dict()})
-    want = {k: v.clone() for k, v in model.state_dict().items()}
-    opt.step()  # waits for the save thread's staging copy
-    opt.zero_grad()
-ckpt.wait()
-got = {k: torch.zeros_like(v) for k, v in want.items()}
-anyshard.load(ckpt.step_path(2), {"model": got}, strict=False)  # from this thread, at nice 0
-save_thread = async_save._executor()._threads
-workers = {key: [os_nice(t.native_id) for t in ex._threads]
-           for key, (_, ex) in pool._POOLS.items()}
-print(json.dumps({
-    "exact": all(torch.equal(got[k], want[k]) for k in want),
-    "main": os_nice(__import__("threading").get_native_id()),
-    "save": [os_nice(t.native_id) for t in save_thread],
-    "pools": {f"{threads},{nice}": v for (threads, nice), v in workers.items()},
-}))
-"""
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
-def test_a_niced_save_thread_keeps_its_workers_apart_from_the_callers(tmp_path):
-    # in a child process: a thread's nice value cannot be lowered again without privileges
-    out = subprocess.run(
-        [sys.executable, "-c", _NICE_CHILD, str(tmp_path / "ckpt")],
-        capture_output=True, text=True, timeout=120, check=True,
-    )  # fmt: skip
-    got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got["exact"] and got["main"] == 0
-    assert got["save"] == [7]
-    by_nice = {}
-    for key, nices in got["pools"].items():
-        by_nice.setdefault(int(key.split(",")[1]), []).extend(nices)
-    # the save's writes ran in workers at the save thread's value, the load's at the caller's
-    assert by_nice.get(7) and set(by_nice[7]) == {7}, got
-    assert by_nice.get(0) and set(by_nice[0]) == {0}, got
-
-
-def test_save_nice_is_checked():
-    from anyshard.trainer_integration import Checkpointer
-
-    for bad in (-1, 20, 2.5, True):
-        with pytest.raises(ValueError, match="save_nice must be an int in 0..19"):
-            Checkpointer("/nonexistent", save_nice=bad)

@@ -178,9 +178,6 @@ class CheckpointConfig:
     # with async_: the staging copy also runs in the background, during forward and backward;
     # only an optimizer step that would modify a tensor not copied yet waits for it
     stage_in_background: bool = True
-    # with async_: the save thread's OS nice value (0..19; Linux): above 0, the kernel gives its
-    # share of a busy CPU to the training threads first
-    save_nice: int = 0
     local_dir: str | None = None  # tiered mode: save to this local directory, then upload to root
     storage: str = "local"  # "local" (a file system) or "s3" (an S3-compatible object store)
 

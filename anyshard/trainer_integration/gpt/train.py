@@ -397,7 +397,6 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
         keep_last=c.keep_last,
         async_=c.async_,
         local_dir=c.local_dir,
-        save_nice=c.save_nice,
     )
     guarded = c.async_ and c.stage_in_background
     if guarded:
