@@ -19,6 +19,9 @@ __all__ = [
 ]
 
 _SCALARS = (type(None), bool, int, float, str)
+# what `copy_containers` keeps as it is without a call: the scalars, and the tensor types met so
+# far (a subclass such as DTensor joins the first time it is met)
+_KEPT: set[type] = {*_SCALARS, torch.Tensor, torch.nn.Parameter}
 
 
 class Leaf:
@@ -143,13 +146,16 @@ def copy_containers(node: Any) -> Any:
     >>> snap
     {'model': {'w': 1}, 'lrs': [0.1, 0.2]}
     """
+    kept = _KEPT
     if isinstance(node, dict):
-        return {k: v if type(v) in _SCALARS else copy_containers(v) for k, v in node.items()}
+        return {k: v if type(v) in kept else copy_containers(v) for k, v in node.items()}
     if isinstance(node, list):
-        return [v if type(v) in _SCALARS else copy_containers(v) for v in node]
+        return [v if type(v) in kept else copy_containers(v) for v in node]
     if isinstance(node, tuple) and any(isinstance(v, (dict, list, tuple)) for v in node):
         items = [copy_containers(v) for v in node]
         return type(node)(*items) if hasattr(node, "_fields") else type(node)(items)
+    if isinstance(node, torch.Tensor):
+        kept.add(type(node))
     return node
 
 

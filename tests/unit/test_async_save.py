@@ -167,3 +167,26 @@ def test_prepare_reserves_staging_buffers_that_the_first_save_reuses(tmp_path):
     ckpt.save(1, state)
     ckpt.wait()
     assert _async._STAGING["model.w"] is buf
+
+
+def test_copy_containers_copies_every_container_and_keeps_every_tensor():
+    from anyshard.api.state import copy_containers
+
+    class Tagged(torch.Tensor):  # a subclass, as DTensor is one
+        pass
+
+    w = torch.ones(2)
+    p = torch.nn.Parameter(torch.zeros(2))
+    sub = torch.ones(3).as_subclass(Tagged)
+    state = {"m": {"w": w, "p": p, "s": sub}, "groups": [{"lr": 0.1, "params": [1, 2]}], "n": 3}
+    for _ in range(2):  # the second time, the subclass is a type already met
+        snap = copy_containers(state)
+        assert snap["m"]["w"] is w and snap["m"]["p"] is p and snap["m"]["s"] is sub
+        assert snap["m"] is not state["m"] and snap["groups"] is not state["groups"]
+        assert snap["groups"][0] is not state["groups"][0]
+        assert snap["groups"][0]["params"] is not state["groups"][0]["params"]
+        state["groups"][0]["params"].append(3)
+        state["m"]["w"] = torch.zeros(1)
+        assert snap["groups"][0]["params"] == [1, 2] and snap["m"]["w"] is w
+        state["groups"][0]["params"].pop()
+        state["m"]["w"] = w
