@@ -20,7 +20,9 @@ rank itself sends and receives, not every rank's moves of every tensor.
 a global schedule: the k-th message between ``s`` and ``d`` goes in round ``(k, g)``, where
 ``g`` groups the shift ``(d - s) mod world`` by `concurrency`. In a round a rank sends to at
 most `concurrency` ranks and receives from as many, one message each, so it has at most
-``2 * concurrency * max_message_bytes`` (the budget) in flight. A rank posts all of its
+``2 * concurrency * max_message_bytes`` (the budget) in flight; where one element is larger
+than ``max_message_bytes`` (a budget of a few bytes), its message is that element, and the
+round's bound is ``2 * concurrency`` times the larger of the two. A rank posts all of its
 messages of a round at once and waits for them before its next round; every rank takes the
 rounds in the same order, so the earliest unfinished round always has both ends of each of its
 messages posted: the rounds are deadlock free.
