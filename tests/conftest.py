@@ -2,6 +2,14 @@ import os
 import sys
 
 import pytest
+from hypothesis import settings
+
+# Property tests draw the same examples on every run (seeded from each test), so that a run of
+# a clean clone tests what was tested before it landed. HYPOTHESIS_PROFILE=explore draws new
+# examples each run, to look for failures (add what it finds with @example).
+settings.register_profile("repeatable", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "dist"))
 sys.path.append(os.path.dirname(__file__))  # cli_runner, ft_events, s3_server
