@@ -167,7 +167,7 @@ def main() -> int:
     lines = [head, "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for root, mode, n, ms, ratio, med, gp, spread in rows:
         lines.append(
-            f"| {root} | {mode} | {n} | {ms:.1f} ms | {ratio:.1%} | {med:.0f} ms | {gp:.0%} "
+            f"| {root} | {mode} | {n} | {ms:.1f} ms | {ratio:.2%} | {med:.0f} ms | {gp:.0%} "
             f"| {spread} |"
         )
     step = statistics.median(statistics.median(r["steps"]) for r in base_runs)
