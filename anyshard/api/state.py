@@ -147,9 +147,15 @@ def copy_containers(node: Any) -> Any:
     {'model': {'w': 1}, 'lrs': [0.1, 0.2]}
     """
     kept = _KEPT
+    if type(node) is tuple and kept.issuperset(map(type, node)):
+        return node  # the common tuple: scalars (Adam's betas)
     if isinstance(node, dict):
+        if kept.issuperset(map(type, node.values())):  # nothing to copy below it
+            return dict(node)
         return {k: v if type(v) in kept else copy_containers(v) for k, v in node.items()}
     if isinstance(node, list):
+        if kept.issuperset(map(type, node)):
+            return list(node)
         return [v if type(v) in kept else copy_containers(v) for v in node]
     if isinstance(node, tuple) and any(isinstance(v, (dict, list, tuple)) for v in node):
         items = [copy_containers(v) for v in node]

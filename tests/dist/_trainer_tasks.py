@@ -93,6 +93,14 @@ def cached_state_dicts(overrides: list[str], steps: int) -> int:
         for name, v in list(st.items()):
             st[name] = v.clone()
     check()
+    for group in optimizer.param_groups:  # a hyperparameter other than the learning rate
+        group["weight_decay"] = 0.25
+    check()
+    # a submodule added since the state dict was remembered: its buffer is in the state dict
+    model.add_module("probe", torch.nn.Module())
+    model.probe.register_buffer("seen", torch.arange(2.0))
+    check()
+    assert "probe.seen" in state.state_dict()["model"]
     return compared
 
 

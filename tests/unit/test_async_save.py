@@ -1,6 +1,7 @@
 """Async save: staged at return, written and committed in the background, errors surface."""
 
 import threading
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -179,9 +180,14 @@ def test_copy_containers_copies_every_container_and_keeps_every_tensor():
     p = torch.nn.Parameter(torch.zeros(2))
     sub = torch.ones(3).as_subclass(Tagged)
     state = {"m": {"w": w, "p": p, "s": sub}, "groups": [{"lr": 0.1, "params": [1, 2]}], "n": 3}
+    state.update(betas=(0.9, 0.95), pair=([1], 2), ordered=OrderedDict(a=1), ints=[4, 5])
     for _ in range(2):  # the second time, the subclass is a type already met
         snap = copy_containers(state)
         assert snap["m"]["w"] is w and snap["m"]["p"] is p and snap["m"]["s"] is sub
+        assert snap["betas"] is state["betas"]  # a tuple of scalars cannot change
+        assert snap["pair"] == ([1], 2) and snap["pair"][0] is not state["pair"][0]
+        assert type(snap["ordered"]) is dict and snap["ordered"] == {"a": 1}
+        assert snap["ints"] == [4, 5] and snap["ints"] is not state["ints"]
         assert snap["m"] is not state["m"] and snap["groups"] is not state["groups"]
         assert snap["groups"][0] is not state["groups"][0]
         assert snap["groups"][0]["params"] is not state["groups"][0]["params"]
