@@ -88,9 +88,10 @@ class TrainState:
 
     def _holdings(self) -> tuple[list[Any], list[Any]]:
         """What a state dict's tensors are, as objects to compare by identity (every parameter,
-        buffer and optimizer state tensor) and values to compare by equality (the storage each
-        parameter and buffer holds, the names of each group's hyperparameters). Both stay the
-        same while training only updates the tensors in place."""
+        buffer and optimizer state tensor, and every module's children: the modules walked last
+        time are the model's while those stay the same) and values to compare by equality (the
+        storage each parameter and buffer holds, the names of each group's hyperparameters).
+        Both stay the same while training only updates the tensors in place."""
         if self._walk is None:  # the modules, walked once (`modules()` builds every name)
             self._walk = list(self.model.modules())
         objects: list[Any] = []
@@ -112,10 +113,10 @@ class TrainState:
 
     def _get_state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """DCP's ``get_state_dict``, remembered while the tensors it returns stay the same ones
-        (`_holdings`), with the optimizer's hyperparameters read anew (only those that changed
-        are written into it): a save then costs its
-        caller a fraction of a millisecond instead of DCP's walk over the model (milliseconds
-        per call, on the training thread)."""
+        (`_holdings`), with the optimizer's hyperparameters read anew (those whose value changed
+        are written into the remembered dict): a save then costs its caller a fraction of a
+        millisecond instead of DCP's walk over the model (milliseconds per call, on the
+        training thread)."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         objects, values = self._holdings()
