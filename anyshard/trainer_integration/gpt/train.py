@@ -127,7 +127,7 @@ class TrainState:
             and len(cached[0]) == len(objects)
             and all(a is b for a, b in zip(cached[0], objects, strict=True))
         ):
-            model_sd, optim_sd, _, pairs = cached[2:]
+            model_sd, optim_sd, pairs = cached[2:]
             groups = self.optimizer.param_groups
             for (g, h), names in pairs.items():  # kept up to date in place: a few change
                 v = groups[g][h]
@@ -140,7 +140,8 @@ class TrainState:
         # taken after DCP's call, which makes the state of an optimizer that has none
         self._walk = None
         objects, values = self._holdings()
-        # param_groups.{fqn}.{name} -> (group, name), found through the state tensors of fqn
+        # (group, name) -> its param_groups.{fqn}.{name} entries, each fqn's group found
+        # through its state tensors
         group_of = {
             id(p): i for i, g in enumerate(self.optimizer.param_groups) for p in g["params"]
         }
@@ -149,19 +150,18 @@ class TrainState:
         for k, v in optim_sd.items():
             if k.startswith("state.") and id(v) in owner:
                 fqn_group[k[len("state.") : k.rindex(".")]] = group_of.get(owner[id(v)])
-        hyper = {}
+        pairs: dict[tuple[int, str], list[str]] = {}
         for k in optim_sd:
             if k.startswith("param_groups."):
                 fqn, name = k[len("param_groups.") : k.rindex(".")], k[k.rindex(".") + 1 :]
                 if fqn_group.get(fqn) is None:  # no state to tell its group by: not cached
                     self._cache = None
                     return model_sd, optim_sd
-                hyper[k] = (fqn_group[fqn], name)
-        pairs: dict[tuple[int, str], list[str]] = {}  # (group, name) -> its entries
-        for k, (g, h) in hyper.items():
-            pairs.setdefault((g, h), []).append(k)
-            optim_sd[k] = self.optimizer.param_groups[g][h]  # the group's own, as later on
-        self._cache = (objects, values, model_sd, optim_sd, hyper, pairs)
+                pairs.setdefault((fqn_group[fqn], name), []).append(k)
+        for (g, h), names in pairs.items():  # the group's own values, as later on
+            for k in names:
+                optim_sd[k] = self.optimizer.param_groups[g][h]
+        self._cache = (objects, values, model_sd, optim_sd, pairs)
         return dict(model_sd), dict(optim_sd)
 
     def prime(self) -> None:
@@ -223,8 +223,8 @@ class TrainState:
             # the model's and the optimizer's tensors already hold the values: only the
             # hyperparameters are left (DCP's load would copy every tensor onto itself)
             groups = self.optimizer.param_groups
-            for k, (g, name) in self._cache[4].items():
-                groups[g][name] = sd["optim"][k]
+            for (g, name), names in self._cache[4].items():
+                groups[g][name] = sd["optim"][names[-1]]  # the last of its entries, as DCP's
         else:
             model_sd, optim_sd = sd["model"], sd["optim"]
             if self._tied():
