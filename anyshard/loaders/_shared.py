@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from anyshard.errors import AnyshardError, CorruptCheckpointError
+from anyshard.errors import AnyshardError, CorruptCheckpointError, StorageError
 from anyshard.format import storage
 from anyshard.format.dtypes import ST_TO_DTYPE
 from anyshard.geometry.boxes import Box
@@ -25,6 +25,8 @@ __all__ = [
     "check_file_name",
     "checked_region",
     "export_items",
+    "is_absent",
+    "not_there",
     "parse_dtype",
     "parse_size",
     "rank_grid",
@@ -33,6 +35,28 @@ __all__ = [
 ]
 
 # --- readers ------------------------------------------------------------------------------------
+
+
+def is_absent(e: BaseException) -> bool:
+    """Whether ``e`` says only that a file or directory is not there (missing, or a file where
+    a directory was expected, or the reverse), itself or as the cause of a `StorageError`."""
+    for _ in range(8):
+        if not isinstance(e, StorageError) or e.__cause__ is None:
+            break
+        e = e.__cause__
+    return isinstance(e, (FileNotFoundError, NotADirectoryError, IsADirectoryError))
+
+
+def not_there(path: str, what: str, e: OSError) -> bool:
+    """A format detector's answer when looking into ``path`` raised ``e``: False (``path``
+    does not hold ``what``) where ``e`` says a file is not there; any other error (access
+    denied, an I/O error) is no answer, and raises a `StorageError` naming ``path``."""
+    if is_absent(e):
+        return False
+    raise StorageError(
+        f"{path}: could not tell whether it holds {what}: {e}; check that the path is "
+        "readable (permissions, credentials) and the storage healthy"
+    ) from e
 
 
 def checked_region(name: str, box, shape: tuple[int, ...]) -> Box:

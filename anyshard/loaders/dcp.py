@@ -27,7 +27,7 @@ from anyshard.errors import CheckpointNotFoundError, CorruptCheckpointError
 from anyshard.format import storage
 from anyshard.format.dtypes import DTYPE_TO_ST
 from anyshard.geometry.boxes import Box, box_runs, box_shape, intersect
-from anyshard.loaders._shared import check_file_name, checked_region
+from anyshard.loaders._shared import check_file_name, checked_region, not_there
 
 __all__ = ["DCPCheckpointView", "DCPTensorMetadata", "looks_like_dcp"]
 
@@ -120,8 +120,8 @@ def looks_like_dcp(path: str) -> bool:
     """Whether ``path`` is a directory with DCP's ``.metadata`` file."""
     try:
         return storage.exists(storage.join(path, METADATA))
-    except Exception:
-        return False
+    except OSError as e:
+        return not_there(path, "a PyTorch DCP checkpoint", e)
 
 
 @dataclass(frozen=True, slots=True)

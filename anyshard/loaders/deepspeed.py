@@ -45,7 +45,7 @@ from anyshard.api.views import BaseView, StoredShard
 from anyshard.errors import CheckpointNotFoundError, CorruptCheckpointError, LayoutError
 from anyshard.format import storage
 from anyshard.geometry.boxes import Box, box_shape, full_box
-from anyshard.loaders._shared import checked_region, rank_grid
+from anyshard.loaders._shared import checked_region, not_there, rank_grid
 from anyshard.loaders.dcp import DCPTensorMetadata
 from anyshard.loaders.megatron import MegatronCheckpointView, _Tensor
 
@@ -143,8 +143,10 @@ def looks_like_deepspeed_zero(path: str) -> bool:
     try:
         step = _step_dir(path, "latest")
         return any(_ZERO_FILE.match(n) for n in storage.listdir(step))
-    except Exception:
+    except CorruptCheckpointError:  # ``latest`` names no step directory
         return False
+    except OSError as e:
+        return not_there(path, "a DeepSpeed ZeRO checkpoint", e)
 
 
 def looks_like_deepspeed_universal(path: str) -> bool:
@@ -156,8 +158,10 @@ def looks_like_deepspeed_universal(path: str) -> bool:
             return True
         dirs = [n for n in storage.listdir(zero) if not n.endswith(".pt")][:3]
         return any(storage.exists(storage.join(zero, d, "fp32.pt")) for d in dirs)
-    except Exception:
+    except CorruptCheckpointError:  # ``latest_universal`` names no step directory
         return False
+    except OSError as e:
+        return not_there(path, "a DeepSpeed universal checkpoint", e)
 
 
 # --- UCL specs written from param_shapes -----------------------------------------------------

@@ -27,7 +27,7 @@ from anyshard.format import storage, strict_json
 from anyshard.format.datafile import tensor_bytes
 from anyshard.format.dtypes import ST_TO_DTYPE
 from anyshard.geometry.boxes import Box, box_runs, box_shape, full_box
-from anyshard.loaders._shared import check_file_name, split_path
+from anyshard.loaders._shared import check_file_name, not_there, split_path
 
 __all__ = [
     "FORMAT",
@@ -102,8 +102,8 @@ def looks_like_hf(path: str) -> bool:
         return True
     try:
         names = storage.listdir(path)
-    except (OSError, StorageError):
-        return False
+    except OSError as e:
+        return not_there(path, "a Hugging Face checkpoint", e)
     return any(looks_like_file(n) for n in names)
 
 

@@ -44,7 +44,7 @@ from anyshard.api.views import StoredShard
 from anyshard.errors import AnyshardError, CheckpointNotFoundError, CorruptCheckpointError
 from anyshard.format import storage, strict_json
 from anyshard.geometry.boxes import Box, box_numel, box_shape, full_box, intersect
-from anyshard.loaders._shared import checked_region
+from anyshard.loaders._shared import checked_region, not_there
 from anyshard.loaders.dcp import METADATA, DCPCheckpointView, DCPTensorMetadata, _Chunk, _Tensor
 from anyshard.loaders.megatron import MegatronCheckpointView
 from anyshard.loaders.torchsave import LoadedFile, load_weights_only
@@ -61,7 +61,9 @@ def looks_like_megatron_dist(path: str) -> bool:
     ``latest_checkpointed_iteration.txt``) has Megatron-core's ``metadata.json``."""
     try:
         doc = strict_json.loads(storage.read_bytes(storage.join(_checkpoint_dir(path), CONFIG)))
-    except Exception:
+    except OSError as e:
+        return not_there(path, "a Megatron-core torch_dist checkpoint", e)
+    except (ValueError, CorruptCheckpointError):  # no JSON, or a tracker naming no iteration
         return False
     return isinstance(doc, dict) and "sharded_backend" in doc
 

@@ -37,7 +37,7 @@ from anyshard.errors import CheckpointNotFoundError, CorruptCheckpointError, Sto
 from anyshard.format import storage, strict_json
 from anyshard.format.dtypes import DTYPE_TO_ST
 from anyshard.geometry.boxes import Box, box_shape
-from anyshard.loaders._shared import check_file_name, checked_region, split_path
+from anyshard.loaders._shared import check_file_name, checked_region, not_there, split_path
 from anyshard.loaders.hf import HFTensorMetadata
 
 __all__ = [
@@ -71,8 +71,8 @@ def looks_like_torch_save(path: str) -> bool:
         return True
     try:
         names = storage.listdir(path)
-    except (OSError, StorageError):
-        return False
+    except OSError as e:
+        return not_there(path, "a torch.save checkpoint", e)
     names = {n.rstrip("/").rsplit("/", 1)[-1] for n in names}
     return SINGLE_NAME in names or INDEX_NAME in names
 

@@ -43,6 +43,7 @@ from anyshard.loaders._shared import (
     Progress,
     checked_region,
     export_items,
+    not_there,
     parse_size,
     select_names,
 )
@@ -266,7 +267,9 @@ def looks_like_zarr(path: str) -> bool:
     """A directory whose ``zarr.json`` is a zarr v3 group."""
     try:
         meta = strict_json.loads(storage.read_bytes(storage.join(path, ZARR_JSON)))
-    except (FileNotFoundError, NotADirectoryError, ValueError, OSError):
+    except OSError as e:
+        return not_there(path, "a zarr store", e)
+    except ValueError:  # zarr.json is not JSON
         return False
     return isinstance(meta, dict) and meta.get("node_type") == "group"
 
