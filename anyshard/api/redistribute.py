@@ -11,7 +11,6 @@ descriptions and raw tensor bytes cross ranks.
 from __future__ import annotations
 
 import copy
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from anyshard._lru import LRU
 from anyshard.api import collectives as coll
 from anyshard.api.spec_state import match_locals
 from anyshard.api.state import flatten_state, json_roundtrip
@@ -49,8 +49,9 @@ DEFAULT_MAX_INFLIGHT_BYTES = 256 << 20
 
 # Plans of recent calls, by (every rank's description digest, rank, budget, strict): a call whose
 # layouts every rank describes as before skips the exchange of descriptions and the planning.
-_PLANS: OrderedDict[tuple, tuple[Plan, list[Round], dict[str, Any]]] = OrderedDict()
+# Locked: calls from several threads share it.
 _PLANS_KEPT = 8
+_PLANS: LRU[tuple, tuple[Plan, list[Round], dict[str, Any]]] = LRU(_PLANS_KEPT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -565,15 +566,12 @@ def redistribute(
     known = _PLANS.get(key) if reuse_plan else None
     # every rank must have the plan (a rank that has just started has none)
     if coll.all_equal(b"\1" if known else b"\0", process_group) and known is not None:
-        _PLANS.move_to_end(key)
         mine_plan, rounds, values = known
         values = copy.deepcopy(values)  # the destination may change what it is given
     else:
         descs = coll.all_gather_json(mine, process_group, digests=digests)
         mine_plan, rounds, values = _plan_call(descs, me, max_inflight_bytes, strict)
-        _PLANS[key] = (mine_plan, rounds, copy.deepcopy(values))
-        while len(_PLANS) > _PLANS_KEPT:
-            _PLANS.popitem(last=False)
+        _PLANS.put(key, (mine_plan, rounds, copy.deepcopy(values)))
     _execute(mine_plan, rounds, s, d, process_group, repeated=known is not None)
     for k, leaf in d.leaves.items():
         if k in values:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import difflib
+import threading
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -106,7 +108,12 @@ def _average(
     return out.to(value.dtype)
 
 
-_GROUPS: dict[tuple, Any] = {}
+# The axis groups made over each process group, by (layout sizes, axis): weakly keyed by the
+# group object, so that they go with it (an id() could be reused by a later group), the default
+# group (None) under its own map. Locked: threads may save at the same time.
+_GROUPS_LOCK = threading.Lock()
+_GROUPS: weakref.WeakKeyDictionary[Any, dict[tuple, dict[tuple, Any]]] = weakref.WeakKeyDictionary()
+_DEFAULT_GROUPS: dict[tuple, dict[tuple, Any]] = {}
 
 
 def axis_group(lay: Layout, axis: str, coords: Mapping[str, int], group):
@@ -116,10 +123,12 @@ def axis_group(lay: Layout, axis: str, coords: Mapping[str, int], group):
     """
     if not coll.active(group) or lay.sizes[axis] == 1:
         return None
-    key = (tuple(lay.sizes.items()), axis, id(group))
-    if key in _GROUPS and not all(coll.alive(g) for g in _GROUPS[key].values()):
-        del _GROUPS[key]  # destroyed since; every rank of ``group`` finds so at the same call
-    if key not in _GROUPS:
+    key = (tuple(lay.sizes.items()), axis)
+    with _GROUPS_LOCK:
+        kept = _DEFAULT_GROUPS if group is None else _GROUPS.setdefault(group, {})
+        made = kept.get(key)
+    # destroyed since: every rank of ``group`` finds so at the same call, and makes them anew
+    if made is None or not all(coll.alive(g) for g in made.values()):
         mesh = MeshEntry.row_major(lay.sizes)
         made = {}
         others = {d: n for d, n in lay.sizes.items() if d != axis}
@@ -127,9 +136,10 @@ def axis_group(lay: Layout, axis: str, coords: Mapping[str, int], group):
             members = [mesh.rank({**c, axis: i}) for i in range(lay.sizes[axis])]
             ranks = [dist.get_global_rank(group, r) if group is not None else r for r in members]
             made[tuple(sorted(c.items()))] = dist.new_group(ranks)
-        _GROUPS[key] = made
+        with _GROUPS_LOCK:
+            kept[key] = made
     mine = tuple(sorted((d, v) for d, v in coords.items() if d != axis))
-    return _GROUPS[key][mine]
+    return made[mine]
 
 
 def _average_axes(spec: Spec, lay: Layout) -> list[str]:

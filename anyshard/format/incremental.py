@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from anyshard._lru import LRU
 from anyshard.errors import AnyshardError, CorruptCheckpointError
 from anyshard.format import storage
 from anyshard.format.datafile import data_path, read_header, tensor_bytes
@@ -41,8 +42,9 @@ __all__ = ["Incremental", "sha256_of"]
 
 _POOL_BYTES = 4 << 20  # shards at least this large are hashed in the I/O pool, others inline
 _REMEMBERED = 8  # indexes of steps this process saved, kept for the saves based on them
-# (step path, rank) -> (SHA-256 of the step's manifest, the rank's stored shards there)
-_index_cache: dict[tuple[str, int], tuple[str, dict]] = {}
+# (step path, rank) -> (SHA-256 of the step's manifest, the rank's stored shards there); locked:
+# the save thread (async saves) and the thread that calls save share it
+_index_cache: LRU[tuple[str, int], tuple[str, dict[str, _BaseShard]]] = LRU(_REMEMBERED)
 
 
 def sha256_of(data: memoryview) -> str:
@@ -212,9 +214,7 @@ class Incremental:
                 index[key] = _BaseShard(ref, DTYPE_TO_ST[t.dtype], tuple(t.shape))
         for key, ref in refs.items():
             index[key] = _BaseShard(ref, *ref_kinds[key])
-        while len(_index_cache) >= _REMEMBERED:
-            _index_cache.pop(next(iter(_index_cache)))
-        _index_cache[(storage.normalize(path), rank)] = (manifest_sha256, index)
+        _index_cache.put((storage.normalize(path), rank), (manifest_sha256, index))
 
     @staticmethod
     def _same_bytes(path: str, b: _BaseShard, view: memoryview) -> bool:
