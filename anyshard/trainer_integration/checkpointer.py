@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ from anyshard.api import async_save
 from anyshard.api import collectives as coll
 from anyshard.api.load import load
 from anyshard.api.save import save, save_deferred
+from anyshard.api.state import is_json_value
 from anyshard.errors import AnyshardError
 from anyshard.format import steps, storage
 from anyshard.format.manifest import MANIFEST_NAME, read_manifest
@@ -40,16 +41,23 @@ def _is_stateful(obj: Any) -> bool:
     )
 
 
+def _is_plain(obj: Any) -> bool:
+    """A JSON value other than a dict (``5``, ``"x"``, ``[0.1, 0.2]``): saved as one value, and
+    restored by writing the stored value into the app state's entry."""
+    return not isinstance(obj, dict) and not _is_stateful(obj) and is_json_value(obj)
+
+
 def _check_app_state(app_state: Mapping[str, Any]) -> None:
     bad = sorted(
         f"{name!r} ({type(obj).__name__})"
         for name, obj in app_state.items()
-        if not (_is_stateful(obj) or isinstance(obj, dict))
+        if not (_is_stateful(obj) or isinstance(obj, dict) or is_json_value(obj))
     )
     if bad:
         raise TypeError(
-            f"app_state values must have state_dict()/load_state_dict() or be dicts; "
-            f"got {', '.join(bad)}; wrap them in a class with those two methods"
+            f"app_state values must have state_dict()/load_state_dict(), be dicts, or be JSON "
+            f"values (numbers, strings, bools, None, and lists and dicts of them); got "
+            f"{', '.join(bad)}; wrap them in a class with those two methods"
         )
 
 
@@ -105,6 +113,14 @@ class Checkpointer:
     `restore_latest` picks the newest step that every rank can read, from local disk where all
     the files it needs are there (a restart on the same nodes), else from ``root`` (a replacement
     node, or a lost local disk).
+
+    The app state passed to `save` and `restore_latest` maps names to objects with
+    ``state_dict()`` and ``load_state_dict()`` (models, optimizers, schedulers), to dicts of
+    tensors and JSON values, or to plain JSON values (``{"step": 5}``, ``{"lrs": [0.1, 0.2]}``:
+    ints, floats, strings, bools, None, and lists and dicts of them), which are saved as JSON
+    values. A plain value cannot be loaded in place: `restore_latest` writes the stored value
+    into the app state's entry (a list is refilled in place), so read it from the dict after
+    the restore, not from a name bound to it before.
 
     >>> import tempfile, torch
     >>> root = tempfile.mkdtemp()
@@ -481,11 +497,26 @@ class Checkpointer:
         """Load the newest committed step into ``app_state``; return that step, or None if none.
 
         The template is each entry's current ``state_dict()``: tensors are filled in place under
-        their current layout, then each Stateful gets ``load_state_dict``; plain dicts are
-        updated in place. Uncommitted steps are never read. ``strict=False`` lets a rank load
-        a part of the checkpoint (a pipeline stage holds only its layers).
+        their current layout, then each Stateful gets ``load_state_dict``; plain dicts and lists
+        are updated in place. Any other JSON value (an int, a string, a tuple) cannot change in
+        place: ``app_state[name]`` is set to the stored value (``app_state`` must be a mutable
+        mapping then). Uncommitted steps are never read. ``strict=False`` lets a rank load a part
+        of the checkpoint (a pipeline stage holds only its layers).
+
+        >>> import tempfile
+        >>> root = tempfile.mkdtemp()
+        >>> _ = Checkpointer(root).save(3, {"step": 3, "config": {"lr": 0.1, "name": "x"}})
+        >>> app = {"step": 0, "config": {}}
+        >>> Checkpointer(root).restore_latest(app), app
+        (3, {'step': 3, 'config': {'lr': 0.1, 'name': 'x'}})
         """
         _check_app_state(app_state)
+        plain = sorted(n for n, obj in app_state.items() if _is_plain(obj))
+        if plain and not isinstance(app_state, MutableMapping):
+            raise TypeError(
+                f"app_state holds the JSON values {plain}, which a restore writes into app_state; "
+                f"pass a dict (got a {type(app_state).__name__})"
+            )
         self.wait()
         step, local = self._choose_step()
         if step is None:
@@ -496,10 +527,18 @@ class Checkpointer:
         load(path, state, process_group=self.process_group, strict=strict)
         if not local:
             self._base = path  # the next incremental save references what it holds
-        for name, obj in app_state.items():
+        for name, obj in list(app_state.items()):
+            loaded = state[name]
             if _is_stateful(obj):
-                obj.load_state_dict(state[name])
-            elif state[name] is not obj:  # a dict of JSON values was loaded as one value
+                obj.load_state_dict(loaded)
+            elif loaded is obj:  # filled in place
+                continue
+            elif isinstance(obj, dict) and isinstance(loaded, dict):  # loaded as one JSON value
                 obj.clear()
-                obj.update(state[name])
+                obj.update(loaded)
+            elif isinstance(obj, list) and isinstance(loaded, list):
+                obj[:] = loaded
+            else:
+                assert isinstance(app_state, MutableMapping)  # checked above
+                app_state[name] = loaded
         return step

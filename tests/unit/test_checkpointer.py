@@ -181,7 +181,7 @@ def test_bad_arguments_are_refused_with_a_clear_message(tmp_path):
     with pytest.raises(ValueError, match="keep_last"):
         Checkpointer(str(tmp_path), keep_last=0)
     with pytest.raises(TypeError, match="'model'"):
-        Checkpointer(str(tmp_path)).save(0, {"model": 3})
+        Checkpointer(str(tmp_path)).save(0, {"model": {1, 2}})  # neither Stateful nor JSON
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
