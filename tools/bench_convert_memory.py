@@ -54,11 +54,9 @@ def model_dims(gib: float, largest_mib: int, hidden: int, heads: int, kv_heads: 
     ``largest_mib`` MiB each."""
     ffn = 256 * math.ceil(hidden * 8 / 3 / 256)  # as LLaMA rounds 8/3 x hidden
     vocab = max(64, (largest_mib * h.MiB // (hidden * 4)) // 64 * 64)
-    hd = hidden // heads
-    per_layer = 4 * (
-        2 * hidden * heads * hd + 2 * hidden * kv_heads * hd + 3 * ffn * hidden + 2 * hidden
-    )
-    layers = max(1, math.ceil((gib * h.GiB - 4 * (2 * vocab * hidden + hidden)) / per_layer))
+    w, hd = hidden, hidden // heads
+    per_layer = 4 * (2 * w * heads * hd + 2 * w * kv_heads * hd + 3 * ffn * w + 2 * w)
+    layers = max(1, math.ceil((gib * h.GiB - 4 * (2 * vocab * w + w)) / per_layer))
     return dict(hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab, layers=layers)
 
 
@@ -66,14 +64,14 @@ def model_shapes(d: dict) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, shape, kind); tp shards ``col`` on dim 0, ``row`` on dim 1, replicates ``norm``."""
     h_, hd, ffn = d["hidden"], d["hidden"] // d["heads"], d["ffn"]
     q, kv = d["heads"] * hd, d["kv_heads"] * hd
-    out = [("tok_embeddings.weight", (d["vocab"], h_), "col")]
+    out, qkv = (
+        [("tok_embeddings.weight", (d["vocab"], h_), "col")],
+        (("q", q), ("k", kv), ("v", kv)),
+    )
     for i in range(d["layers"]):
         p = f"layers.{i}."
-        out += [
-            (p + "attention_norm.weight", (h_,), "norm"),
-            (p + "attention.wq.weight", (q, h_), "col"),
-        ]
-        out += [(p + f"attention.w{x}.weight", (kv, h_), "col") for x in "kv"]
+        out += [(p + "attention_norm.weight", (h_,), "norm")]
+        out += [(p + f"attention.w{x}.weight", (n, h_), "col") for x, n in qkv]
         out += [(p + "attention.wo.weight", (h_, q), "row"), (p + "ffn_norm.weight", (h_,), "norm")]
         out += [(p + f"feed_forward.w{x}.weight", (ffn, h_), "col") for x in "13"]
         out += [(p + "feed_forward.w2.weight", (h_, ffn), "row")]
@@ -99,23 +97,14 @@ def save_rank(rank: int, world: int, dst: str, dims: dict) -> None:
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_shard", "tp"))
-    placements = {
-        "col": [Shard(0), Shard(0)],
-        "row": [Shard(0), Shard(1)],
-        "norm": [Shard(0), Replicate()],
-    }
+    placements = {"col": [Shard(0), Shard(0)], "row": [Shard(0), Shard(1)]}
+    placements["norm"] = [Shard(0), Replicate()]
     state = {}
     for name, shape, kind in model_shapes(dims):
-        full = full_tensor(name, shape)
-        local = distribute_tensor(full, mesh, placements[kind], src_data_rank=None).to_local()
-        state[name] = DTensor.from_local(
-            local.clone(),
-            mesh,
-            placements[kind],
-            run_check=False,
-            shape=full.shape,
-            stride=full.stride(),
-        )
+        full, pl = full_tensor(name, shape), placements[kind]
+        local = distribute_tensor(full, mesh, pl, src_data_rank=None).to_local().clone()
+        kw = {"run_check": False, "shape": full.shape, "stride": full.stride()}
+        state[name] = DTensor.from_local(local, mesh, pl, **kw)
     dcp.save(state, checkpoint_id=dst)
 
 
@@ -124,11 +113,8 @@ def dcp_chunks(path: str) -> tuple[int, int]:
     from torch.distributed.checkpoint import FileSystemReader
 
     md = FileSystemReader(path).read_metadata()
-    sizes = [
-        math.prod(c.sizes) * m.properties.dtype.itemsize
-        for m in md.state_dict_metadata.values()
-        for c in getattr(m, "chunks", ())
-    ]
+    metas = [m for m in md.state_dict_metadata.values() if hasattr(m, "chunks")]
+    sizes = [math.prod(c.sizes) * m.properties.dtype.itemsize for m in metas for c in m.chunks]
     return len(sizes), max(sizes)
 
 
@@ -158,13 +144,8 @@ def child(tool: str, src: str, dst: str, layout_arg: str, result: str) -> int:
 
     base, t0 = h.status_kib("VmRSS"), time.perf_counter()
     run()
-    out = {
-        "baseline_kib": base,
-        "hwm_kib": h.status_kib("VmHWM"),
-        "wall_s": time.perf_counter() - t0,
-    }
-    with open(result, "w") as f:
-        json.dump(out, f)
+    wall = time.perf_counter() - t0
+    h.dump_json(result, {"baseline_kib": base, "hwm_kib": h.status_kib("VmHWM"), "wall_s": wall})
     return 0
 
 
@@ -177,15 +158,9 @@ def convert(tool: str, src: str, dst: str, layout_arg: str, work: str) -> dict:
         raise RuntimeError(f"{tool} conversion failed (exit {proc['rc']}):\n{proc['log']}")
     with open(result) as f:
         r = json.load(f)
-    return {
-        "baseline_mib": r["baseline_kib"] / 1024,
-        "peak_mib": r["hwm_kib"] / 1024,
-        "maxrss_mib": proc["rss_peak"] / h.MiB,
-        "wall_s": r["wall_s"],
-        "process_s": proc["wall_s"],
-        "out_bytes": _du(dst),
-        **{k: proc[k] for k in ("cpu_s", *h.IO_KEYS)},
-    }
+    out = {"baseline_mib": r["baseline_kib"] / 1024, "peak_mib": r["hwm_kib"] / 1024}
+    out |= {"maxrss_mib": proc["rss_peak"] / h.MiB, "wall_s": r["wall_s"], "out_bytes": _du(dst)}
+    return out | {"process_s": proc["wall_s"], **{k: proc[k] for k in ("cpu_s", *h.IO_KEYS)}}
 
 
 def _du(path: str) -> int:
@@ -241,13 +216,8 @@ def bench_layout(layout: str, dims: dict, tools: list[str], root: str, records: 
         else:
             h.in_fresh_process(save_whole, src, dims)
         chunks, largest = h.in_fresh_process(dcp_chunks, src)
-        info = dict(
-            save_s=time.perf_counter() - t0,
-            src_bytes=_du(src),
-            chunks=chunks,
-            largest_chunk=largest,
-            tools={},
-        )
+        info = {"save_s": time.perf_counter() - t0, "src_bytes": _du(src), "chunks": chunks}
+        info |= {"largest_chunk": largest, "tools": {}}
         print(
             f"{layout}: DCP checkpoint {info['src_bytes'] / h.GiB:.2f} GiB, {chunks} chunks, "
             f"largest {largest / h.MiB:.0f} MiB (saved in {info['save_s']:.1f} s)",
@@ -260,10 +230,11 @@ def bench_layout(layout: str, dims: dict, tools: list[str], root: str, records: 
             r["verified"] = r["problem"] is None
             if tool in tools:
                 info["tools"][tool] = records.add(r, layout=layout, system=tool)
+            peak = f"peak {r['peak_mib']:.0f} MiB (ru_maxrss {r['maxrss_mib']:.0f})"
             print(
-                f"  {TOOLS[tool]}: peak {r['peak_mib']:.0f} MiB (ru_maxrss {r['maxrss_mib']:.0f}), "
-                f"baseline {r['baseline_mib']:.0f} MiB, {r['wall_s']:.1f} s, CPU {r['cpu_s']:.1f} s; "
-                f"output {r['out_bytes'] / h.GiB:.2f} GiB, " + (r["problem"] or "verified"),
+                f"  {TOOLS[tool]}: {peak}, baseline {r['baseline_mib']:.0f} MiB, {r['wall_s']:.1f}"
+                f" s, CPU {r['cpu_s']:.1f} s; output {r['out_bytes'] / h.GiB:.2f} GiB, "
+                + (r["problem"] or "verified"),
                 flush=True,
             )
             if tool != "dcp":
@@ -282,87 +253,61 @@ def table(results: dict, largest: int, markdown: bool) -> str:
     for layout, info in results.items():
         for tool, r in info["tools"].items():
             peak, over = r["peak_mib"], r["peak_mib"] - r["baseline_mib"]
-            rows.append(
-                [
-                    layout,
-                    TOOLS[tool],
-                    f"{peak:.0f}",
-                    f"{r['baseline_mib']:.0f}",
-                    f"{over:.0f}",
-                    f"{target:.0f}",
-                ]
-                + ["pass" if x <= target else "FAIL" for x in (peak, over)]
-                + [
-                    f"{r['wall_s']:.1f}",
-                    f"{r['cpu_s']:.1f}",
-                    f"{r['rchar'] / h.MiB:.0f}",
-                    f"{r['wchar'] / h.MiB:.0f}",
-                ]
-                + ["equal" if r["verified"] else "WRONG"]
-            )
+            rows.append([layout, TOOLS[tool], f"{peak:.0f}", f"{r['baseline_mib']:.0f}"])
+            rows[-1] += [f"{over:.0f}", f"{target:.0f}"]
+            rows[-1] += ["pass" if x <= target else "FAIL" for x in (peak, over)]
+            rows[-1] += [f"{r['wall_s']:.1f}", f"{r['cpu_s']:.1f}", f"{r['rchar'] / h.MiB:.0f}"]
+            rows[-1] += [f"{r['wchar'] / h.MiB:.0f}", "equal" if r["verified"] else "WRONG"]
     return h.table(head, rows, markdown)
 
 
-def docs_section(
-    command: str, results: dict, dims: dict, largest: int, root: str, note: str
-) -> list[str]:
+METHOD = """Method: every conversion runs alone in a fresh `python` process that imports what it
+needs (torch and DCP's `format_utils`; torch, `torch.distributed.checkpoint.metadata` (which
+reading DCP's pickled metadata imports), `anyshard.loaders` and `anyshard.cli`), records VmRSS
+(baseline), converts, and records VmHWM (peak RSS, imports included; the parent's `os.wait4`
+ru_maxrss agrees). DCP is `dcp_to_torch_save(src, out.pt)`; anyshard is the console script's entry
+point `anyshard.cli.main(['convert', src, dst, '--to', ...])`, the gpt row with `--spec gpt
+--layout pp=1,dp=2,tp=2,...`. Wall time is the conversion alone; CPU seconds (user + sys) and bytes
+read and written (/proc/PID/io) are the whole child process's, the same counters
+(tools/harness.py) for every tool. Outputs are checked one tensor at a time outside the measured
+processes: the `.pt` (`torch.load(mmap=True, weights_only=True)`) against the tensors regenerated
+from their seeds, the Hugging Face files (`safe_open`) and anyshard checkpoints (`anyshard.open`)
+against the `.pt`. Target: peak RSS <= 2 x largest tensor + 256 MiB, checked on the raw peak and
+on peak - baseline."""
+
+
+def docs_section(argv, results: dict, dims: dict, largest: int, root: str, note: str) -> list:
     shapes = model_shapes(dims)
     total = sum(4 * math.prod(s) for _, s, _ in shapes)
     how = {
-        "sharded": f"saved by `dcp.save` from {SAVE_WORLD} gloo ranks holding DTensors on a (dp_shard=2, tp=2) mesh",
-        "whole": "saved by `dcp.save(..., no_dist=True)` from one process (every tensor one chunk)",
+        "whole": "saved by `dcp.save(..., no_dist=True)` from one process (every tensor one chunk)"
     }
-    return [
-        f"Command: `{command}` ({h.today()}; {total / h.GiB:.2f} GiB fp32 in {len(shapes)} tensors, GPT-shaped: "
-        f"hidden {dims['hidden']}, {dims['layers']} layers, ffn {dims['ffn']}, vocab {dims['vocab']}; "
-        f"largest tensor {largest / h.MiB:.0f} MiB).",
-        "",
-        "Machine and run:",
-        "",
-        *h.machine_lines({"files": root}),
-        f"- {note}",
-        "",
-        "Source checkpoints:",
-        "",
-        *[
-            f"- `{layout}`: {how[layout]}; {info['src_bytes'] / h.GiB:.2f} GiB on disk, "
-            f"{info['chunks']} chunks, the largest {info['largest_chunk'] / h.MiB:.0f} MiB"
-            for layout, info in results.items()
-        ],
-        "",
-        "Method: every conversion runs alone in a fresh `python` process that imports what it needs (torch and DCP's "
-        "`format_utils`; torch, `torch.distributed.checkpoint.metadata` (which reading DCP's pickled metadata imports), "
-        "`anyshard.loaders` and `anyshard.cli`), records VmRSS (baseline), converts, and records VmHWM (peak RSS, imports "
-        "included; the parent's `os.wait4` ru_maxrss agrees). DCP is `dcp_to_torch_save(src, out.pt)`; anyshard is the "
-        "console script's entry point `anyshard.cli.main(['convert', src, dst, '--to', ...])`, the gpt row with "
-        "`--spec gpt --layout pp=1,dp=2,tp=2,...`. Wall time is the conversion alone; CPU seconds (user + sys) and bytes "
-        "read and written (/proc/PID/io) are the whole child process's, the same counters for every tool. Outputs are "
-        "checked one tensor at a time outside the measured processes: the `.pt` (`torch.load(mmap=True, "
-        "weights_only=True)`) against the tensors regenerated from their seeds, the Hugging Face files (`safe_open`) and "
-        "anyshard checkpoints (`anyshard.open`) against the `.pt`. Target: peak RSS <= 2 x largest tensor + "
-        f"{TARGET_SLACK_MIB} MiB, checked on the raw peak and on peak - baseline.",
-        "",
-        table(results, largest, markdown=True),
+    how["sharded"] = f"saved by `dcp.save` from {SAVE_WORLD} gloo ranks holding DTensors on a "
+    how["sharded"] += "(dp_shard=2, tp=2) mesh"
+    run = f"{total / h.GiB:.2f} GiB fp32 in {len(shapes)} tensors, GPT-shaped: hidden "
+    run += f"{dims['hidden']}, {dims['layers']} layers, ffn {dims['ffn']}, vocab {dims['vocab']}; "
+    run += f"largest tensor {largest / h.MiB:.0f} MiB"
+    sources = [
+        f"- `{layout}`: {how[layout]}; {info['src_bytes'] / h.GiB:.2f} GiB on disk, "
+        f"{info['chunks']} chunks, the largest {info['largest_chunk'] / h.MiB:.0f} MiB"
+        for layout, info in results.items()
     ]
+    lines = h.docs_header(__file__, argv, run, {"files": root}, note)
+    lines += ["", "Source checkpoints:", "", *sources, "", METHOD, ""]
+    return lines + [table(results, largest, markdown=True)]
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    p.add_argument("--gib", type=float, default=2.25, help="size of the state, at least, GiB")
-    p.add_argument(
-        "--largest-mib", type=int, default=256, help="size of the largest tensors (vocab), MiB"
-    )
-    p.add_argument("--hidden", type=int, default=2048, help="model width")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--gib", type=float, default=2.25, help="size of the state, at least (2.25 GiB)")
+    p.add_argument("--largest-mib", type=int, default=256, help="the vocab matrices (256 MiB)")
+    p.add_argument("--hidden", type=int, default=2048, help="model width (2048)")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"subset of {','.join(LAYOUTS)}")
     p.add_argument("--tools", default=",".join(TOOLS), help=f"subset of {','.join(TOOLS)}")
     p.add_argument("--dir", default="/tmp", help="parent directory of the checkpoints")
-    p.add_argument(
-        "--quick", action="store_true", help="smoke test: --gib 0.1 --largest-mib 8 --hidden 512"
-    )
+    p.add_argument("--quick", action="store_true", help="--gib 0.1 --largest-mib 8 --hidden 512")
     h.add_output_args(p)
     p.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -370,31 +315,26 @@ def main(argv: list[str] | None = None) -> int:
         return child(*args.child)
     if args.quick:
         args.gib, args.largest_mib, args.hidden, args.heads, args.kv_heads = 0.1, 8, 512, 8, 2
-    layouts, tools = (
-        [x for x in args.layouts.split(",") if x],
-        [x for x in args.tools.split(",") if x],
-    )
+    layouts, tools = args.layouts.split(","), args.tools.split(",")
     if not layouts or not set(layouts) <= set(LAYOUTS) or not set(tools) <= set(TOOLS):
         p.error(f"--layouts: a subset of {LAYOUTS}; --tools: a subset of {tuple(TOOLS)}")
     dims = model_dims(args.gib, args.largest_mib, args.hidden, args.heads, args.kv_heads)
     sizes = [4 * math.prod(s) for _, s, _ in model_shapes(dims)]
     largest, load = max(sizes), h.RunLoad()
+    mib, slack = largest / h.MiB, TARGET_SLACK_MIB
+    target = f"2 x {mib:.0f} + {slack} = {2 * mib + slack:.0f} MiB"
     print(
-        f"state: {sum(sizes) / h.GiB:.2f} GiB fp32 in {len(sizes)} tensors ({dims}); largest tensor "
-        f"{largest / h.MiB:.0f} MiB; target peak RSS <= 2 x {largest / h.MiB:.0f} + {TARGET_SLACK_MIB} = "
-        f"{2 * largest / h.MiB + TARGET_SLACK_MIB:.0f} MiB",
+        f"state: {sum(sizes) / h.GiB:.2f} GiB fp32 in {len(sizes)} tensors ({dims}); largest "
+        f"tensor {largest / h.MiB:.0f} MiB; target peak RSS <= {target}",
         flush=True,
     )
     records = h.Records(args.jsonl, "convert_memory")
     results = {layout: bench_layout(layout, dims, tools, args.dir, records) for layout in layouts}
     note = load.note()
     print(f"\n{note}\n\n{table(results, largest, markdown=False)}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"dims": dims, "largest": largest, "results": results}, f, indent=1)
+    h.dump_json(args.json, {"dims": dims, "largest": largest, "results": results})
     if args.write_docs:
-        command = h.rerun_command(__file__, argv)
-        section = docs_section(command, results, dims, largest, args.dir, note)
+        section = docs_section(argv, results, dims, largest, args.dir, note)
         h.write_section(args.write_docs, "convert_memory", section, heading=HEADING)
         print(f"\nwrote {args.write_docs}")
     return 1 if any(not r["verified"] for i in results.values() for r in i["tools"].values()) else 0

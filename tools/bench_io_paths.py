@@ -22,7 +22,6 @@ repetitions, systems in rotated order.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -54,9 +53,8 @@ class Plan:
             starts, size = [base + r * ROW * 4 for r in range(n)], ROW // 2 * 4
         else:  # ``blocks`` blocks of rows, each followed by a gap as long
             per = n // (2 * blocks)
-            self.expected.append(
-                torch.cat([rows[2 * k * per : (2 * k + 1) * per] for k in range(blocks)])
-            )
+            kept = [rows[2 * k * per : (2 * k + 1) * per] for k in range(blocks)]
+            self.expected.append(torch.cat(kept))
             starts, size = [base + 2 * k * per * ROW * 4 for k in range(blocks)], per * ROW * 4
         self.dest = [torch.empty_like(t) for t in self.expected]
         out = _bytes(self.dest[1])
@@ -82,9 +80,8 @@ def read_tensorstore(kv, key: str, plan: Plan) -> None:
     import tensorstore as ts
 
     with ts.Batch() as batch:
-        futures = [
-            kv.read(key, byte_range=slice(a, a + len(b)), batch=batch) for a, b in plan.spans
-        ]
+        ranges = [slice(a, a + len(b)) for a, b in plan.spans]
+        futures = [kv.read(key, byte_range=r, batch=batch) for r in ranges]
     for (_, buf), fut in zip(plan.spans, futures, strict=True):
         buf[:] = fut.result().value
 
@@ -101,9 +98,8 @@ def read_fsspec(fs, path: str, plan: Plan, merge: bool) -> None:
                 buf[:] = view[offset - start : offset - start + len(buf)]
         return
     starts, ends = [a for a, _ in plan.spans], [a + len(b) for a, b in plan.spans]
-    for (_, buf), data in zip(
-        plan.spans, fs.cat_ranges([path] * len(starts), starts, ends), strict=True
-    ):
+    datas = fs.cat_ranges([path] * len(starts), starts, ends)
+    for (_, buf), data in zip(plan.spans, datas, strict=True):
         buf[:] = data
 
 
@@ -138,39 +134,24 @@ def local_part(base: str, tensors: dict, reps: int, regime: str, records: h.Reco
             os.unlink(os.path.join(d, f))
         os.sync()
 
-    d = tempfile.mkdtemp(prefix="bench-io-", dir=base)
+    def cold(_: str) -> None:
+        plan.reset()
+        if regime == "disk":
+            h.drop_cache(path)
+
+    d, items = tempfile.mkdtemp(prefix="bench-io-", dir=base), list(tensors.items())
+    labels = {"records": records, "regime": regime}
     try:
-        writers = {
-            "anyshard": fsynced(
-                lambda p: write_datafile(p, list(tensors.items())), os.path.join(d, "a")
-            ),
-            "safetensors": fsynced(lambda p: save_file(tensors, p), os.path.join(d, "s")),
-        }
-        out = {
-            "write": h.paired(
-                writers, reps, before=clear, records=records, regime=regime, op="write"
-            )
-        }
+        writers = {"anyshard": fsynced(lambda p: write_datafile(p, items), os.path.join(d, "a"))}
+        writers["safetensors"] = fsynced(lambda p: save_file(tensors, p), os.path.join(d, "s"))
+        out = {"write": h.paired(writers, reps, before=clear, op="write", **labels)}
         path = os.path.join(d, "data.safetensors")
-        write_datafile(path, list(tensors.items()))
+        write_datafile(path, items)
         plan = Plan(path, tensors, None)
         kv = ts.KvStore.open({"driver": "file", "path": d + "/"}).result()
-
-        def before(_: str) -> None:
-            plan.reset()
-            if regime == "disk":
-                h.drop_cache(path)
-
         systems = readers(path, plan, kv, fsspec.filesystem("file"), merge=False)
-        out["read"] = h.paired(
-            systems,
-            reps,
-            before=before,
-            check=lambda _: plan.exact(),
-            records=records,
-            regime=regime,
-            op="read",
-        )
+        check = lambda _: plan.exact()  # noqa: E731
+        out["read"] = h.paired(systems, reps, before=cold, check=check, op="read", **labels)
         return out
     finally:
         shutil.rmtree(d, ignore_errors=True)
@@ -187,24 +168,20 @@ def s3_part(tensors: dict, reps: int, records: h.Records) -> dict:
     with h.s3_server("moto") as (_, pids), tempfile.TemporaryDirectory(prefix="bench-io-") as d:
         fs = s3fs.S3FileSystem()
         fs.mkdir("bench-io")
-        local = os.path.join(d, "data.safetensors")
+        local, url = os.path.join(d, "data.safetensors"), "s3://bench-io/ckpt/data.safetensors"
         write_datafile(local, list(tensors.items()))
-        url = "s3://bench-io/ckpt/data.safetensors"
         storage.upload(local, url)
         plan = Plan(local, tensors, blocks=8)
         kv = ts.KvStore.open(_kvstore("s3://bench-io/ckpt")).result()
         systems = readers(url, plan, kv, fs, merge=True)
-        reads = h.paired(
-            systems,
-            reps,
-            before=lambda _: plan.reset(),
-            check=lambda _: plan.exact(),
-            other_pids=pids,
-            records=records,
-            regime="s3",
-            op="read",
-        )
-        return {"read": reads}
+        kw = {"before": lambda _: plan.reset(), "check": lambda _: plan.exact(), "op": "read"}
+        return {
+            "read": h.paired(systems, reps, other_pids=pids, records=records, regime="s3", **kw)
+        }
+
+
+HEAD = ["regime", "operation", "system", "wall s", "CPU s", "MiB/s"]
+HEAD += ["MiB read (rchar) / w written (wchar)", "bit-exact"]
 
 
 def rows_of(results: dict, total: int) -> list[list[str]]:
@@ -213,50 +190,35 @@ def rows_of(results: dict, total: int) -> list[list[str]]:
         for op, systems in ops.items():
             needed = total if op == "write" else total * 3 // 4
             for name, recs in systems.items():
-                med = lambda k: h.median_of(recs, k)  # noqa: B023, E731
+                m = {k: h.median_of(recs, k) for k in ("wall_s", "cpu_s", *h.IO_KEYS)}
                 moved = (
-                    f"w {med('wchar') / h.MiB:.0f}"
-                    if op == "write"
-                    else f"{med('rchar') / h.MiB:.0f}"
+                    f"w {m['wchar'] / h.MiB:.0f}" if op == "write" else f"{m['rchar'] / h.MiB:.0f}"
                 )
                 exact = {r.get("exact") for r in recs}
-                rows.append(
-                    [
-                        regime,
-                        op,
-                        name,
-                        h.fmt_spread([r["wall_s"] for r in recs], ".3f"),
-                        f"{med('cpu_s'):.2f}",
-                        f"{needed / h.MiB / med('wall_s'):.0f}",
-                        "-" if regime == "s3" else moved,
-                        "-" if None in exact else ("yes" if exact == {True} else "NO"),
-                    ]
-                )
+                exact = "-" if None in exact else ("yes" if exact == {True} else "NO")
+                wall = h.fmt_spread([r["wall_s"] for r in recs], ".3f")
+                rows.append([regime, op, name, wall, f"{m['cpu_s']:.2f}"])
+                rows[-1] += [
+                    f"{needed / h.MiB / m['wall_s']:.0f}",
+                    "-" if regime == "s3" else moved,
+                ]
+                rows[-1] += [exact]
     return rows
 
 
-HEAD = [
-    "regime",
-    "operation",
-    "system",
-    "wall s",
-    "CPU s",
-    "MiB/s",
-    "MiB read (rchar) / w written (wchar)",
-    "bit-exact",
-]
+METHOD = """Method: see the module docstring of the tool. Reads: the first tensor whole and the first
+half of every row of the second (4 KiB runs, 4 KiB gaps), 3/4 of the file, into preallocated
+destinations (on S3: the second tensor in 8 blocks with equal gaps). MiB/s counts the bytes the
+plan needs (reads) or the file's tensor bytes (writes). CPU s: user + sys of the process, all
+threads; bytes: /proc/self/io deltas; the same counters (tools/harness.py) for every system."""
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    ap.add_argument("--mib", type=float, default=256.0, help="size of the data file, MiB")
-    ap.add_argument("--reps", type=int, default=3, help="repetitions (median reported)")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mib", type=float, default=256.0, help="size of the data file (256 MiB)")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions (3; median reported)")
     ap.add_argument("--quick", action="store_true", help="smoke test: --mib 16 --reps 1")
-    ap.add_argument(
-        "--parts", default="tmpfs,disk,s3", help="comma-separated subset of tmpfs,disk,s3"
-    )
+    ap.add_argument("--parts", default="tmpfs,disk,s3", help="a subset of tmpfs,disk,s3")
     ap.add_argument("--disk-dir", default="/tmp", help="directory on the real disk")
     ap.add_argument("--tmpfs-dir", default="/dev/shm", help="directory on tmpfs")
     h.add_output_args(ap)
@@ -271,42 +233,26 @@ def main(argv: list[str] | None = None) -> int:
     n_rows = max(64, int(args.mib * h.MiB / 2 / (ROW * 4)) // 64 * 64)
     tensors = {name: torch.randn(n_rows, ROW, generator=g) for name in ("whole", "rows")}
     total = sum(t.numel() * 4 for t in tensors.values())
-    records, load = h.Records(args.jsonl, "io_paths"), h.RunLoad()
-    results: dict = {}
-    dirs = {"tmpfs": args.tmpfs_dir, "disk": args.disk_dir}
-    for regime in ("tmpfs", "disk"):
-        if regime in parts and os.path.isdir(dirs[regime]):
-            results[regime] = local_part(dirs[regime], tensors, args.reps, regime, records)
+    records, load, results = h.Records(args.jsonl, "io_paths"), h.RunLoad(), {}
+    dirs = {r: d for r, d in (("tmpfs", args.tmpfs_dir), ("disk", args.disk_dir)) if r in parts}
+    dirs = {r: d for r, d in dirs.items() if os.path.isdir(d)}
+    for regime, d in dirs.items():
+        results[regime] = local_part(d, tensors, args.reps, regime, records)
     if "s3" in parts:
         results["s3"] = s3_part(tensors, args.reps, records)
     rows = rows_of(results, total)
     print("\n" + h.table(HEAD, rows, markdown=False))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"total_bytes": total, "results": results}, f, indent=1, default=str)
+    h.dump_json(args.json, {"total_bytes": total, "results": results})
     if args.write_docs:
         import fsspec
         import safetensors
 
-        section = [
-            HEADING,
-            "",
-            f"Command: `{h.rerun_command(__file__, argv)}` ({h.today()}); data file {total / h.MiB:.0f} MiB; median [min-max] of {args.reps} repetition(s).",
-            "",
-            "Machine:",
-            "",
-            *h.machine_lines({r: dirs[r] for r in results if r != "s3"}),
-            f"- tensorstore {h.version('tensorstore')}, fsspec {fsspec.__version__}, safetensors {safetensors.__version__}"
-            + (f", moto {h.version('moto')}" if "s3" in results else ""),
-            f"- {load.note()}",
-            "",
-            "Method: see the module docstring of the tool. Reads: the first tensor whole and the first half of every row of the second "
-            "(4 KiB runs, 4 KiB gaps), 3/4 of the file, into preallocated destinations (on S3: the second tensor in 8 blocks with equal "
-            "gaps). MiB/s counts the bytes the plan needs (reads) or the file's tensor bytes (writes). CPU s: user + sys of the process, "
-            "all threads; bytes: /proc/self/io deltas, the same counters for every system.",
-            "",
-            h.table(HEAD, rows, markdown=True),
-        ]
+        run = f"data file {total / h.MiB:.0f} MiB; median [min-max] of {args.reps} repetition(s)"
+        versions = f"- tensorstore {h.version('tensorstore')}, fsspec {fsspec.__version__}, "
+        versions += f"safetensors {safetensors.__version__}"
+        versions += f", moto {h.version('moto')}" if "s3" in results else ""
+        section = [HEADING, "", *h.docs_header(__file__, argv, run, dirs, load.note()), versions]
+        section += ["", METHOD, "", h.table(HEAD, rows, markdown=True)]
         h.write_section(args.write_docs, "io_paths", section)
         print(f"\nwrote {args.write_docs}")
     return 1 if any(r[-1] == "NO" for r in rows) else 0

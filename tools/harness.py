@@ -1,22 +1,15 @@
 """What the benchmarks in tools/ share: measuring, spawning ranks, repeating, reporting.
 
-A tool imports it as ``import harness`` (a script's own folder is on ``sys.path``).
-
-* Measuring: `Meter` (a ``with`` block) and `measure` (a call) take the same counters for every
-  system: wall seconds, CPU seconds (user + sys of this process, all threads, and of its waited
-  children; optionally of other processes such as a server), the ``/proc/self/io`` counters
-  ``rchar``, ``wchar``, ``read_bytes``, ``write_bytes``, and the peak RSS during the block
-  (VmHWM after a reset through ``/proc/self/clear_refs``; a 2 ms VmRSS sampler thread where the
-  reset is refused, its own /proc reads subtracted from ``rchar``). `run_process` takes the
-  same counters of a command in a fresh process.
-* Ranks: `run_ranks` spawns N processes joined in a gloo group; `measure_ranks` measures one
-  operation on every rank from a common barrier; `in_fresh_process` runs one call alone.
-* Repeating: `rotations` and `paired` alternate the systems (A B, B A, ...), so that each pair
-  of measurements sees the same machine state; `spread` and `fmt_spread` give the median with
-  min/max.
-* Reporting: `Records` (one JSON line per measurement), `table` (text or markdown),
-  `write_section` (a ``<!-- name:begin -->``/``<!-- name:end -->`` section of a markdown file),
-  `machine_lines` and `RunLoad` (the machine and how busy it was), `check_lines` (targets).
+A tool imports it as ``import harness``. `Meter`/`measure` take the same counters for every
+system: wall and CPU seconds (user + sys of this process, all threads, and its waited children;
+optionally of other processes, e.g. a server), the /proc/self/io counters `IO_KEYS` and the peak
+RSS (VmHWM after a reset through /proc/self/clear_refs; a 2 ms VmRSS sampler thread where the
+reset is refused, its own reads taken out of ``rchar``); `run_process` the same of a command.
+`run_ranks` spawns gloo ranks, `measure_ranks` measures on each from a common barrier.
+`rotations`/`paired` alternate systems (A B, B A, ...) so that each pair sees the same machine
+state; `spread`/`fmt_spread`: median with min/max. `Records`: one JSON line per measurement;
+`table`, `write_section` (``<!-- name:begin -->``/``<!-- name:end -->``), `machine_lines`,
+`RunLoad`, `check_lines`: the report.
 """
 
 from __future__ import annotations
@@ -32,6 +25,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -43,23 +37,18 @@ MiB, GiB = 1 << 20, 1 << 30
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IO_KEYS = ("rchar", "wchar", "read_bytes", "write_bytes")
 
-# --------------------------------------------------------------------------- counters
-
 
 def proc_io(pid: int | str = "self") -> dict[str, int]:
-    """The I/O counters of ``/proc/PID/io`` (``rchar``: bytes asked of the kernel, any file
-    system; ``read_bytes``: bytes fetched from a block device; ``wchar``, ``write_bytes``)."""
+    """/proc/PID/io: ``rchar`` (bytes asked of the kernel, any file system), ``read_bytes``
+    (fetched from a block device), ``wchar``, ``write_bytes``."""
     with open(f"/proc/{pid}/io") as f:
         return {k: int(v) for k, v in (ln.split(": ") for ln in f.read().splitlines() if ln)}
 
 
 def status_kib(field: str, pid: int | str = "self") -> int:
-    """A KiB field of ``/proc/PID/status`` (VmRSS, VmHWM); -1 where it is missing."""
+    """A KiB field of /proc/PID/status (VmRSS, VmHWM); -1 where it is missing."""
     with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return -1
+        return next((int(ln.split()[1]) for ln in f if ln.startswith(field + ":")), -1)
 
 
 def reset_hwm() -> bool:
@@ -80,35 +69,28 @@ def own_cpu_s() -> float:
 
 def cpu_s_of(pids: Sequence[int]) -> float:
     """User + sys seconds of other processes (a server's), summed; NaN if one is gone."""
-    total = 0.0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        except (OSError, IndexError, ValueError):
-            return float("nan")
-    return total
+    try:
+        stats = [open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split() for pid in pids]
+        return sum(int(s[11]) + int(s[12]) for s in stats) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
 
 
 class _RssSampler(threading.Thread):
-    def __init__(self, period: float = 0.002):
+    def __init__(self) -> None:
         super().__init__(daemon=True)
-        self.period, self.peak_kib, self.own_rchar = period, 0, 0
-        self.stop = threading.Event()
+        self.peak_kib, self.own_rchar, self.stop = 0, 0, threading.Event()
 
     def run(self) -> None:
         fd = os.open("/proc/self/status", os.O_RDONLY)
-        try:
-            while True:
-                data = os.pread(fd, 4096, 0)
-                self.own_rchar += len(data)
-                if m := re.search(rb"VmRSS:\s+(\d+)", data):
-                    self.peak_kib = max(self.peak_kib, int(m.group(1)))
-                if self.stop.wait(self.period):
-                    break
-        finally:
-            os.close(fd)
+        while True:
+            data = os.pread(fd, 4096, 0)
+            self.own_rchar += len(data)
+            if m := re.search(rb"VmRSS:\s+(\d+)", data):
+                self.peak_kib = max(self.peak_kib, int(m.group(1)))
+            if self.stop.wait(0.002):
+                break
+        os.close(fd)
 
 
 class Meter:
@@ -117,12 +99,10 @@ class Meter:
     that minus VmRSS at entry) and, with ``other_pids``, ``other_cpu_s`` of those processes."""
 
     def __init__(self, other_pids: Sequence[int] = ()):
-        self.other_pids = list(other_pids)
-        self.record: dict[str, Any] = {}
+        self.other_pids, self.record = list(other_pids), {}
 
     def __enter__(self) -> Meter:
-        self._rss0 = status_kib("VmRSS")
-        self._sampler = None if reset_hwm() else _RssSampler()
+        self._rss0, self._sampler = status_kib("VmRSS"), None if reset_hwm() else _RssSampler()
         if self._sampler:
             self._sampler.start()
         self._io0, self._other0 = proc_io(), cpu_s_of(self.other_pids)
@@ -133,13 +113,12 @@ class Meter:
         wall, cpu, io1 = time.perf_counter() - self._t0, own_cpu_s() - self._cpu0, proc_io()
         r = self.record
         r.update(wall_s=wall, cpu_s=cpu, **{k: io1[k] - self._io0[k] for k in IO_KEYS})
+        peak = status_kib("VmHWM")
         if self._sampler:
             self._sampler.stop.set()
             self._sampler.join()
             r["rchar"] -= self._sampler.own_rchar
             peak = max(self._sampler.peak_kib, status_kib("VmRSS"))
-        else:
-            peak = status_kib("VmHWM")
         r.update(rss_peak=peak * 1024, rss_over=(peak - self._rss0) * 1024)
         if self.other_pids:
             r["other_cpu_s"] = cpu_s_of(self.other_pids) - self._other0
@@ -149,36 +128,26 @@ def measure(fn: Callable[[], Any], other_pids: Sequence[int] = ()) -> dict[str, 
     """`Meter`'s record of ``fn()``; what ``fn`` returns, if not None, under ``result``."""
     with Meter(other_pids) as m:
         value = fn()
-    if value is not None:
-        m.record["result"] = value
-    return m.record
+    return m.record if value is None else {**m.record, "result": value}
 
 
 def run_process(cmd: Sequence[str], log_path: str) -> dict[str, Any]:
-    """Run ``cmd`` in a fresh process (output to ``log_path``) and take `Meter`'s counters of
-    it: ``wall_s``, ``cpu_s``, the `IO_KEYS` (read from /proc before the exit status is
-    collected) and ``rss_peak`` (``ru_maxrss``); ``rc``, and the log's tail under ``log``."""
+    """Run ``cmd`` in a fresh process (output to ``log_path``); `Meter`'s counters of it
+    (``rss_peak`` is its ``ru_maxrss``; the I/O read before its exit status is collected),
+    ``rc``, and the log's tail under ``log``."""
     with open(log_path, "w+") as log:
         t0 = time.perf_counter()
-        proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT)
-        os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+        pid = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT).pid
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
         wall = time.perf_counter() - t0
         try:
-            io = proc_io(proc.pid)
+            io = {k: v for k, v in proc_io(pid).items() if k in IO_KEYS}
         except OSError:
             io = dict.fromkeys(IO_KEYS, -1)
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
+        _, status, use = os.wait4(pid, 0)
         log.seek(0)
-        text = log.read()[-4000:]
-    return {
-        "wall_s": wall,
-        "cpu_s": usage.ru_utime + usage.ru_stime,
-        **{k: io[k] for k in IO_KEYS},
-        "rss_peak": usage.ru_maxrss * 1024,  # KiB on Linux
-        "rc": proc.returncode,
-        "log": text,
-    }
+        out = {"wall_s": wall, "cpu_s": use.ru_utime + use.ru_stime, "log": log.read()[-4000:]}
+    return {**out, **io, "rss_peak": use.ru_maxrss * 1024, "rc": os.waitstatus_to_exitcode(status)}
 
 
 def drop_cache(path: str) -> str:
@@ -191,91 +160,68 @@ def drop_cache(path: str) -> str:
         return "drop_caches"
     except OSError:
         pass
-    files = (
-        [path]
-        if os.path.isfile(path)
-        else [os.path.join(d, n) for d, _, ns in os.walk(path) for n in ns]
-    )
-    for name in files:
-        fd = os.open(name, os.O_RDONLY)
-        try:
+    for d, _, names in os.walk(path) if os.path.isdir(path) else [("", [], [path])]:
+        for name in names:
+            fd = os.open(os.path.join(d, name), os.O_RDONLY)
             os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
             os.close(fd)
     return "fadvise"
 
 
-# --------------------------------------------------------------------------- processes, ranks
-
-
-def _child(
-    conn: Any,
-    fn: Callable[..., Any],
-    args: tuple,
-    rank: int,
-    world: int,
-    store: str | None,
-    threads: int,
-) -> None:
-    ok, value, group = True, None, False
+def _child(conn: Any, fn: Callable[..., Any], args: tuple, where: tuple) -> None:
+    (rank, world, store, threads), ok = where, True
     try:
-        if store is not None:
+        if store is None:
+            value = fn(*args)
+        else:
             import torch
             import torch.distributed as dist
 
             os.environ["LOCAL_WORLD_SIZE"] = str(world)  # as torchrun sets it
             torch.set_num_threads(threads)
-            dist.init_process_group(
-                "gloo", store=dist.FileStore(store, world), rank=rank, world_size=world
-            )
-            group = True
+            files = dist.FileStore(store, world)
+            dist.init_process_group("gloo", store=files, rank=rank, world_size=world)
             value = fn(rank, world, *args)
-        else:
-            value = fn(*args)
     except BaseException as e:  # the parent raises it, naming the rank
         import traceback
 
         ok, value = False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
     conn.send((ok, value))
-    conn.close()
-    if group:
+    if store is not None and "torch.distributed" in sys.modules:
         import torch.distributed as dist
 
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     sys.stdout.flush()
-    # no interpreter finalization: gloo's threads can abort the process there (pytorch#179291)
-    os._exit(0 if ok else 1)
+    os._exit(0 if ok else 1)  # gloo's threads can abort a finalizing interpreter (pytorch#179291)
 
 
 def _spawn(
     fn: Callable[..., Any], args: tuple, world: int, store: str | None, threads: int
-) -> list[Any]:
+) -> list:
     ctx = mp.get_context("spawn")
-    pipes, procs = [], []
-    for rank in range(world):
-        recv, send = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_child, args=(send, fn, args, rank, world, store, threads))
-        p.start()
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world)]
+    procs = []
+    for rank, (_, send) in enumerate(pipes):
+        where = (rank, world, store, threads)
+        procs.append(ctx.Process(target=_child, args=(send, fn, args, where)))
+        procs[-1].start()
         send.close()
-        pipes.append(recv)
-        procs.append(p)
-    results: list[Any] = [None] * world
-    errors: list[str] = []
-    waiting = dict(enumerate(pipes))
+    results, errors, waiting = [None] * world, [], {recv: r for r, (recv, _) in enumerate(pipes)}
     while waiting:  # a failed rank ends the others, which would wait for it forever
-        for conn in mp.connection.wait(list(waiting.values())):
-            rank = pipes.index(conn)  # type: ignore[arg-type]
-            del waiting[rank]
+        for conn in mp.connection.wait(list(waiting)):
+            rank = waiting.pop(conn)
             try:
                 ok, results[rank] = conn.recv()
             except EOFError:
                 ok, results[rank] = False, "the process died without a result"
             if not ok:
                 errors.append(f"rank {rank} of {fn.__name__}: {results[rank]}")
+                waiting.clear()
                 for p in procs:
                     p.terminate()
-                waiting.clear()
+                break
     for rank, p in enumerate(procs):
         p.join()
         if p.exitcode and not errors:
@@ -289,8 +235,6 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, threads: int = 1) 
     """Spawn ``world`` processes that join one gloo group (a FileStore; ``LOCAL_WORLD_SIZE``
     set as torchrun sets it; ``threads`` torch threads each) and call ``fn(rank, world,
     *args)``; the ranks' return values, in rank order. A failed rank raises, naming it."""
-    import tempfile
-
     with tempfile.TemporaryDirectory(prefix="bench-ranks-") as d:
         return _spawn(fn, args, world, os.path.join(d, "store"), threads)
 
@@ -312,20 +256,15 @@ def measure_ranks(fn: Callable[[], Any], before: Callable[[], Any] | None = None
     if before is not None and dist.get_rank() == 0:
         before()
     dist.barrier()
-    rec = measure(fn)
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, rec)
+    dist.all_gather_object(out, measure(fn))
     return out
-
-
-# --------------------------------------------------------------------------- repetitions
 
 
 def rotations(names: Sequence[str], reps: int) -> Iterator[tuple[int, list[str]]]:
     """``(rep, order)``: the systems rotated by one each repetition (A B C, B C A, ...)."""
     for rep in range(reps):
-        k = rep % len(names)
-        yield rep, list(names[k:]) + list(names[:k])
+        yield rep, list(names[rep % len(names) :]) + list(names[: rep % len(names)])
 
 
 def paired(
@@ -349,9 +288,7 @@ def paired(
             rec = measure(systems[name], other_pids)
             if check is not None:
                 rec["exact"] = check(name)
-            out[name].append(rec)
-            if records is not None:
-                records.add(rec, system=name, rep=rep, **labels)
+            out[name].append(records.add(rec, system=name, rep=rep, **labels) if records else rec)
     return out
 
 
@@ -370,9 +307,8 @@ def median_of(recs: Sequence[dict], key: str) -> float:
 def fmt_spread(xs: Sequence[float], form: str = ".2f") -> str:
     """``median [min-max]``, or the one value."""
     s = spread(xs)
-    if len(xs) < 2:
-        return format(s["median"], form)
-    return f"{s['median']:{form}} [{s['min']:{form}}-{s['max']:{form}}]"
+    tail = f" [{s['min']:{form}}-{s['max']:{form}}]" if len(xs) > 1 else ""
+    return f"{s['median']:{form}}{tail}"
 
 
 class Records:
@@ -384,15 +320,12 @@ class Records:
             open(path, "w").close()
 
     def add(self, rec: dict, **labels: Any) -> dict:
-        row = {"bench": self.bench, **labels, **rec}
-        self.rows.append(row)
+        """Keep ``rec`` with ``labels`` (system, rep, ...) and write its line; returns ``rec``."""
+        self.rows.append({"bench": self.bench, **labels, **rec})
         if self.path:
             with open(self.path, "a") as f:
-                f.write(json.dumps(row, default=str) + "\n")
+                f.write(json.dumps(self.rows[-1], default=str) + "\n")
         return rec
-
-
-# --------------------------------------------------------------------------- reporting
 
 
 def table(head: Sequence[str], rows: Sequence[Sequence[Any]], markdown: bool) -> str:
@@ -402,8 +335,8 @@ def table(head: Sequence[str], rows: Sequence[Sequence[Any]], markdown: bool) ->
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in body])
     widths = [max(len(x[i]) for x in [list(head), *body]) for i in range(len(head))]
-    fmt = lambda r: "  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True))  # noqa: E731
-    return "\n".join([fmt(head), fmt(["-" * w for w in widths]), *map(fmt, body)])
+    lines = [list(head), ["-" * w for w in widths], *body]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in lines)
 
 
 def replace_section(
@@ -419,10 +352,9 @@ def replace_section(
     elif heading is not None and heading in old:
         at = old.index(heading) + len(heading)
         new = old[:at] + "\n\n" + text + "\n" + old[at:].lstrip("\n")
-    elif heading is not None:
-        new = old.rstrip("\n") + "\n\n\n" + heading + "\n\n" + text + "\n"
     else:
-        new = old.rstrip("\n") + "\n\n" + text + "\n"
+        head = "\n\n\n" + heading if heading is not None else ""
+        new = old.rstrip("\n") + head + "\n\n" + text + "\n"
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         f.write(new)
@@ -435,11 +367,13 @@ def write_section(path: str, name: str, lines: list[str], *, heading: str | None
 
 def rerun_command(tool: str, argv: Sequence[str] | None = None) -> str:
     """``python tools/NAME ARGS --write-docs``: the command that reproduces this run of
-    ``tool`` (a file in tools/) and writes its section."""
-    args = " ".join(sys.argv[1:] if argv is None else argv).replace("--write-docs", "")
-    return f"python tools/{os.path.basename(tool)} {' '.join(args.split())} --write-docs".replace(
-        "  ", " "
-    )
+    ``tool`` (a file in tools/) and writes its section (a path given to --write-docs left out)."""
+    args, skip = [], False
+    for a in sys.argv[1:] if argv is None else argv:
+        if not (skip and not a.startswith("-")) and not a.startswith("--write-docs"):
+            args.append(a)
+        skip = a == "--write-docs"
+    return " ".join(["python", f"tools/{os.path.basename(tool)}", *args, "--write-docs"])
 
 
 def today() -> str:
@@ -448,16 +382,23 @@ def today() -> str:
 
 def add_output_args(p: argparse.ArgumentParser) -> None:
     """``--write-docs [PATH]`` (docs/benchmarks.md), ``--json PATH``, ``--jsonl PATH``."""
-    p.add_argument(
-        "--write-docs",
-        nargs="?",
-        const="docs/benchmarks.md",
-        default=None,
-        metavar="PATH",
-        help="write the tool's section of this markdown file",
-    )
+    p.add_argument("--write-docs", nargs="?", const="docs/benchmarks.md", metavar="PATH")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.add_argument("--jsonl", default=None, help="also write one JSON line per measurement here")
+
+
+def dump_json(path: str | None, obj: Any) -> None:
+    """Write ``obj`` to ``path`` as JSON (nothing without a path: ``--json`` not given)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(obj, f, indent=1, default=str)
+
+
+def docs_header(tool: str, argv: Sequence[str] | None, run: str, dirs: dict | None, note: str):
+    """A section's first lines: ``Command: `...` (date, run).``, then ``Machine:`` with
+    `machine_lines` of ``dirs`` and ``note`` (`RunLoad.note`)."""
+    command = f"Command: `{rerun_command(tool, argv)}` ({today()}, {run})."
+    return [command, "", "Machine:", "", *machine_lines(dirs), f"- {note}"]
 
 
 def version(dist: str) -> str:
@@ -474,52 +415,40 @@ def fs_type(path: str) -> str:
     """``TYPE (DEVICE on MOUNT)`` of the file system holding ``path``."""
     best, kind, real = "", "?", os.path.realpath(path)
     with open("/proc/mounts") as f:
-        for parts in (line.split() for line in f):
-            mnt = parts[1]
+        for dev, mnt, fs, *_ in (line.split() for line in f):
             if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-                best, kind = mnt, f"{parts[2]} ({parts[0]} on {mnt})"
+                best, kind = mnt, f"{fs} ({dev} on {mnt})"
     return kind
 
 
 def git_state() -> str:
     """The commit of the library measured, and which of its files differ from it."""
-
-    def git(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            ["git", "-C", ROOT, *args], capture_output=True, text=True, timeout=10
-        )
-
+    git = ["git", "-C", ROOT]
     try:
-        head, dirty = (
-            git("rev-parse", "--short", "HEAD"),
-            git("status", "--porcelain", "--", "anyshard"),
+        head = subprocess.run(
+            [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        )
+        dirty = subprocess.run(
+            [*git, "status", "--porcelain", "anyshard"], capture_output=True, text=True
         )
     except (OSError, subprocess.SubprocessError):
         return "commit unknown"
-    if head.returncode != 0:
-        return "commit unknown"
     changed = [ln[3:] for ln in dirty.stdout.splitlines() if ln.strip()]
     more = f" and {len(changed) - 6} more" if len(changed) > 6 else ""
-    state = (
-        "library files modified in the work tree: " + ", ".join(changed[:6]) + more
-        if changed
-        else "library files as committed"
-    )
-    return f"commit {head.stdout.strip()} ({state})"
+    state = f"library files modified in the work tree: {', '.join(changed[:6])}{more}"
+    state = state if changed else "library files as committed"
+    return f"commit {head.stdout.strip()} ({state})" if head.returncode == 0 else "commit unknown"
 
 
 def machine_lines(dirs: dict[str, str] | None = None) -> list[str]:
     """Markdown bullets: CPU, memory, kernel, Python, torch; each named directory's file
     system; the library's commit."""
-    model = platform.processor() or "?"
     with open("/proc/cpuinfo") as f:
-        model = next(
-            (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model
-        )
+        cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
     with open("/proc/meminfo") as f:
         mem = int(f.readline().split()[1]) / (1 << 20)
     lines = [
-        f"- CPU: {os.cpu_count()} cores ({model}), {mem:.0f} GiB RAM, Linux {platform.release()}, "
+        f"- CPU: {os.cpu_count()} cores ({cpu}), {mem:.0f} GiB RAM, Linux {platform.release()}, "
         f"Python {platform.python_version()}, torch {version('torch')}"
     ]
     lines += [f"- {name}: `{d}` on {fs_type(d)}" for name, d in (dirs or {}).items()]
@@ -527,12 +456,10 @@ def machine_lines(dirs: dict[str, str] | None = None) -> list[str]:
 
 
 def busy_cpu_s() -> float:
-    """Machine-wide non-idle CPU seconds so far (/proc/stat: user nice system irq softirq steal)."""
+    """Machine-wide non-idle CPU seconds (/proc/stat: user nice system irq softirq steal)."""
     with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return (v[0] + v[1] + v[2] + v[5] + v[6] + (v[7] if len(v) > 7 else 0)) / os.sysconf(
-        "SC_CLK_TCK"
-    )
+        v = [int(x) for x in f.readline().split()[1:]] + [0]
+    return (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / os.sysconf("SC_CLK_TCK")
 
 
 class RunLoad:
@@ -540,12 +467,8 @@ class RunLoad:
     machine was meanwhile (CPU seconds not spent by this process or its children)."""
 
     def __init__(self) -> None:
-        self.t0, self.busy0, self.own0, self.load0 = (
-            time.time(),
-            busy_cpu_s(),
-            own_cpu_s(),
-            os.getloadavg()[0],
-        )
+        self.t0, self.busy0, self.own0 = time.time(), busy_cpu_s(), own_cpu_s()
+        self.load0 = os.getloadavg()[0]
 
     def note(self) -> str:
         wall = time.time() - self.t0
@@ -571,20 +494,17 @@ def s3_server(kind: str = "moto") -> Iterator[tuple[Any, list[int]]]:
     """An S3 server on 127.0.0.1 (``moto``'s, or ``seaweedfs``) for the ``with`` block, found
     through the AWS_* environment that is set for it: ``(server, its process ids)``."""
     if kind == "seaweedfs":
-        from anyshard.trainer_integration.seaweed import SeaweedServer
-
-        server: Any = SeaweedServer()
+        from anyshard.trainer_integration.seaweed import SeaweedServer as Server
     else:
         sys.path.insert(0, os.path.join(ROOT, "tests"))
-        from s3_server import MotoServer
-
-        server = MotoServer()
+        from s3_server import MotoServer as Server
+    server: Any = Server()
     server.start()
     try:
         os.environ.update(server.env())
         # a loaded server answers slowly: no spurious retry should enter the times
         os.environ.setdefault("ANYSHARD_STORAGE_DEADLINE", "600")
-        procs = [server._proc] if kind != "seaweedfs" else list(server._procs.values())
+        procs = list(server._procs.values()) if kind == "seaweedfs" else [server._proc]
         yield server, [p.pid for p in procs]
     finally:
         server.stop()
