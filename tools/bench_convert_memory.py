@@ -298,7 +298,7 @@ def docs_section(argv, results: dict, dims: dict, largest: int, root: str, note:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = h.parser(__doc__, quick="--gib 0.1 --largest-mib 8 --hidden 512")
     p.add_argument("--gib", type=float, default=2.25, help="size of the state, at least (2.25 GiB)")
     p.add_argument("--largest-mib", type=int, default=256, help="the vocab matrices (256 MiB)")
     p.add_argument("--hidden", type=int, default=2048, help="model width (2048)")
@@ -307,8 +307,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"subset of {','.join(LAYOUTS)}")
     p.add_argument("--tools", default=",".join(TOOLS), help=f"subset of {','.join(TOOLS)}")
     p.add_argument("--dir", default="/tmp", help="parent directory of the checkpoints")
-    p.add_argument("--quick", action="store_true", help="--gib 0.1 --largest-mib 8 --hidden 512")
-    h.add_output_args(p)
     p.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:

@@ -21,7 +21,6 @@ repetitions, systems in rotated order.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import sys
@@ -214,14 +213,9 @@ threads; bytes: /proc/self/io deltas; the same counters (tools/harness.py) for e
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = h.parser(__doc__, reps=3, quick="--mib 16 --reps 1", dirs=True)
     ap.add_argument("--mib", type=float, default=256.0, help="size of the data file (256 MiB)")
-    ap.add_argument("--reps", type=int, default=3, help="repetitions (3; median reported)")
-    ap.add_argument("--quick", action="store_true", help="smoke test: --mib 16 --reps 1")
     ap.add_argument("--parts", default="tmpfs,disk,s3", help="a subset of tmpfs,disk,s3")
-    ap.add_argument("--disk-dir", default="/tmp", help="directory on the real disk")
-    ap.add_argument("--tmpfs-dir", default="/dev/shm", help="directory on tmpfs")
-    h.add_output_args(ap)
     args = ap.parse_args(argv)
     if args.quick:
         args.mib, args.reps = 16.0, 1

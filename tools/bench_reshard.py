@@ -14,7 +14,6 @@ into a tp=4 and a dp_shard=4 mesh. The method, as written into the docs, is `MET
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import math
 import os
@@ -441,17 +440,12 @@ def block_devices() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = h.parser(__doc__, reps=5, quick="--gib 0.1 --reps 1", dirs=True)
     p.add_argument("--gib", type=float, default=1.0, help="total fp32 state size in GiB (1.0)")
-    p.add_argument("--reps", type=int, default=5, help="repetitions (5; median reported)")
-    p.add_argument("--quick", action="store_true", help="smoke test: --gib 0.1 --reps 1")
     p.add_argument("--regimes", default="disk,tmpfs", help="a subset of disk,tmpfs")
-    p.add_argument("--disk-dir", default="/tmp", help="parent directory on the real disk")
-    p.add_argument("--tmpfs-dir", default="/dev/shm", help="parent directory on tmpfs")
     p.add_argument("--profile", choices=("pyspy", "cprofile"), help="anyshard on rank 0, tmpfs")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="no warm-up round")
     p.add_argument("--no-verify", action="store_true", help="anyshard.load(verify=False)")
-    h.add_output_args(p)
     args = p.parse_args(argv)
     if args.quick:
         args.gib, args.reps = 0.1, 1

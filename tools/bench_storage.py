@@ -16,7 +16,6 @@ method, as written into the docs, is `METHOD` below.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import shutil
@@ -379,18 +378,13 @@ def check_targets(summary: dict) -> list[tuple[str, bool | None, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = h.parser(__doc__, reps=3, quick="--gib 0.125 --tensor-mib 16 --reps 1", dirs=True)
     p.add_argument("--gib", type=float, default=1.0, help="the big tensors in all, GiB (1.0)")
     p.add_argument("--tensor-mib", type=int, default=128, help="size of each big tensor (128)")
-    p.add_argument("--reps", type=int, default=3, help="repetitions (3; median reported)")
-    p.add_argument("--quick", action="store_true", help="--gib 0.125 --tensor-mib 16 --reps 1")
     p.add_argument("--parts", default="local,s3", help="a subset of local,s3")
-    p.add_argument("--disk-dir", default="/tmp", help="parent directory on the real disk")
-    p.add_argument("--tmpfs-dir", default="/dev/shm", help="parent directory on tmpfs (if any)")
     p.add_argument("--no-same-layout", dest="same_layout", action="store_false")
     p.add_argument("--server", choices=("moto", "seaweedfs"), default="moto", help="S3 server")
     p.add_argument("--s3-extras", action="store_true", help="async save to S3, tiered recovery")
-    h.add_output_args(p)
     args = p.parse_args(argv)
     if args.quick:
         args.gib, args.tensor_mib, args.reps = 0.125, 16, 1

@@ -102,3 +102,148 @@ def test_bench_io_paths_quick_checks_every_read_and_writes_its_section(tmp_path)
     assert len(rows) == 2 + 3 + 3  # two writers, three readers on disk and on S3
     assert all(line.split("|")[-2].strip() in ("yes", "-") for line in rows)
     assert sum(line.split("|")[-2].strip() == "yes" for line in rows) == 6
+
+
+def _bench(tool: str, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, os.path.join(ROOT, "tools", tool), *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out
+
+
+def test_bench_reshard_every_system_saves_and_loads_bit_exact_and_the_floor_reads_the_target(
+    tmp_path,
+):
+    args = "--gib 0.02 --reps 1 --regimes tmpfs --no-warmup".split()
+    args += ["--tmpfs-dir", str(tmp_path), "--json", str(tmp_path / "r.json")]
+    _bench("bench_reshard.py", *args, "--jsonl", str(tmp_path / "r.jsonl"), timeout=180)
+    result = json.loads((tmp_path / "r.json").read_text())
+    rows = {r["op"]: r for r in result["rows"]}
+    assert set(rows) == {"save", "load->tp4", "load->dp4"}
+    for op in ("load->tp4", "load->dp4"):
+        r = rows[op]
+        assert all(not r[s]["bad"] for s in ("anyshard", "dcp", "dcp_any")), r
+        # the floor reads exactly the bytes the target holds: the counters must see them
+        assert r["target_bytes"] <= r["floor"]["rchar"] <= r["target_bytes"] + 4096
+    # every save writes at least the rank's share of the state
+    assert all(
+        rows["save"][s]["wchar"] >= rows["save"]["target_bytes"] for s in ("floor", "anyshard")
+    )
+    lines = (tmp_path / "r.jsonl").read_text().splitlines()
+    assert len(lines) == 3 * 4 * 4  # operations x systems x ranks, one repetition
+    # the checkpoints are removed
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("bench-reshard-")] == []
+
+
+def test_bench_storage_local_async_saves_load_back_bit_exact(tmp_path):
+    args = "--parts local --gib 0.03 --tensor-mib 4 --reps 2".split()
+    args += ["--disk-dir", str(tmp_path), "--tmpfs-dir", str(tmp_path / "none")]
+    _bench(
+        "bench_storage.py",
+        *args,
+        "--json",
+        str(tmp_path / "s.json"),
+        "--jsonl",
+        str(tmp_path / "s.jsonl"),
+    )
+    summary = json.loads((tmp_path / "s.json").read_text())["summary"]
+    assert [r["regime"] for r in summary["local"]] == ["disk"]  # no tmpfs dir: no tmpfs regime
+    r = summary["local"][0]
+    assert r["bit_exact"] is True
+    assert all(len(v) == 2 for v in r["times"].values())
+    assert r["first_block"] <= r["first_total"] and r["steady_block"] <= r["steady_total"]
+    recs = [json.loads(x) for x in (tmp_path / "s.jsonl").read_text().splitlines()]
+    assert sorted(x["system"] for x in recs) == ["first"] * 2 + ["steady"] * 2 + ["sync"] * 2
+    state_bytes = 8 * (4 << 20)  # eight 4 MiB tensors, and small ones
+    assert all(x["wchar"] >= state_bytes for x in recs)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("bench-")] == []
+
+
+def _harness():
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import harness
+
+    return harness
+
+
+def test_harness_meter_counts_the_bytes_written_and_read_and_the_memory_touched(tmp_path):
+    h = _harness()
+    path, data = tmp_path / "f", os.urandom(3 << 20)
+
+    def write() -> None:
+        with open(path, "wb") as f:
+            f.write(data)
+
+    wrote = h.measure(write)
+    read = h.measure(lambda: len(path.read_bytes()))
+    touched = h.measure(lambda: len(bytearray(64 << 20)))
+    assert len(data) <= wrote["wchar"] < len(data) + 4096
+    assert len(data) <= read["rchar"] < len(data) + 8192 and read["result"] == len(data)
+    assert touched["rss_over"] >= 60 << 20 and touched["rss_peak"] >= touched["rss_over"]
+    assert all(r["wall_s"] >= 0 and r["cpu_s"] >= 0 for r in (wrote, read, touched))
+
+
+def test_harness_run_process_takes_the_childs_counters(tmp_path):
+    h = _harness()
+    code = (
+        "import os; b = bytearray(96 << 20); open(os.sys.argv[1], 'wb').write(os.urandom(1 << 20))"
+    )
+    r = h.run_process([sys.executable, "-c", code, str(tmp_path / "x")], str(tmp_path / "log"))
+    assert r["rc"] == 0
+    assert r["wchar"] >= 1 << 20 and r["rss_peak"] >= 96 << 20 and r["cpu_s"] > 0
+
+
+def _rank_value(rank: int, world: int, base: int) -> int:
+    import torch.distributed as dist
+
+    out = [None] * world
+    dist.all_gather_object(out, rank + base)
+    return sum(out)
+
+
+def _rank_fails(rank: int, world: int) -> None:
+    if rank == 1:
+        raise ValueError("rank one refuses")
+    import torch.distributed as dist
+
+    dist.barrier()  # would wait for rank 1 forever
+
+
+def test_harness_run_ranks_gathers_and_names_a_failed_rank():
+    h = _harness()
+    assert h.run_ranks(_rank_value, 2, 10) == [21, 21]
+    try:
+        h.run_ranks(_rank_fails, 2)
+    except RuntimeError as e:
+        assert "rank 1 of _rank_fails" in str(e) and "rank one refuses" in str(e)
+    else:
+        raise AssertionError("a failed rank must raise")
+
+
+def test_harness_paired_alternates_and_records_each_measurement(tmp_path):
+    h = _harness()
+    order: list[str] = []
+    rec = h.Records(str(tmp_path / "m.jsonl"), "t")
+    systems = {"a": lambda: order.append("a"), "b": lambda: order.append("b")}
+    out = h.paired(systems, 4, check=lambda name: name == "a", records=rec, part="x")
+    assert order == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    assert [r["exact"] for r in out["a"]] == [True] * 4 and len(out["b"]) == 4
+    lines = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert len(lines) == 8 and all(x["part"] == "x" and "rchar" in x for x in lines)
+    assert h.fmt_spread([3.0, 1.0, 2.0]) == "2.00 [1.00-3.00]" and h.fmt_spread([1.0]) == "1.00"
+
+
+def test_harness_write_section_replaces_only_its_markers(tmp_path):
+    h = _harness()
+    doc = tmp_path / "b.md"
+    doc.write_text("# B\n\nintro\n\n## Tool\n\ntail\n")
+    h.write_section(str(doc), "tool", ["one"], heading="## Tool")
+    h.write_section(str(doc), "tool", ["two"], heading="## Tool")
+    h.write_section(str(doc), "other", ["three"])
+    text = doc.read_text()
+    assert text == (
+        "# B\n\nintro\n\n## Tool\n\n<!-- tool:begin -->\ntwo\n<!-- tool:end -->\ntail\n\n"
+        "<!-- other:begin -->\nthree\n<!-- other:end -->\n"
+    )
+    cmd = h.rerun_command("tools/x.py", ["--quick", "--write-docs", "p.md", "--reps", "2"])
+    assert cmd == "python tools/x.py --quick --reps 2 --write-docs"
