@@ -6,21 +6,11 @@ docs/benchmarks.md):
 
     python tools/bench_convert_memory.py --write-docs        # smoke test: --quick
 
-Per source layout (``--layouts``), a GPT-shaped fp32 state of at least ``--gib`` GiB (the
-reference trainer's names; the two vocabulary matrices of ``--largest-mib`` MiB are the largest
-tensors; every tensor from its own seeded generator) is saved with ``dcp.save``: ``sharded`` from
-4 gloo ranks holding DTensors on a (dp_shard=2, tp=2) mesh as FSDP2 over TP holds them, ``whole``
-from one process (``no_dist=True``: every tensor one chunk). Each tool then converts it in its own
-fresh ``python`` process: ``dcp`` (``dcp_to_torch_save(src, out.pt)``), ``hf`` (``anyshard
-convert --to hf``), ``anyshard`` (``--to anyshard``) and ``anyshard_gpt`` (``--to anyshard --spec
-gpt --layout pp=1,dp=2,tp=2,...``), the anyshard ones through ``anyshard.cli.main(argv)``. The
-child imports what its conversion needs, records VmRSS (baseline), converts, and records VmHWM
-(peak, imports included) and the conversion's wall time; the harness takes the child's CPU
-seconds, /proc I/O counters and ``ru_maxrss`` (the parent never imports torch, so that figure
-is the child's own). Target: peak RSS <= 2 x largest tensor + 256 MiB, on the raw peak and on
-peak - baseline. Every output is verified one tensor at a time outside the measured processes:
-the ``.pt`` against the tensors regenerated from their seeds, the Hugging Face files and anyshard
-checkpoints against the ``.pt``.
+Per source layout (``--layouts``: ``sharded`` from 4 gloo ranks, ``whole`` from one process), a
+GPT-shaped fp32 state of at least ``--gib`` GiB is saved with ``dcp.save``; each tool
+(``--tools``) converts it in its own fresh process, its peak RSS checked against 2 x the largest
+tensor + 256 MiB and its output verified tensor by tensor. The method, as written into the docs,
+is `METHOD` below.
 """
 
 from __future__ import annotations
