@@ -9,6 +9,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from anyshard._compat import set_nccl_timeout
+
 __all__ = [
     "PeerGroup",
     "active",
@@ -49,7 +51,7 @@ class PeerGroup:
         self.device = torch.device(device)
         if self.device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
+            set_nccl_timeout(opts, timeout)
             self.pg = dist.ProcessGroupNCCL(store, rank, size, opts)
         else:
             self.pg = dist.ProcessGroupGloo(store, rank, size, timeout)

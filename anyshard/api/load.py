@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from anyshard._compat import compute_local_shape_and_global_offset
 from anyshard.api import collectives as coll
 from anyshard.api.spec_state import spec_fills
 from anyshard.api.state import flatten_state
@@ -242,7 +243,6 @@ def _replica_part(value: torch.Tensor):
     parts, which together cover what each of them needs); None when there is none, or no dim
     is large enough to split."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if not isinstance(value, DTensor) or value.numel() == 0:
         return None

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from anyshard._compat import root_mesh, strided_shard_type
 from anyshard.errors import LayoutError
 from anyshard.format.manifest import MeshEntry
 from anyshard.geometry.shards import Shard, chunk_bounds
@@ -106,7 +107,7 @@ def _is_pipeline(name: str) -> bool:
 
 def _root_view(mesh) -> tuple[object, tuple[str, ...]]:
     """The root mesh of ``mesh`` when ``mesh`` is a plain slice of it, else ``mesh`` itself."""
-    root = getattr(mesh, "_get_root_mesh", lambda: mesh)()
+    root = root_mesh(mesh)
     if root is mesh or root is None:
         return mesh, _mesh_names(mesh)
     names, root_names = _mesh_names(mesh), _mesh_names(root)
@@ -120,10 +121,7 @@ def _shard_ops(placements, names: tuple[str, ...], sizes: tuple[int, ...], fqn: 
     from torch.distributed.tensor import Replicate as TReplicate
     from torch.distributed.tensor import Shard as TShard
 
-    try:
-        from torch.distributed.tensor.placement_types import _StridedShard
-    except ImportError:  # pragma: no cover - older torch
-        _StridedShard = ()
+    strided = strided_shard_type()
     by_dim: dict[int, list[tuple[int, object]]] = {}
     replicated: list[Op] = []
     for i, p in enumerate(placements):
@@ -132,7 +130,7 @@ def _shard_ops(placements, names: tuple[str, ...], sizes: tuple[int, ...], fqn: 
                 f"{fqn}: placement Partial on mesh dim {names[i]!r} holds unreduced partial sums; "
                 "reduce it first (e.g. dtensor.redistribute(placements=[Replicate()...])) and save that"
             )
-        if isinstance(p, TShard) or (_StridedShard and isinstance(p, _StridedShard)):
+        if isinstance(p, TShard) or (strided is not None and isinstance(p, strided)):
             by_dim.setdefault(p.dim, []).append((i, p))
         elif isinstance(p, TReplicate):
             replicated.append(Replicate(axis=names[i]))
@@ -148,12 +146,12 @@ def _shard_ops(placements, names: tuple[str, ...], sizes: tuple[int, ...], fqn: 
 
 def _application_order(entries, sizes, names, fqn) -> list[int]:
     """Mesh dims sharding one tensor dim, in the order the chunks apply."""
+    strided = strided_shard_type()
     order: list[int] = []
     pending: list[tuple[int, int]] = []  # strided (mesh dim, remaining split factor)
     for i, p in entries:
-        sf = getattr(p, "split_factor", None)
-        if sf is not None and type(p).__name__ == "_StridedShard":
-            pending.append((i, sf))
+        if strided is not None and isinstance(p, strided):
+            pending.append((i, p.split_factor))
             continue
         order.append(i)
         still = []

@@ -60,6 +60,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
+from anyshard._compat import flatten_state_dict, set_element
 from anyshard.api.state import is_json_value, json_roundtrip
 from anyshard.errors import AnyshardError
 from anyshard.format import storage
@@ -437,15 +438,12 @@ def _dcp_values(values: dict[str, Any]) -> dict[str, Any]:
     """The JSON values under their names and also under the names DCP's planner flattens them
     into (``meta`` -> ``meta.step``, ``optim.param_groups`` -> ``optim.param_groups.0.lr``):
     `anyshard.save` stores a container without tensors as one value, DCP asks for its leaves."""
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
-    flat, _ = flatten_state_dict(dict(values))
+    flat, _ = flatten_state_dict(values)
     return {**flat, **values}
 
 
 def _set_value(planner: LoadPlanner, req, value: Any) -> None:
     """Hand DCP's planner a JSON value without unpickling anything read from storage."""
-    from torch.distributed.checkpoint._traverse import set_element
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     fqn = req.dest_index.fqn

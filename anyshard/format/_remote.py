@@ -23,6 +23,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from functools import cache
 from typing import TypeVar
 
+from anyshard._compat import s3_call
 from anyshard.errors import StorageError
 
 __all__ = ["MultipartWriter", "call", "read_spans", "retry"]
@@ -298,7 +299,7 @@ def read_spans(fs, path: str, url: str, spans: Sequence[Span]) -> None:
     byte it reached. Elsewhere (and for spans that overlap) GETs of at most `MAX_BLOCK` are read
     whole, `WAVE_BYTES` at a time.
     """
-    if hasattr(fs, "_call_s3") and not getattr(fs, "asynchronous", False):
+    if s3_call(fs) is not None and not getattr(fs, "asynchronous", False):
         blocks = list(_blocks(spans, MAX_STREAM))
         if not _overlapping(blocks):
             _stream(fs, path, url, blocks)
@@ -378,8 +379,10 @@ class _Stream:
 
     async def run(self, fs, bucket: str, key: str, kwargs: dict, stall: float) -> None:
         pos = self.start + self.done
+        get = s3_call(fs)
+        assert get is not None  # `read_spans` streams from S3 filesystems only
         resp = await asyncio.wait_for(
-            fs._call_s3(
+            get(
                 "get_object", Bucket=bucket, Key=key, Range=f"bytes={pos}-{self.stop - 1}", **kwargs
             ),
             stall,

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from anyshard._compat import DCP_PICKLED_PRIVATE, DCP_PLAN_PRIVATE
 from anyshard.api.views import BaseView, StoredShard
 from anyshard.errors import CheckpointNotFoundError, CorruptCheckpointError
 from anyshard.format import storage
@@ -43,12 +44,9 @@ _ALLOWED_CLASSES = {
         "TensorProperties",
         "MetadataIndex",
         "StorageMeta",
-        "_MEM_FORMAT_ENCODING",  # an Enum of memory formats
     )
 } | {
-    (f"{_DCP}.filesystem", "_StorageInfo"),
     ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),  # a layout by name
     ("collections", "OrderedDict"),
     # StorageMeta.checkpoint_id may be a path object
     ("pathlib", "PosixPath"),
@@ -56,6 +54,7 @@ _ALLOWED_CLASSES = {
     ("pathlib", "WindowsPath"),
     ("pathlib", "PureWindowsPath"),
 }
+_ALLOWED_CLASSES |= DCP_PICKLED_PRIVATE  # the private ones: memory formats, layouts, offsets
 
 
 # Records of the save plans that some writers add to the metadata object next to DCP's own fields
@@ -65,9 +64,9 @@ _PLAN_CLASSES = {
     ("torch.distributed.checkpoint.planner", name)
     for name in ("SavePlan", "WriteItem", "TensorWriteData", "WriteItemType")
 } | {
-    ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
     ("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan"),
 }
+_PLAN_CLASSES |= DCP_PLAN_PRIVATE
 
 
 class _PlanRecord:

@@ -45,6 +45,8 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 
+from anyshard._compat import DYNAMO_MODULE
+
 __all__ = ["PRELOAD", "launch", "launch_replicas", "main", "start_lighthouse"]
 
 # imported once by the forkserver, so that a rank (and a restarted rank) starts with them
@@ -53,7 +55,7 @@ PRELOAD = (
     "torch.distributed.fsdp",
     "torch.distributed.tensor.parallel",
     "torch.distributed.pipelining",
-    "torch._dynamo",
+    DYNAMO_MODULE,
     "torch.distributed.checkpoint.state_dict",
     "anyshard.trainer_integration.gpt.train",
     "anyshard.trainer_integration.gpt._preload",

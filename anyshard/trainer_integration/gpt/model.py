@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from anyshard._compat import all_gather_single_autograd, all_to_all_single_autograd
 from anyshard.trainer_integration.gpt.config import ModelConfig
 
 __all__ = ["GPT", "ParallelContext", "build_model"]
@@ -94,8 +95,6 @@ class Attention(nn.Module):
 
 def _gather_seq(t: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
     """All chunks of the sequence, in order, with gradients flowing back to their owners."""
-    from torch.distributed._functional_collectives import all_gather_single_autograd
-
     # gathers along dim 0; move the sequence there and back
     seq_first = t.transpose(0, 1).contiguous()
     full = all_gather_single_autograd(seq_first, gather_dim=0, group=ctx.cp_group)
@@ -217,7 +216,6 @@ class MoE(nn.Module):
 
     def _dispatch(self, rows: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
-        from torch.distributed._functional_collectives import all_to_all_single_autograd
 
         ctx = self.ctx
         per_rank = self.n_experts // ctx.ep_size

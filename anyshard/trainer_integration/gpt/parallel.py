@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from anyshard._compat import clear_dtensor_sharding_cache, flatten_mesh
 from anyshard.trainer_integration.gpt.config import ModelConfig, ParallelConfig
 from anyshard.trainer_integration.gpt.model import GPT, MoE, ParallelContext, build_model
 
@@ -75,15 +76,7 @@ def forget_cached_placements() -> None:
     older root (torch 2.13). anyshard describes a tensor through its mesh's root, and the older
     root places it wrongly: the trainer empties the cache whenever it builds a mesh and, once
     it has built more than one (`forget_older_placements`), before it takes DCP's state dict."""
-    from torch.distributed.tensor import DTensor
-
-    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # its C++ path
-    if native is not None:
-        native()
-    cached = getattr(DTensor._op_dispatcher.sharding_propagator, "propagate_op_sharding", None)
-    clear = getattr(cached, "cache_clear", None)
-    if clear is not None:
-        clear()
+    clear_dtensor_sharding_cache()
 
 
 _meshes_built = 0  # mesh hierarchies `setup_mesh` has built in this process
@@ -141,7 +134,7 @@ def _fsdp_mesh(par: Parallel):
     mesh = par.mesh
     if len(shard_dims) > 1:
         name = "_".join(shard_dims)
-        flat = mesh[shard_dims]._flatten(name)
+        flat = flatten_mesh(mesh[shard_dims], name)
         if par.cfg.dp_replicate == 1:
             return flat
         shard_dims = (name,)
@@ -337,7 +330,7 @@ class TrainStep:
             if others:
                 mesh = par.mesh[others]
                 if len(others) > 1:
-                    mesh = mesh._flatten("_".join(others) + "_for_experts")
+                    mesh = flatten_mesh(mesh, "_".join(others) + "_for_experts")
                 self._expert_group = mesh.get_group()
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:

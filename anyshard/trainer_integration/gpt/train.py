@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from anyshard._compat import REDISTRIBUTE_LOGGER, local_tensor, module_members, process_groups
 from anyshard.api.redistribute import redistribute
 from anyshard.trainer_integration.checkpointer import Checkpointer
 from anyshard.trainer_integration.gpt.config import Config, heal_parallel, load_config
@@ -97,14 +98,11 @@ class TrainState:
         objects: list[Any] = []
         children: list[Any] = []  # a submodule added, removed or replaced: walked anew
         for m in self._walk:
-            children += m._modules.values()
-            objects += m._parameters.values()
-            objects += m._buffers.values()
-        values: list[Any] = [
-            (t._local_tensor if hasattr(t, "_local_tensor") else t).data_ptr()
-            for t in objects
-            if t is not None
-        ]
+            modules, parameters, buffers = module_members(m)
+            children += modules.values()
+            objects += parameters.values()
+            objects += buffers.values()
+        values: list[Any] = [local_tensor(t).data_ptr() for t in objects if t is not None]
         objects += children
         for st in self.optimizer.state.values():
             objects += st.values()
@@ -588,11 +586,7 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
 
 def _process_groups() -> set:
     """The process groups of this process, the default one included."""
-    if not dist.is_initialized():
-        return set()
-    from torch.distributed import distributed_c10d as c10d
-
-    return set(c10d._world.pg_map)
+    return process_groups()
 
 
 def _quiet() -> None:
@@ -602,7 +596,7 @@ def _quiet() -> None:
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", message=".*flattened dim.*")
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    logging.getLogger(REDISTRIBUTE_LOGGER).setLevel(logging.ERROR)
 
 
 def main(argv: Sequence[str] | None = None, *, hard_exit: bool = True) -> int:

@@ -1,0 +1,329 @@
+"""Each private torch and s3fs API that `anyshard._compat` wraps still behaves as anyshard relies
+on. Runs under any torch from 2.6 on (tools/check_compat.sh runs it under the oldest torch
+pyproject.toml allows and the newest on the index).
+
+The checks that need a device mesh run in one child process (a process group is process-wide
+state): ranks 1 and 2 of a 2 x 2 mesh on torch's fake backend, which builds meshes and groups
+without peers, then a gloo world of one for the differentiable collectives.
+
+Run: python -m pytest tests/unit/test_compat.py -q
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import logging
+import os
+import pickle
+import subprocess
+import sys
+from datetime import timedelta
+
+import pytest
+import torch
+
+from anyshard import _compat
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _mesh_facts() -> dict:
+    """In the child process: what each wrapped mesh API gives, on ranks 1 and 2 of 2 x 2."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    strided = _compat.strided_shard_type()
+    facts: dict = {"strided_is_shard": strided is not None and issubclass(strided, Shard)}
+    for rank in (1, 2):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=4)
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        flat = _compat.flatten_mesh(mesh["dp", "tp"], "dp_tp")
+        place = [strided(0, split_factor=2), Shard(0)] if strided else None
+        dt = DTensor.from_local(torch.arange(4.0), mesh["tp"], [Replicate()], run_check=False)
+        _ = dt + 1  # an op: fills DTensor's placement cache
+        _compat.clear_dtensor_sharding_cache()
+        cached = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding
+        info = getattr(cached, "cache_info", None)
+        before = _compat.process_groups()
+        group = dist.new_group([0, 1, 2, 3])
+        facts[rank] = {
+            "flat": [flat.size(), list(flat.mesh_dim_names), flat.get_local_rank()],
+            "root_of_slice": _compat.root_mesh(mesh["tp"]) is mesh,
+            "root_of_root": _compat.root_mesh(mesh) is mesh,
+            "strided": place and _compat.compute_local_shape_and_global_offset((8, 3), mesh, place),
+            "plain": _compat.compute_local_shape_and_global_offset(
+                (8, 4), mesh, [Shard(0), Shard(1)]
+            ),
+            "local": [
+                type(_compat.local_tensor(dt)) is torch.Tensor,
+                _compat.local_tensor(dt).data_ptr() == dt.to_local().data_ptr(),
+            ],
+            "cache_left": info().currsize if info is not None else None,
+            "groups": [
+                dist.group.WORLD in before,
+                group in _compat.process_groups(),
+                group not in before,
+            ],
+        }
+        dist.destroy_process_group()
+    assert _compat.process_groups() == set()
+
+    # differentiable collectives, on a gloo world of one
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    x = torch.arange(6.0).reshape(3, 2).requires_grad_()
+    gathered = _compat.all_gather_single_autograd(x, gather_dim=0, group=dist.group.WORLD)
+    (gathered * 2).sum().backward()
+    y = torch.arange(4.0).reshape(4, 1).requires_grad_()
+    moved = _compat.all_to_all_single_autograd(y, [4], [4], dist.group.WORLD)
+    (moved * 3).sum().backward()
+    facts["gather"] = [gathered.tolist(), x.grad.tolist()]
+    facts["all_to_all"] = [moved.tolist(), y.grad.tolist()]
+    dist.destroy_process_group()
+    return facts
+
+
+@pytest.fixture(scope="module")
+def facts() -> dict:
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _coords(rank: int) -> tuple[int, int]:
+    return rank // 2, rank % 2  # (dp, tp), row-major
+
+
+def test_strided_shard_splits_within_the_later_dims_chunk(facts):
+    """FSDP2 over TP on rows: TP's chunks first, then dp's chunk inside this rank's TP chunk."""
+    strided = _compat.strided_shard_type()
+    assert strided is not None, "torch has no _StridedShard: anyshard's FSDP2+TP path is untested"
+    p = strided(0, split_factor=2)
+    assert (p.dim, p.split_factor) == (0, 2)
+    assert not facts["strided_is_shard"]  # anyshard tells the two apart by type
+    for rank in (1, 2):
+        dp, tp = _coords(rank)
+        shape, offset = facts[str(rank)]["strided"]
+        assert (tuple(shape), tuple(offset)) == ((2, 3), (tp * 4 + dp * 2, 0))
+
+
+def test_flatten_mesh_gives_one_dim_of_the_product_size(facts):
+    for rank in (1, 2):
+        assert facts[str(rank)]["flat"] == [4, ["dp_tp"], rank]
+    with pytest.raises(RuntimeError, match=r"DeviceMesh\._flatten.*install"):
+        _compat.flatten_mesh(object(), "x")
+
+
+def test_root_mesh_of_a_slice_is_the_mesh_it_was_cut_from(facts):
+    for rank in (1, 2):
+        assert facts[str(rank)]["root_of_slice"] and facts[str(rank)]["root_of_root"]
+
+
+def test_compute_local_shape_and_global_offset_of_plain_shards(facts):
+    for rank in (1, 2):
+        dp, tp = _coords(rank)
+        shape, offset = facts[str(rank)]["plain"]
+        assert (tuple(shape), tuple(offset)) == ((4, 2), (dp * 4, tp * 2))
+
+
+def test_local_tensor_is_the_dtensors_own_storage(facts):
+    for rank in (1, 2):
+        assert facts[str(rank)]["local"] == [True, True]
+    t = torch.zeros(2)
+    assert _compat.local_tensor(t) is t
+
+
+def test_clear_dtensor_sharding_cache_finds_a_cache_and_empties_it(facts):
+    from torch.distributed.tensor import DTensor
+
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    cached = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding
+    assert native is not None or hasattr(cached, "cache_clear"), "no placement cache to clear"
+    for rank in (1, 2):
+        assert facts[str(rank)]["cache_left"] in (None, 0)
+
+
+def test_process_groups_lists_the_default_group_and_new_ones(facts):
+    for rank in (1, 2):
+        assert facts[str(rank)]["groups"] == [True, True, True]
+
+
+def test_all_gather_single_autograd_gathers_and_sends_gradients_back(facts):
+    rows = torch.arange(6.0).reshape(3, 2).tolist()
+    assert facts["gather"] == [rows, [[2.0, 2.0]] * 3]
+
+
+def test_all_to_all_single_autograd_moves_rows_and_gradients(facts):
+    assert facts["all_to_all"] == [[[0.0], [1.0], [2.0], [3.0]], [[3.0]] * 4]
+
+
+def test_set_nccl_timeout_sets_the_options_timeout():
+    import torch.distributed as dist
+
+    nccl = getattr(dist, "ProcessGroupNCCL", None)
+    if nccl is not None:
+        opts = nccl.Options()
+        _compat.set_nccl_timeout(opts, timedelta(seconds=17))
+        assert opts._timeout == timedelta(seconds=17)
+
+    class Fixed:
+        __slots__ = ()
+
+    with pytest.raises(RuntimeError, match=r"ProcessGroupNCCL\.Options\._timeout.*install"):
+        _compat.set_nccl_timeout(Fixed(), timedelta(seconds=1))
+    if nccl is None:
+        pytest.skip("this torch has no NCCL: only the missing-field path ran")
+
+
+def test_flatten_state_dict_names_leaves_as_dcps_planner_does():
+    state = {"meta": {"step": 3}, "optim": {"param_groups": [{"lr": 0.1, "params": [0, 1]}]}}
+    flat, paths = _compat.flatten_state_dict(state)
+    assert flat == {
+        "meta.step": 3,
+        "optim.param_groups.0.lr": 0.1,
+        "optim.param_groups.0.params": [0, 1],
+    }
+    assert paths["optim.param_groups.0.lr"] == ("optim", "param_groups", 0, "lr")
+
+
+def test_set_element_writes_along_a_path_creating_containers():
+    root: dict = {"a": {"x": 1}}
+    _compat.set_element(root, ("a", "b", 1), 5)
+    _compat.set_element(root, ("c",), "v")
+    assert root == {"a": {"x": 1, "b": [None, 5]}, "c": "v"}
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_the_private_names_dcp_pickles_are_the_allowed_ones(tmp_path):
+    """A real DCP save's ``.metadata`` names no private global beyond `DCP_PICKLED_PRIVATE`,
+    and every listed name still exists."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.zeros(2, dtype=torch.bfloat16)}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path)), no_dist=True)
+    named: set[tuple[str, str]] = set()
+
+    class Recording(pickle.Unpickler):
+        def find_class(self, module, name):
+            named.add((module, name))
+            return super().find_class(module, name)
+
+    with open(tmp_path / ".metadata", "rb") as f:
+        metadata = Recording(f).load()
+    private = {(m, n) for m, n in named if n.startswith("_") or "._" in m}
+    assert private <= _compat.DCP_PICKLED_PRIVATE, private - _compat.DCP_PICKLED_PRIVATE
+    assert ("torch.distributed.checkpoint.filesystem", "_StorageInfo") in private
+    info = next(iter(metadata.storage_data.values()))  # what the DCP reader reads of it
+    assert isinstance(info.relative_path, str) and info.offset >= 0 and info.length > 0
+    for module, name in _compat.DCP_PICKLED_PRIVATE | _compat.DCP_PLAN_PRIVATE:
+        assert hasattr(importlib.import_module(module), name), (module, name)
+
+
+def test_module_members_are_a_modules_own_children_parameters_and_buffers():
+    m = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3))
+    bn = m[1]
+    modules, parameters, buffers = _compat.module_members(bn)
+    assert dict(modules) == dict(bn.named_children())
+    assert dict(parameters) == dict(bn.named_parameters(recurse=False))
+    assert dict(buffers) == dict(bn.named_buffers(recurse=False))
+    assert dict(_compat.module_members(m)[0]) == dict(m.named_children())
+
+
+def test_the_dynamo_module_name_imports():
+    assert importlib.import_module(_compat.DYNAMO_MODULE).__name__ == _compat.DYNAMO_MODULE
+
+
+def test_the_redistribute_logger_is_the_one_torch_logs_to():
+    module = importlib.import_module(_compat.REDISTRIBUTE_LOGGER)
+    assert module.logger is logging.getLogger(_compat.REDISTRIBUTE_LOGGER)
+
+
+def test_s3_call_is_s3fs_coroutine_taking_a_method_name_and_parameters():
+    s3fs = pytest.importorskip("s3fs")
+    fs = s3fs.S3FileSystem(anon=True, endpoint_url="http://127.0.0.1:9", skip_instance_cache=True)
+    call = _compat.s3_call(fs)
+    assert call is not None and inspect.iscoroutinefunction(call)
+    params = list(inspect.signature(call).parameters.values())
+    assert params[0].name == "method"
+    assert any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    from fsspec.implementations.local import LocalFileSystem
+
+    assert _compat.s3_call(LocalFileSystem()) is None
+
+
+# --- nothing else reaches into private APIs -----------------------------------------------------
+
+_PRIVATE_ATTRIBUTES = {
+    "_StridedShard",
+    "_flatten",
+    "_get_root_mesh",
+    "_mesh_resources",
+    "_local_tensor",
+    "_call_s3",
+    "_world",
+    "_timeout",
+    "_op_dispatcher",
+    "_modules",
+    "_parameters",
+    "_buffers",
+    "_C",
+    "_StorageInfo",
+    "_StoragePrefix",
+    "_MEM_FORMAT_ENCODING",
+    "_get_layout",
+    "_clear_DTensor_sharding_propagator_cache",
+}  # fmt: skip  (attributes, or names in strings: getattr(x, "_call_s3"), pickled names)
+
+
+def _private_uses(path: str) -> list[str]:
+    import ast
+
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    found = []
+    for node in ast.walk(tree):
+        where = f"{os.path.relpath(path, ROOT)}:{getattr(node, 'lineno', 0)}"
+        if isinstance(node, ast.ImportFrom) and node.module:
+            third_party = node.module.split(".")[0] in ("torch", "s3fs")
+            names = [a.name for a in node.names]
+            if third_party and ("._" in node.module or any(n.startswith("_") for n in names)):
+                found.append(f"{where}: from {node.module} import {', '.join(names)}")
+        elif isinstance(node, ast.Import):
+            found += [
+                f"{where}: import {a.name}"
+                for a in node.names
+                if a.name.split(".")[0] in ("torch", "s3fs") and "._" in a.name
+            ]
+        elif isinstance(node, ast.Attribute) and node.attr in _PRIVATE_ATTRIBUTES:
+            found.append(f"{where}: .{node.attr}")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            named = node.value.startswith(("torch.", "s3fs.")) and "._" in node.value
+            if node.value in _PRIVATE_ATTRIBUTES or (named and " " not in node.value):
+                found.append(f"{where}: {node.value!r}")  # a name, not a message
+    return found
+
+
+def test_no_module_but_compat_uses_private_torch_or_s3fs_names():
+    package = os.path.join(ROOT, "anyshard")
+    found = []
+    for folder, _, files in os.walk(package):
+        for name in sorted(files):
+            path = os.path.join(folder, name)
+            if name.endswith(".py") and path != os.path.join(package, "_compat.py"):
+                found += _private_uses(path)
+    assert not found, "use anyshard._compat instead:\n" + "\n".join(found)
+    assert _private_uses(os.path.join(package, "_compat.py"))  # the check sees them there
+
+
+if __name__ == "__main__":  # the child process of the `facts` fixture
+    print(json.dumps(_mesh_facts()))
