@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO-1/2/3 and universal checkpoints read as logical tensors.
 
 Two sources of truth. tests/fixtures/deepspeed holds checkpoints real DeepSpeed wrote on CPU
-(tools/make_deepspeed_fixtures.py: ZeRO-1 bf16, ZeRO-2 fp32, ZeRO-3 bf16, and ds_to_universal
+(tests/fixtures/make_deepspeed.py: ZeRO-1 bf16, ZeRO-2 fp32, ZeRO-3 bf16, and ds_to_universal
 run on the ZeRO-2 and ZeRO-3 ones), each with ``truth.safetensors``: the fp32 master parameters
 and Adam moments taken from the live engine in the same run. Other checkpoints are written here
 in DeepSpeed's file layout (stage_1_and_2.py / stage3.py ``state_dict``, ds_to_universal.py) from

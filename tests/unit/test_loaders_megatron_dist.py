@@ -1,5 +1,5 @@
 """Megatron-core torch_dist checkpoints, written by the real library (committed fixtures, made by
-tools/make_megatron_fixtures.py with megatron-core 0.16.1 and, for the distributed optimizer's
+tests/fixtures/make_megatron.py with megatron-core 0.16.1 and, for the distributed optimizer's
 flattened shards, 0.13.1), read as logical tensors and values and converted to Hugging Face.
 
 Run: python -m pytest tests/unit/test_loaders_megatron_dist.py -q
