@@ -1,16 +1,14 @@
 """Would a copy-on-write snapshot (``fork``) make an async save cheaper than staging copies?
 
-Run:
-
     python tools/probe_fork_snapshot.py            # 1 GiB state, 1 GiB of other memory, 5 rounds
 
-Holds a state of ``--gib`` GiB fp32 (tensors of 128 MiB) plus as much other memory, then per
-round: times ``os.fork()`` (the child sleeps, as a child writing the checkpoint would live on),
-times an optimizer-like in-place update of the whole state while the child lives (every page the
-parent writes is copied first), the same update after the child has exited, and the copy of the
-state into reused staging buffers (which the fork left write-protected). For comparison it first
-times that copy before any fork: what an async save blocks for without a snapshot. CPU only;
-one torch thread; prints one line per round and the medians.
+Holds a state of ``--gib`` GiB fp32 (tensors of 128 MiB) plus as much other memory. First it
+times the copy of the state into reused staging buffers: what an async save blocks for without a
+snapshot. Then per round: ``os.fork()`` (the child sleeps, as a child writing the checkpoint
+would live on), an optimizer-like in-place update of the whole state while the child lives
+(every page the parent writes is copied first), the same update after the child has exited, and
+the staging copy (into buffers the fork left write-protected). CPU only, one torch thread; one
+line per round, then the medians.
 """
 
 from __future__ import annotations
@@ -23,13 +21,17 @@ import time
 import torch
 
 
+def timed(fn, *args) -> float:
+    t0 = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=1.0, help="state size, GiB (default: 1.0)")
     ap.add_argument("--rounds", type=int, default=5, help="rounds (default: 5)")
-    ap.add_argument(
-        "--child-s", type=float, default=0.5, help="how long the child lives (default: 0.5)"
-    )
+    ap.add_argument("--child-s", type=float, default=0.5, help="the child's life (default: 0.5)")
     args = ap.parse_args()
     if not hasattr(os, "fork"):
         print("os.fork is not available here")
@@ -39,35 +41,28 @@ def main() -> int:
     state = [torch.randn(32 << 20) for _ in range(n)]
     other = torch.randn(n * (32 << 20))  # the rest of a training process's memory
     staging = [torch.empty_like(t) for t in state]
-    for s, t in zip(staging, state, strict=True):
-        s.copy_(t)  # fault the staging pages in once, as reused buffers are
 
-    def stage() -> float:
-        t0 = time.perf_counter()
+    def stage() -> None:  # the first call faults the staging pages in, as reused buffers are
         for s, t in zip(staging, state, strict=True):
             s.copy_(t)
-        return time.perf_counter() - t0
 
-    clean = statistics.median(stage() for _ in range(3))
+    def update() -> None:
+        for t in state:
+            t.add_(1.0)
+
+    stage()
+    clean = statistics.median(timed(stage) for _ in range(3))
     print(f"staging copy into reused buffers, no fork yet: {clean * 1e3:.0f} ms (median of 3)")
     rows = []
     for r in range(args.rounds):
         t0 = time.perf_counter()
-        pid = os.fork()
-        if pid == 0:
+        if (pid := os.fork()) == 0:
             time.sleep(args.child_s)
             os._exit(0)
         fork = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        for t in state:
-            t.add_(1.0)
-        cow = time.perf_counter() - t0
+        cow = timed(update)
         os.waitpid(pid, 0)
-        t0 = time.perf_counter()
-        for t in state:
-            t.add_(1.0)
-        plain = time.perf_counter() - t0
-        copy = stage()
+        plain, copy = timed(update), timed(stage)
         rows.append((copy, fork, cow, plain))
         print(
             f"round {r + 1}: fork {fork * 1e3:.1f} ms; update while the child lives "
@@ -75,9 +70,9 @@ def main() -> int:
             flush=True,
         )
     med = [statistics.median(c) for c in zip(*rows, strict=True)]
-    size = sum(t.numel() * 4 for t in state) / (1 << 30)
+    size, rest = sum(t.numel() * 4 for t in state) / (1 << 30), other.numel() * 4 / (1 << 30)
     print(
-        f"\nmedians ({size:.2f} GiB state, {(other.numel() * 4) / (1 << 30):.2f} GiB other memory): "
+        f"\nmedians ({size:.2f} GiB state, {rest:.2f} GiB other memory): "
         f"fork {med[1] * 1e3:.1f} ms; in-place update {med[2] * 1e3:.0f} ms while the child "
         f"lives vs {med[3] * 1e3:.0f} ms after; staging copy {clean * 1e3:.0f} ms before any "
         f"fork, {med[0] * 1e3:.0f} ms after one"

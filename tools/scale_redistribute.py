@@ -4,13 +4,12 @@ library's own planning code on the descriptions N ranks would exchange.
     python tools/scale_redistribute.py                  # N = 8 .. 1,024
     python tools/scale_redistribute.py --n 16 256 4096
 
-The state is the transformer-like one of tools/bench_reshard.py (1 GiB fp32, 138 tensors), as
-DTensors on a (dp_shard = N/4, tp=4) mesh (FSDP2 over TP), redistributed to a (dp_shard = N/8,
-tp=8) mesh. Each rank's description is built as `redistribute` builds it (the mesh, and the
-mapping `hold_mapping` derives from the placements), and the plan is computed as every rank
-computes it (`plan_redistribution` for its own part, then `rounds_for`). Reported per N: the
-planning time of one rank (one core), rank 0's moves (its local copies and messages) and its
-rounds.
+The state of tools/bench_reshard.py (1 GiB fp32, 138 tensors), as DTensors on a (dp_shard = N/4,
+tp=4) mesh (FSDP2 over TP), redistributed to a (dp_shard = N/8, tp=8) mesh. Each rank's
+description is built as `redistribute` builds it (the mesh, and the mapping `hold_mapping`
+derives from the placements); the plan as every rank computes it (`plan_redistribution` for its
+own part, then `rounds_for`). Reported per N: one rank's planning time (one core), rank 0's
+moves (local copies and messages) and its rounds.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import harness as h  # noqa: E402
 from bench_reshard import model_spec, placements_for  # noqa: E402
 
 from anyshard.api.redistribute import DEFAULT_MAX_INFLIGHT_BYTES, plan_redistribution  # noqa: E402
@@ -34,8 +34,7 @@ from anyshard.reshard.exchange import rounds_for  # noqa: E402
 def describe(n: int, tp: int, target: str) -> dict:
     """One rank's description of the state on a (dp_shard = n / tp, tp) mesh."""
     sizes = {"dp_shard": n // tp, "tp": tp}
-    mesh = MeshEntry.row_major(sizes).to_json()
-    names, dims = tuple(sizes), tuple(sizes.values())
+    mesh, names, dims = MeshEntry.row_major(sizes).to_json(), tuple(sizes), tuple(sizes.values())
     out = {}
     for name, shape, kind in model_spec(1.0):
         (p,) = placements_for(target, kind)
@@ -45,16 +44,15 @@ def describe(n: int, tp: int, target: str) -> dict:
     return {"tensors": out, "values": {}}
 
 
-def measure(n: int) -> dict:
-    src, dst = describe(n, 4, "tp4"), describe(n, 8, "tp4")
-    mine = {"src": src, "dst": dst, "problems": []}
-    descs = [mine] * n  # every rank describes the same layouts
+def measure(n: int) -> list:
+    """A row: ranks, one rank's planning seconds, rank 0's moves and rounds."""
+    mine = {"src": describe(n, 4, "tp4"), "dst": describe(n, 8, "tp4"), "problems": []}
     t0 = time.perf_counter()
-    plan, _ = plan_redistribution(descs, DEFAULT_MAX_INFLIGHT_BYTES, rank=0)
+    plan, _ = plan_redistribution([mine] * n, DEFAULT_MAX_INFLIGHT_BYTES, rank=0)  # all alike
     rounds = rounds_for(plan, 0, n)
     took = time.perf_counter() - t0
     own = len(plan.local) + sum(len(g) for msgs in plan.messages.values() for g in msgs)
-    return {"n": n, "plan_s": took, "own": own, "rounds": len(rounds)}
+    return [f"{n:,}", f"{took:.2f}", f"{own:,}", len(rounds)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,16 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--n", type=int, nargs="+", default=[8, 64, 256, 1024], help="rank counts")
     args = p.parse_args(argv)
-    print("| ranks | planning s / rank | rank 0's moves | rank 0's rounds |")
-    print("| --- | --- | --- | --- |")
+    if bad := [n for n in args.n if n % 8]:
+        p.error(f"--n {bad}: the meshes need a multiple of 8 ranks")
+    head = ["ranks", "planning s / rank", "rank 0's moves", "rank 0's rounds"]
+    print(h.table(head, [], markdown=True))
     for n in args.n:
-        if n % 8:
-            raise SystemExit(f"--n {n}: the meshes need a multiple of 8 ranks")
-        r = measure(n)
-        print(
-            f"| {n:,} | {r['plan_s']:.2f} | {r['own']:,} | {r['rounds']} |",
-            flush=True,
-        )
+        print(h.table(head, [measure(n)], markdown=True).splitlines()[-1], flush=True)
     return 0
 
 
