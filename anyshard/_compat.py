@@ -16,6 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+    from torch.distributed.checkpoint.planner import SavePlanner
+    from torch.distributed.checkpoint.storage import StorageWriter
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.placement_types import _StridedShard
 
 __all__ = [
     "DCP_PICKLED_PRIVATE",
@@ -26,8 +30,10 @@ __all__ = [
     "all_to_all_single_autograd",
     "clear_dtensor_sharding_cache",
     "compute_local_shape_and_global_offset",
+    "dcp_save_here",
     "flatten_mesh",
     "flatten_state_dict",
+    "fsspec_writer",
     "local_tensor",
     "module_members",
     "process_groups",
@@ -38,7 +44,7 @@ __all__ = [
     "strided_shard_type",
 ]
 
-TESTED = "torch 2.6 to 2.13"  # what tests/unit/test_compat.py has run under
+TESTED = "torch 2.6 to 2.14"  # what tests/unit/test_compat.py has run under
 
 
 def _missing(what: str, error: Exception) -> RuntimeError:
@@ -53,10 +59,11 @@ def _missing(what: str, error: Exception) -> RuntimeError:
 # --- DTensor and DeviceMesh -------------------------------------------------------------------
 
 
-def strided_shard_type() -> type | None:
+def strided_shard_type() -> type[_StridedShard] | None:
     """``torch.distributed.tensor.placement_types._StridedShard``: the placement FSDP2 gives a
     mesh dim that shards a tensor dim another (later) mesh dim already shards, with a
-    ``split_factor`` (torch 2.6-2.13); None where torch has none (it never makes one then)."""
+    ``split_factor`` (torch 2.6-2.14: a subclass of ``Shard`` in 2.6, not in 2.13-2.14, so
+    test for it first); None where torch has none (it never makes one then)."""
     try:
         from torch.distributed.tensor.placement_types import _StridedShard
     except ImportError:
@@ -64,9 +71,9 @@ def strided_shard_type() -> type | None:
     return _StridedShard
 
 
-def flatten_mesh(mesh: Any, name: str) -> Any:
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     """``DeviceMesh._flatten(name)``: a 1-d mesh over all the dims of ``mesh`` (a slice of a
-    root mesh), of their product size, named ``name`` (torch 2.6-2.13); a clear error where
+    root mesh), of their product size, named ``name`` (torch 2.6-2.14); a clear error where
     missing."""
     try:
         flatten = mesh._flatten
@@ -75,9 +82,9 @@ def flatten_mesh(mesh: Any, name: str) -> Any:
     return flatten(name)
 
 
-def root_mesh(mesh: Any) -> Any:
-    """The mesh ``mesh`` was sliced from: ``DeviceMesh._get_root_mesh()`` (torch 2.9-2.13),
-    before that ``device_mesh._mesh_resources.get_root_mesh`` (torch 2.6-2.8); ``mesh`` itself
+def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh ``mesh`` was sliced from: ``DeviceMesh._get_root_mesh()`` (torch 2.13-2.14,
+    not 2.6), else ``device_mesh._mesh_resources.get_root_mesh`` (torch 2.6); ``mesh`` itself
     where torch has neither (then every mesh is described on its own)."""
     get = getattr(mesh, "_get_root_mesh", None)
     if get is not None:
@@ -95,20 +102,20 @@ def compute_local_shape_and_global_offset(
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``: this rank's
     shard of a tensor of ``global_shape`` under ``placements`` on ``mesh``, as (local shape,
-    offset of its first element) (torch 2.6-2.13); a clear error where missing."""
+    offset of its first element) (torch 2.6-2.14); a clear error where missing."""
     try:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset as f
     except ImportError as e:
         raise _missing(
             "torch.distributed.tensor._utils.compute_local_shape_and_global_offset", e
         ) from None
-    shape, offset = f(global_shape, mesh, placements)
+    shape, offset = f(tuple(global_shape), mesh, placements)
     return tuple(shape), tuple(offset)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's ``_local_tensor`` (the local shard itself, no autograd view: torch
-    2.6-2.13); ``t`` itself for a plain tensor, or where a DTensor has no such attribute
+    2.6-2.14); ``t`` itself for a plain tensor, or where a DTensor has no such attribute
     (``to_local()`` then, which views the same storage)."""
     local = getattr(t, "_local_tensor", None)
     if local is not None:
@@ -119,9 +126,10 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 def clear_dtensor_sharding_cache() -> None:
     """Empty DTensor's cache of each op's output placements: the C++ cache,
-    ``torch._C._clear_DTensor_sharding_propagator_cache`` (torch 2.13), and the Python one,
-    ``DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear`` (torch
-    2.6-2.13); each is skipped where torch lacks it (it has no such cache then)."""
+    ``torch._C._clear_DTensor_sharding_propagator_cache`` (torch 2.13-2.14), and the Python
+    one, ``DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding``: its
+    ``cache_clear()`` (torch 2.13-2.14) or its ``cache.cache_clear()`` (torch 2.6); each is
+    skipped where torch lacks it (it has no such cache then)."""
     import torch
     from torch.distributed.tensor import DTensor
 
@@ -131,13 +139,15 @@ def clear_dtensor_sharding_cache() -> None:
     dispatcher = getattr(DTensor, "_op_dispatcher", None)
     propagator = getattr(dispatcher, "sharding_propagator", None)
     cached = getattr(propagator, "propagate_op_sharding", None)
-    clear = getattr(cached, "cache_clear", None)
+    clear = getattr(cached, "cache_clear", None) or getattr(
+        getattr(cached, "cache", None), "cache_clear", None
+    )
     if clear is not None:
         clear()
 
 
 REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"
-"""The logger of DTensor's redistribution (torch 2.6-2.13), which advises about torch's own
+"""The logger of DTensor's redistribution (torch 2.6-2.14), which advises about torch's own
 internals; a logger of that name is harmless where the module has moved."""
 
 
@@ -146,8 +156,8 @@ internals; a logger of that name is harmless where the module has moved."""
 
 def all_gather_single_autograd(t: torch.Tensor, gather_dim: int, group: Any) -> torch.Tensor:
     """``torch.distributed._functional_collectives.all_gather_single_autograd``: an all-gather
-    along ``gather_dim`` whose backward sends each rank its gradient (torch 2.13); before it,
-    the same op as ``all_gather_tensor_autograd`` (torch 2.6-2.13)."""
+    along ``gather_dim`` whose backward sends each rank its gradient (torch 2.13-2.14); in
+    torch 2.6 the same op is ``all_gather_tensor_autograd``."""
     from torch.distributed import _functional_collectives as fc
 
     gather = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
@@ -161,7 +171,7 @@ def all_to_all_single_autograd(
     group: Any,
 ) -> torch.Tensor:
     """``torch.distributed._functional_collectives.all_to_all_single_autograd``: an
-    all-to-all of rows with the given split sizes, differentiable (torch 2.6-2.13)."""
+    all-to-all of rows with the given split sizes, differentiable (torch 2.6-2.14)."""
     from torch.distributed import _functional_collectives as fc
 
     return fc.all_to_all_single_autograd(t, output_split_sizes, input_split_sizes, group)
@@ -169,7 +179,7 @@ def all_to_all_single_autograd(
 
 def process_groups() -> set[Any]:
     """Every process group of this process, the default one included: the keys of c10d's
-    ``_world.pg_map`` (torch 2.6-2.13); an empty set before ``init_process_group``."""
+    ``_world.pg_map`` (torch 2.6-2.14); an empty set before ``init_process_group``."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -184,7 +194,7 @@ def process_groups() -> set[Any]:
 
 def set_nccl_timeout(options: Any, timeout: timedelta) -> None:
     """Set the timeout of ``ProcessGroupNCCL.Options``: its ``_timeout`` field (torch
-    2.6-2.13, which has no public setter); a clear error where missing."""
+    2.6-2.14, which has no public setter); a clear error where missing."""
     try:
         options._timeout = timeout
     except AttributeError as e:
@@ -192,7 +202,7 @@ def set_nccl_timeout(options: Any, timeout: timedelta) -> None:
 
 
 DYNAMO_MODULE = "torch._dynamo"
-"""torch's compiler package (torch 2.6-2.13), imported ahead by the reference trainer's
+"""torch's compiler package (torch 2.6-2.14), imported ahead by the reference trainer's
 forkserver so that a restarted rank does not import it again."""
 
 
@@ -202,7 +212,7 @@ forkserver so that a restarted rank does not import it again."""
 def flatten_state_dict(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """``torch.distributed.checkpoint._nested_dict.flatten_state_dict``: a nested state dict
     as DCP's planner flattens it (``{"a": {"b": 1}}`` -> ``{"a.b": 1}``), and the path of each
-    key (torch 2.6-2.13); a clear error where missing."""
+    key (torch 2.6-2.14); a clear error where missing."""
     try:
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict as f
     except ImportError as e:
@@ -213,12 +223,44 @@ def flatten_state_dict(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[s
 def set_element(root: dict[str, Any], path: Sequence[Any], value: Any) -> None:
     """``torch.distributed.checkpoint._traverse.set_element``: write ``value`` at ``path`` (a
     key path as `flatten_state_dict` gives) into the nested ``root``, creating containers on
-    the way (torch 2.6-2.13); a clear error where missing."""
+    the way (torch 2.6-2.14); a clear error where missing."""
     try:
         from torch.distributed.checkpoint._traverse import set_element as f
     except ImportError as e:
         raise _missing("torch.distributed.checkpoint._traverse.set_element", e) from None
     f(root, tuple(path), value)
+
+
+def fsspec_writer() -> type[StorageWriter]:
+    """DCP's ``FsspecWriter`` (a `StorageWriter` onto any fsspec URL), which
+    ``torch.distributed.checkpoint`` does not export: its private ``_fsspec_filesystem``
+    module (torch 2.6-2.14); a clear error where missing."""
+    try:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+    except ImportError as e:
+        raise _missing("torch.distributed.checkpoint._fsspec_filesystem.FsspecWriter", e) from None
+    return FsspecWriter
+
+
+def dcp_save_here(
+    state: dict[str, Any], storage_writer: StorageWriter, planner: SavePlanner | None = None
+) -> None:
+    """``torch.distributed.checkpoint.save`` by this process alone, whether or not a process
+    group is initialised: ``save(..., no_dist=True)`` (torch 2.13-2.14); torch 2.6's ``save``
+    has no ``no_dist``, and its private ``state_dict_saver._save_state_dict(no_dist=True)``
+    does the same."""
+    import inspect
+
+    import torch.distributed.checkpoint as dcp
+
+    if "no_dist" in inspect.signature(dcp.save).parameters:
+        dcp.save(state, storage_writer=storage_writer, planner=planner, no_dist=True)
+        return
+    try:
+        from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
+    except ImportError as e:
+        raise _missing("torch.distributed.checkpoint.save(no_dist=True)", e) from None
+    _save_state_dict(state, storage_writer, no_dist=True, planner=planner)
 
 
 DCP_PICKLED_PRIVATE = frozenset(
@@ -231,11 +273,11 @@ DCP_PICKLED_PRIVATE = frozenset(
         ("torch.serialization", "_get_layout"),
     }
 )
-"""Private (module, name) pairs that DCP's ``.metadata`` pickle names (torch 2.6-2.13): the
+"""Private (module, name) pairs that DCP's ``.metadata`` pickle names (torch 2.6-2.14): the
 DCP reader allows them when it unpickles; a name torch renames is refused as unknown there."""
 
 DCP_PLAN_PRIVATE = frozenset({("torch.distributed.checkpoint.filesystem", "_StoragePrefix")})
-"""Private classes of the save plans some writers add to DCP's metadata (torch 2.6-2.13),
+"""Private classes of the save plans some writers add to DCP's metadata (torch 2.6-2.14),
 read as inert placeholders."""
 
 

@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from anyshard._compat import dcp_save_here, fsspec_writer
 from anyshard.errors import AnyshardError, SaveError
 from anyshard.format import storage
 from anyshard.loaders._shared import ExportReport, Progress, export_items, select_names
@@ -74,7 +75,6 @@ def write_dcp(
     (6.0, 7)
     """
     from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint import save as dcp_save
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.planner import WriteItemType
 
@@ -108,9 +108,7 @@ def write_dcp(
             return t
 
     if storage.is_url(dst) and not dst.startswith("file://"):
-        from torch.distributed.checkpoint import FsspecWriter
-
-        writer = FsspecWriter(dst, single_file_per_rank=False, thread_count=1)
+        writer = fsspec_writer()(dst, single_file_per_rank=False, thread_count=1)
     else:
         local = dst.removeprefix("file://")
         storage.makedirs(local)
@@ -118,6 +116,6 @@ def write_dcp(
     with warnings.catch_warnings():
         # "torch.distributed is ... uninitialized, assuming ... a single process": as meant.
         warnings.filterwarnings("ignore", message=".*single process.*", category=UserWarning)
-        dcp_save(state, storage_writer=writer, planner=_ViewPlanner(), no_dist=True)
+        dcp_save_here(state, writer, _ViewPlanner())
     files = tuple(sorted(n for n in storage.listdir(dst) if n.endswith(".distcp"))) + (METADATA,)
     return ExportReport(dst, "pytorch-dcp", files, len(items), total)

@@ -37,7 +37,7 @@ def _mesh_facts() -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     strided = _compat.strided_shard_type()
-    facts: dict = {"strided_is_shard": strided is not None and issubclass(strided, Shard)}
+    facts: dict = {}
     for rank in (1, 2):
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=4)
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -82,6 +82,17 @@ def _mesh_facts() -> dict:
     (moved * 3).sum().backward()
     facts["gather"] = [gathered.tolist(), x.grad.tolist()]
     facts["all_to_all"] = [moved.tolist(), y.grad.tolist()]
+
+    # a DCP save by this process alone, while a process group is initialised
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+
+    with tempfile.TemporaryDirectory() as d:
+        _compat.dcp_save_here({"w": torch.arange(4.0)}, dcp.FileSystemWriter(d))
+        back = {"w": torch.zeros(4)}
+        dcp.load(back, storage_reader=dcp.FileSystemReader(d))
+        facts["dcp_save_here"] = [sorted(os.listdir(d)), back["w"].tolist()]
     dist.destroy_process_group()
     return facts
 
@@ -110,7 +121,6 @@ def test_strided_shard_splits_within_the_later_dims_chunk(facts):
     assert strided is not None, "torch has no _StridedShard: anyshard's FSDP2+TP path is untested"
     p = strided(0, split_factor=2)
     assert (p.dim, p.split_factor) == (0, 2)
-    assert not facts["strided_is_shard"]  # anyshard tells the two apart by type
     for rank in (1, 2):
         dp, tp = _coords(rank)
         shape, offset = facts[str(rank)]["strided"]
@@ -167,6 +177,12 @@ def test_all_to_all_single_autograd_moves_rows_and_gradients(facts):
     assert facts["all_to_all"] == [[[0.0], [1.0], [2.0], [3.0]], [[3.0]] * 4]
 
 
+def test_dcp_save_here_saves_alone_while_a_process_group_is_initialised(facts):
+    files, loaded = facts["dcp_save_here"]
+    assert ".metadata" in files and any(f.endswith(".distcp") for f in files)
+    assert loaded == [0.0, 1.0, 2.0, 3.0]
+
+
 def test_set_nccl_timeout_sets_the_options_timeout():
     import torch.distributed as dist
 
@@ -210,7 +226,7 @@ def test_the_private_names_dcp_pickles_are_the_allowed_ones(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     state = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.zeros(2, dtype=torch.bfloat16)}
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path)), no_dist=True)
+    _compat.dcp_save_here(state, dcp.FileSystemWriter(str(tmp_path)))
     named: set[tuple[str, str]] = set()
 
     class Recording(pickle.Unpickler):
@@ -227,6 +243,35 @@ def test_the_private_names_dcp_pickles_are_the_allowed_ones(tmp_path):
     assert isinstance(info.relative_path, str) and info.offset >= 0 and info.length > 0
     for module, name in _compat.DCP_PICKLED_PRIVATE | _compat.DCP_PLAN_PRIVATE:
         assert hasattr(importlib.import_module(module), name), (module, name)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_fsspec_writer_writes_a_dcp_checkpoint_to_a_url(tmp_path):
+    """`anyshard.loaders.write_dcp` to a URL goes through DCP's fsspec writer; DCP's fsspec
+    reader loads what it wrote."""
+    import fsspec
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import StorageWriter
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    import anyshard
+    from anyshard.loaders import write_dcp
+
+    assert issubclass(_compat.fsspec_writer(), StorageWriter)
+    w = torch.arange(12.0).reshape(3, 4)
+    anyshard.save(str(tmp_path / "ckpt"), {"model": {"w": w}, "step": 9})
+    url = f"memory://anyshard-compat-{os.getpid()}/dcp"
+    try:
+        with anyshard.open(str(tmp_path / "ckpt")) as view:
+            report = write_dcp(view, url)
+        assert ".metadata" in report.files
+        state = {"model": {"w": torch.zeros(3, 4)}, "step": 0}
+        dcp.load(state, storage_reader=FsspecReader(url))
+        assert torch.equal(state["model"]["w"], w) and state["step"] == 9
+    finally:
+        fs = fsspec.filesystem("memory")
+        if fs.exists(url.removeprefix("memory://")):
+            fs.rm(url.removeprefix("memory://"), recursive=True)
 
 
 def test_module_members_are_a_modules_own_children_parameters_and_buffers():
