@@ -43,7 +43,6 @@ from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import harness as h  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
@@ -561,6 +560,8 @@ def _stop(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> int:
+    import harness as h  # here: importing this tool leaves "harness" to tests/dist/harness.py
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mutations", type=int, default=2000)
     p.add_argument("--seed", type=int, default=0, help="draws the mutations (default: 0)")

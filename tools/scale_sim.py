@@ -1,19 +1,17 @@
-"""Simulate checkpoint planning at scale: N ranks, no processes, the library's own planning code.
+"""Checkpoint planning at scale: N simulated ranks, no processes, the library's own planning code.
 
-    python tools/scale_sim.py                       # dense 70B-like and 16-expert MoE, N = 8 .. 16,384
-    python tools/scale_sim.py --n 1024 --model moe --samples 4
-    python tools/scale_sim.py --write-docs          # also write the table into docs/benchmarks.md
+    python tools/scale_sim.py --write-docs          # dense 70B-like and 16-expert MoE, N = 8 .. 16,384
+    python tools/scale_sim.py --n 8 --model dense --samples 2   # smallest
 
-For each N, the model is "saved" under one layout (pp x dp_shard x tp, FSDP2 over TP, layers
-split over pipeline stages) and "loaded" under another. The save side derives every tensor's
-mapping with the same functions ``anyshard.save`` uses (``hold_mapping``, ``stored_mapping``)
-and builds the real manifest. For a sample of target ranks, the load side runs the same
-planning as ``anyshard.load``: it compiles the target pieces, matches them to stored shards
-(``match_shards``), and plans coalesced reads (``plan_reads``) against data-file headers
-laid out as the saving ranks would write them. Reported per N: manifest bytes; what PyTorch
-DCP's metadata would hold for the same save (chunk entries; pickled bytes where building it is
-feasible); data-file headers each loading rank reads; planning time per rank (one core);
-byte-range runs before and read calls after coalescing; bytes read over bytes needed.
+For each N the model is saved under one layout (pp x dp_shard x tp, FSDP2 over TP, layers split
+over pipeline stages) and loaded under another. The save derives every tensor's mapping as
+``anyshard.save`` does (``hold_mapping``, ``stored_mapping``) into the real manifest; for a
+sample of target ranks the load plans as ``anyshard.load`` does (``match_shards``,
+``plan_reads``) against data-file headers laid out as the saving ranks write them. Reported per
+N: manifest bytes; what PyTorch DCP's metadata would hold for the same save (chunk entries;
+pickled bytes where building it is feasible); data-file headers each loading rank reads;
+planning time per rank (one core); byte runs before and read calls after coalescing; bytes read
+over bytes needed; rank 0's commit check.
 """
 
 from __future__ import annotations
@@ -25,7 +23,8 @@ import pickle  # only to measure the size of DCP's own (pickled) metadata
 import random
 import sys
 import time
-from dataclasses import dataclass
+from argparse import RawDescriptionHelpFormatter as RAW
+from collections import namedtuple
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -38,10 +37,9 @@ from anyshard.format.manifest import Manifest, MeshEntry, TensorEntry  # noqa: E
 from anyshard.geometry.boxes import box_numel  # noqa: E402
 from anyshard.geometry.runs import piece_offsets, unit_length_dim  # noqa: E402
 from anyshard.reshard.planner import StoredShardInfo, match_shards, plan_reads  # noqa: E402
-from anyshard.ucl.lowering import compile_mapping  # noqa: E402
+from anyshard.ucl.lowering import compile_mapping, enumerate_shards  # noqa: E402
 
 ITEMSIZE = 2  # bf16
-
 # N -> (save layout, load layout), each (pp, dp_shard, tp)
 LAYOUTS = {
     8: ((2, 2, 2), (1, 4, 2)),
@@ -52,66 +50,36 @@ LAYOUTS = {
 DIMS = ("pp", "dp_shard", "tp")
 
 
-@dataclass(frozen=True)
-class Tensor:
-    name: str
-    shape: tuple[int, ...]
-    kind: str  # col (tp rows), row (tp cols), norm (replicated over tp), expert_col, expert_row
-    layer: int | None  # None: first stage (embedding) or last stage (final norm, output)
-    last: bool = False
+# kind: col (tp rows), row (tp cols), norm (replicated over tp), expert_col, expert_row; layer:
+# None for the first stage's (embedding) and, ``last``, the last stage's (final norm, output)
+Tensor = namedtuple("Tensor", "name shape kind layer last", defaults=(False,))
 
 
-def dense_70b(
-    h: int = 8192, f: int = 28672, kv: int = 1024, vocab: int = 128256, layers: int = 80
-) -> list[Tensor]:
-    """A Llama-70B-shaped dense transformer (the defaults); smaller sizes give a toy of the same shape."""
+def _transformer(h: int, kv: int, vocab: int, layers: int, ffn: list[tuple]) -> list[Tensor]:
+    """Embedding, ``layers`` layers of attention then ``ffn`` ((name, shape, kind) each), norm
+    and output, in the order a save writes them."""
+    attn = [("attention_norm.weight", (h,), "norm"), ("attention.wq.weight", (h, h), "col")]
+    attn += [(f"attention.{w}.weight", (kv, h), "col") for w in ("wk", "wv")]
+    attn += [("attention.wo.weight", (h, h), "row"), ("ffn_norm.weight", (h,), "norm")]
     out = [Tensor("tok_embeddings.weight", (vocab, h), "col", None)]
-    for i in range(layers):
-        p = f"layers.{i}."
-        out += [
-            Tensor(p + "attention_norm.weight", (h,), "norm", i),
-            Tensor(p + "attention.wq.weight", (h, h), "col", i),
-            Tensor(p + "attention.wk.weight", (kv, h), "col", i),
-            Tensor(p + "attention.wv.weight", (kv, h), "col", i),
-            Tensor(p + "attention.wo.weight", (h, h), "row", i),
-            Tensor(p + "ffn_norm.weight", (h,), "norm", i),
-            Tensor(p + "feed_forward.w1.weight", (f, h), "col", i),
-            Tensor(p + "feed_forward.w3.weight", (f, h), "col", i),
-            Tensor(p + "feed_forward.w2.weight", (h, f), "row", i),
-        ]
-    out += [
-        Tensor("norm.weight", (h,), "norm", None, True),
-        Tensor("output.weight", (vocab, h), "col", None, True),
-    ]
-    return out
+    out += [Tensor(f"layers.{i}.{n}", s, k, i) for i in range(layers) for n, s, k in attn + ffn]
+    last = [Tensor("norm.weight", (h,), "norm", None, True)]
+    return out + last + [Tensor("output.weight", (vocab, h), "col", None, True)]
 
 
-def moe_16(
-    h: int = 6144, f: int = 16384, kv: int = 1024, vocab: int = 32768, layers: int = 56
-) -> list[Tensor]:
-    """16 experts per layer, stored as grouped [experts, ...] tensors (as torchtitan holds them);
-    experts are sharded over dp_shard (expert parallelism folded into data-parallel sharding)."""
-    experts = 16
-    out = [Tensor("tok_embeddings.weight", (vocab, h), "col", None)]
-    for i in range(layers):
-        p = f"layers.{i}."
-        out += [
-            Tensor(p + "attention_norm.weight", (h,), "norm", i),
-            Tensor(p + "attention.wq.weight", (h, h), "col", i),
-            Tensor(p + "attention.wk.weight", (kv, h), "col", i),
-            Tensor(p + "attention.wv.weight", (kv, h), "col", i),
-            Tensor(p + "attention.wo.weight", (h, h), "row", i),
-            Tensor(p + "ffn_norm.weight", (h,), "norm", i),
-            Tensor(p + "moe.router.weight", (experts, h), "norm", i),
-            Tensor(p + "moe.experts.w1", (experts, f, h), "expert_col", i),
-            Tensor(p + "moe.experts.w3", (experts, f, h), "expert_col", i),
-            Tensor(p + "moe.experts.w2", (experts, h, f), "expert_row", i),
-        ]
-    out += [
-        Tensor("norm.weight", (h,), "norm", None, True),
-        Tensor("output.weight", (vocab, h), "col", None, True),
-    ]
-    return out
+def dense_70b(h=8192, f=28672, kv=1024, vocab=128256, layers=80) -> list[Tensor]:
+    """A Llama-70B-shaped dense transformer (the defaults); smaller sizes give a toy of it."""
+    ffn = [(f"feed_forward.{w}.weight", (f, h), "col") for w in ("w1", "w3")]
+    return _transformer(h, kv, vocab, layers, ffn + [("feed_forward.w2.weight", (h, f), "row")])
+
+
+def moe_16(h=6144, f=16384, kv=1024, vocab=32768, layers=56, experts=16) -> list[Tensor]:
+    """Experts stored as grouped [experts, ...] tensors (as torchtitan holds them), sharded over
+    dp_shard (expert parallelism folded into data-parallel sharding)."""
+    ffn = [("moe.router.weight", (experts, h), "norm")]
+    ffn += [(f"moe.experts.{w}", (experts, f, h), "expert_col") for w in ("w1", "w3")]
+    ffn += [("moe.experts.w2", (experts, h, f), "expert_row")]
+    return _transformer(h, kv, vocab, layers, ffn)
 
 
 def num_layers(model: list[Tensor]) -> int:
@@ -125,12 +93,12 @@ def stage_of(t: Tensor, pp: int, layers: int) -> int:
 
 
 def placements(kind: str, tp: int):
-    """FSDP2 (dp_shard) over TP on the (dp_shard, tp) sub-mesh of a stage, as torch builds them."""
+    """FSDP2 (dp_shard) over TP on the (dp_shard, tp) sub-mesh of a stage, as torch builds them;
+    grouped experts: TP over the expert's output (col) or input (row) dim, FSDP over experts."""
     return {
         "col": (_StridedShard(0, split_factor=tp), Shard(0)),
         "row": (Shard(0), Shard(1)),
         "norm": (Shard(0), Replicate()),
-        # grouped experts: TP over the expert's output (col) or input (row) dim, FSDP over experts
         "expert_col": (Shard(0), Shard(1)),
         "expert_row": (Shard(0), Shard(2)),
     }[kind]
@@ -138,282 +106,190 @@ def placements(kind: str, tp: int):
 
 class Layout:
     def __init__(self, pp: int, dp: int, tp: int):
-        self.sizes = (pp, dp, tp)
+        self.sizes, self.world = (pp, dp, tp), pp * dp * tp
         self.axis_sizes = dict(zip(DIMS, self.sizes, strict=True))
         self.mesh = MeshEntry(dims=DIMS, sizes=self.sizes, offset=0, strides=(dp * tp, tp, 1))
-        self.world = pp * dp * tp
 
     def coords(self, rank: int) -> dict[str, int]:
-        pp, dp, tp = self.sizes
+        _, dp, tp = self.sizes
         return {"pp": rank // (dp * tp), "dp_shard": rank // tp % dp, "tp": rank % tp}
 
     def hold(self, t: Tensor, stage: int):
         _, dp, tp = self.sizes
-        return hold_mapping(
-            t.name, placements(t.kind, tp), ("dp_shard", "tp"), (dp, tp), DIMS, {"pp": stage}
-        )
+        sub = ("dp_shard", "tp")
+        return hold_mapping(t.name, placements(t.kind, tp), sub, (dp, tp), DIMS, {"pp": stage})
 
 
 def build_manifest(model: list[Tensor], lay: Layout) -> tuple[Manifest, float]:
     """The manifest of a save under ``lay``, and the per-rank save planning time (one rank's
     tensors through hold_mapping + stored_mapping + compile)."""
-    layers = num_layers(model)
-    tensors: dict[str, TensorEntry] = {}
-    t0 = time.perf_counter()
+    layers, tensors, t0 = num_layers(model), {}, time.perf_counter()
     for t in model:
         stage = stage_of(t, lay.sizes[0], layers)
-        hold = lay.hold(t, stage)
-        coords = {"pp": stage, "dp_shard": 0, "tp": 0}
-        local = compile_mapping(hold, t.shape, lay.axis_sizes, coords)
-        nbytes = math.prod(local.shape) * ITEMSIZE
+        hold, at = lay.hold(t, stage), {"pp": stage, "dp_shard": 0, "tp": 0}
+        nbytes = math.prod(compile_mapping(hold, t.shape, lay.axis_sizes, at).shape) * ITEMSIZE
         stored = stored_mapping(t.name, hold, lay.axis_sizes, nbytes, len(t.shape))
         tensors[t.name] = TensorEntry(dtype="BF16", shape=t.shape, mesh=0, mapping=str(stored))
     per_rank = (time.perf_counter() - t0) / lay.sizes[0]  # a rank plans only its stage's tensors
     files = {r: f"data/rank-{r:05d}.safetensors" for r in range(lay.world)}
-    return Manifest(
-        world_size=lay.world, meshes=(lay.mesh,), files=files, tensors=tensors, library="sim"
-    ), per_rank
+    kw = {"world_size": lay.world, "meshes": (lay.mesh,), "files": files, "tensors": tensors}
+    return Manifest(**kw, library="sim"), per_rank
 
 
-def file_layout(
-    manifest: Manifest, model: list[Tensor], lay: Layout, rank: int
-) -> dict[str, StoredShardInfo]:
-    """Where each stored shard of ``rank``'s data file lies, as the save writes them (model order)."""
-    coords = lay.coords(rank)
+def file_layout(manifest: Manifest, model: list[Tensor], lay: Layout, rank: int) -> dict:
+    """Where each stored shard of ``rank``'s data file lies (`StoredShardInfo`), as the save
+    writes them (model order)."""
     offset, out = 4096, {}
     for t in model:
-        entry = manifest.tensors[t.name]
-        shard = compile_mapping(entry.parsed, t.shape, lay.axis_sizes, coords)
-        if shard is None:
+        entry = manifest.tensors[t.name].parsed
+        if (shard := compile_mapping(entry, t.shape, lay.axis_sizes, lay.coords(rank))) is None:
             continue
         n = math.prod(shard.shape) * ITEMSIZE
         block = block_size(tuple(shard.shape), ITEMSIZE)  # the checksum blocks a save writes
-        out[t.name] = StoredShardInfo(
-            offset, offset + n, ITEMSIZE, block=block, crcs=(0,) * max(1, -(-n // block))
-        )
+        crcs = (0,) * max(1, -(-n // block))
+        out[t.name] = StoredShardInfo(offset, offset + n, ITEMSIZE, block=block, crcs=crcs)
         offset += n
     return out
 
 
-@dataclass
-class RankStats:
-    headers: int
-    plan_s: float
-    runs: int
-    reads: int
-    bytes_read: int
-    bytes_needed: int
-    target_bytes: int
+RankStats = namedtuple(
+    "RankStats", "headers plan_s runs reads bytes_read bytes_needed target_bytes"
+)
 
 
-def plan_rank(
-    manifest: Manifest, model: list[Tensor], save: Layout, load: Layout, rank: int, layers: int
-) -> RankStats:
+def plan_rank(manifest: Manifest, model, save: Layout, load: Layout, rank: int, layers: int):
     coords = load.coords(rank)
     mine = [t for t in model if stage_of(t, load.sizes[0], layers) == coords["pp"]]
-    t0 = time.perf_counter()
-    transfers, target_bytes = [], 0
+    t0, transfers, target_bytes = time.perf_counter(), [], 0
     for i, t in enumerate(mine):
         target = compile_mapping(load.hold(t, coords["pp"]), t.shape, load.axis_sizes, coords)
         target_bytes += sum(box_numel(p.logical_box) for p in target.pieces) * ITEMSIZE
-        entry = manifest.tensors[t.name]
-        transfers += match_shards(
-            t.name, i, target.pieces, entry.parsed, t.shape, save.axis_sizes, save.mesh.rank
-        )
-    match_s = time.perf_counter() - t0
-    files = sorted({tr.rank for tr in transfers})
-    info = {}
-    for r in files:  # stands for reading these files' headers: not planning time
-        for name, s in file_layout(manifest, model, save, r).items():
-            info[(r, name)] = s
+        entry, sizes = manifest.tensors[t.name].parsed, save.axis_sizes
+        transfers += match_shards(t.name, i, target.pieces, entry, t.shape, sizes, save.mesh.rank)
+    match_s, files = time.perf_counter() - t0, sorted({tr.rank for tr in transfers})
+    # stands for reading these files' headers: not planning time
+    info = {(r, k): s for r in files for k, s in file_layout(manifest, model, save, r).items()}
     t1 = time.perf_counter()
     plan = plan_reads(transfers, info, [True] * len(mine))
-    plan_s = match_s + time.perf_counter() - t1
-    reads = sum(r.count for r in plan.requests)
+    plan_s, reads = match_s + time.perf_counter() - t1, sum(r.count for r in plan.requests)
     # before coalescing: one read per stretch contiguous in both the file and the destination
     runs = sum(len(piece_offsets(tr.src, unit_length_dim(tr.src, tr.dst))) for tr in transfers)
-    return RankStats(
-        len(files), plan_s, runs, reads, plan.bytes_read, plan.bytes_needed, target_bytes
-    )
+    needed = (plan.bytes_read, plan.bytes_needed, target_bytes)
+    return RankStats(len(files), plan_s, runs, reads, *needed)
 
 
-def dcp_metadata(
-    manifest: Manifest, model: list[Tensor], lay: Layout, build: bool
-) -> tuple[int, int | None]:
+def dcp_metadata(manifest: Manifest, model, lay: Layout, build: bool) -> tuple[int, int | None]:
     """Chunk entries DCP's .metadata would list for this save (one per distinct saved chunk, after
     its replica de-duplication), and its pickled size when ``build`` (torch's own classes)."""
     entries = int(manifest.shards_per_rank().sum())
     if not build:
         return entries, None
     import torch
+    from torch.distributed.checkpoint import metadata as m
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
-
-    from anyshard.ucl.lowering import enumerate_shards
 
     md, storage = {}, {}
     for t in model:
-        entry = manifest.tensors[t.name]
-        chunks = []
-        for coords, shard in enumerate_shards(entry.parsed, t.shape, lay.axis_sizes):
-            (p,) = shard.pieces if shard.pieces else (None,)
+        chunks, entry = [], manifest.tensors[t.name].parsed
+        for coords, shard in enumerate_shards(entry, t.shape, lay.axis_sizes):
+            (p,) = shard.pieces or (None,)
             if p is None:
                 continue
-            offsets = torch.Size(lo for lo, _ in p.logical_box)
-            sizes = torch.Size(hi - lo for lo, hi in p.logical_box)
-            chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=sizes))
-            rank = lay.mesh.rank(coords)
-            storage[MetadataIndex(t.name, offsets, len(chunks) - 1)] = _StorageInfo(
-                relative_path=f"__{rank}_0.distcp",
-                offset=0,
-                length=box_numel(p.logical_box) * ITEMSIZE,
-            )
-        md[t.name] = TensorStorageMetadata(
-            properties=TensorProperties(dtype=torch.bfloat16),
-            size=torch.Size(t.shape),
-            chunks=chunks,
-        )
-    meta = Metadata(state_dict_metadata=md, storage_data=storage)
-    return entries, len(pickle.dumps(meta))
+            box, file = p.logical_box, f"__{lay.mesh.rank(coords)}_0.distcp"
+            offsets, sizes = torch.Size(lo for lo, _ in box), torch.Size(hi - lo for lo, hi in box)
+            chunks.append(m.ChunkStorageMetadata(offsets=offsets, sizes=sizes))
+            where = _StorageInfo(file, 0, box_numel(box) * ITEMSIZE)
+            storage[m.MetadataIndex(t.name, offsets, len(chunks) - 1)] = where
+        props, size = m.TensorProperties(dtype=torch.bfloat16), torch.Size(t.shape)
+        md[t.name] = m.TensorStorageMetadata(properties=props, size=size, chunks=chunks)
+    return entries, len(pickle.dumps(m.Metadata(state_dict_metadata=md, storage_data=storage)))
 
 
 def simulate(name: str, model: list[Tensor], n: int, samples: int, build_dcp: bool) -> dict:
+    """One row of the table: ``cells`` (but DCP's pickled size), ``dcp_entries``, ``dcp_bytes``."""
     save, load = (Layout(*LAYOUTS[n][0]), Layout(*LAYOUTS[n][1]))
-    manifest, save_plan_s = build_manifest(model, save)
-    manifest_bytes = len(manifest.dumps())
+    manifest, _ = build_manifest(model, save)
     t0 = time.perf_counter()
     manifest.shards_per_rank()  # rank 0's commit check
     commit_s = time.perf_counter() - t0
     entries, dcp_bytes = dcp_metadata(manifest, model, save, build_dcp)
-    rng = random.Random(n)
-    ranks = sorted({0, load.world - 1, *rng.sample(range(load.world), min(samples, load.world))})
-    layers = num_layers(model)
-    stats = [plan_rank(manifest, model, save, load, r, layers) for r in ranks]
-    return {
-        "model": name,
-        "n": n,
-        "save": LAYOUTS[n][0],
-        "load": LAYOUTS[n][1],
-        "tensors": len(model),
-        "manifest_bytes": manifest_bytes,
-        "dcp_entries": entries,
-        "dcp_bytes": dcp_bytes,
-        "save_plan_s": save_plan_s,
-        "commit_check_s": commit_s,
-        "sampled": len(ranks),
-        "headers_max": max(s.headers for s in stats),
-        "plan_s_max": max(s.plan_s for s in stats),
-        "runs_max": max(s.runs for s in stats),
-        "reads_max": max(s.reads for s in stats),
-        "read_over_needed": max(s.bytes_read / s.bytes_needed for s in stats if s.bytes_needed),
-        "needed_is_target": all(s.bytes_needed == s.target_bytes for s in stats),
-    }
+    sample = random.Random(n).sample(range(load.world), min(samples, load.world))
+    stats = [
+        plan_rank(manifest, model, save, load, r, num_layers(model))
+        for r in sorted({0, load.world - 1, *sample})
+    ]
+    worst = {k: max(getattr(s, k) for s in stats) for k in ("headers", "plan_s", "runs", "reads")}
+    over = max(s.bytes_read / s.bytes_needed for s in stats if s.bytes_needed)
+    cells = [name, f"{n:,}", *LAYOUTS[n], len(model), _mib(len(manifest.dumps())), f"{entries:,}"]
+    cells += [
+        worst["headers"],
+        f"{worst['plan_s']:.3f}",
+        f"{worst['runs']:,} -> {worst['reads']:,}",
+    ]
+    cells += [f"{over:.3f}", f"{commit_s:.3f}"]
+    return {"model": name, "cells": cells, "dcp_entries": entries, "dcp_bytes": dcp_bytes}
 
 
 def _mib(n: float) -> str:
     return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 1024:.0f} KiB"
 
 
-def table(rows: list[dict]) -> str:
-    head = (
-        "| model | N | save (pp, dp_shard, tp) | load | tensors | manifest | DCP chunk entries | DCP .metadata (pickled) "
-        "| headers read / rank (max) | planning s / rank (max) | byte runs -> read calls / rank (max) | bytes read / needed |"
-    )
-    out = [head, "|" + "---|" * 12]
+HEAD = ["model", "N", "save (pp, dp_shard, tp)", "load", "tensors", "manifest", "DCP chunk entries"]
+HEAD += ["DCP .metadata (pickled)", "headers read / rank (max)", "planning s / rank (max)"]
+HEAD += ["byte runs -> read calls / rank (max)", "bytes read / needed", "commit check s"]
+
+
+def table_rows(rows: list[dict]) -> list[list]:
+    """The table's rows: DCP's pickled size, measured, or extrapolated per chunk entry."""
     per_entry = {r["model"]: r["dcp_bytes"] / r["dcp_entries"] for r in rows if r["dcp_bytes"]}
+    out = []
     for r in rows:
-        if r["dcp_bytes"]:
-            dcp = _mib(r["dcp_bytes"])
-        elif r["model"] in per_entry:
+        dcp = _mib(r["dcp_bytes"]) if r["dcp_bytes"] else "not built"
+        if not r["dcp_bytes"] and r["model"] in per_entry:
             dcp = f"~{_mib(per_entry[r['model']] * r['dcp_entries'])} (extrapolated)"
-        else:
-            dcp = "not built"
-        out.append(
-            f"| {r['model']} | {r['n']:,} | {r['save']} | {r['load']} | {r['tensors']} | {_mib(r['manifest_bytes'])} "
-            f"| {r['dcp_entries']:,} | {dcp} | {r['headers_max']} | {r['plan_s_max']:.3f} "
-            f"| {r['runs_max']:,} -> {r['reads_max']:,} | {r['read_over_needed']:.3f} |"
-        )
-    return "\n".join(out)
+        out.append([*r["cells"][:7], dcp, *r["cells"][7:]])
+    return out
+
+
+HEADING = "## Scale: metadata and planning from 8 to 16,384 ranks (`tools/scale_sim.py`)"
+INTRO = """No processes: the library's planning code for sampled loading ranks (rank 0, the last rank
+and random others, one core) of a dense 70B model and a 16-expert MoE (experts grouped, sharded
+over `dp_shard`; a separate `ep` dim is not simulated) saved and loaded under other layouts,
+against DCP's metadata (one chunk entry per distinct chunk, pickled as torch's `Metadata`)."""
+NOTES = """One timing per sampled rank, the worst shown. Headers: data files whose header a rank reads;
+runs -> reads: byte runs needed, read calls after coalescing (runs over 64 MiB split for parallel
+reads). Commit check: rank 0's check that every rank's shards are listed."""
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("\n\n", 1)[1],
-    )
-    p.add_argument(
-        "--n", default="8,128,1024,16384", help="comma-separated world sizes (default: %(default)s)"
-    )
+    import harness as h  # here: importing this tool leaves "harness" to tests/dist/harness.py
+
+    doc = __doc__.split("\n\n")
+    p = argparse.ArgumentParser(description=doc[0], epilog=doc[1], formatter_class=RAW)
+    p.add_argument("--n", default="8,128,1024,16384", help="world sizes (%(default)s)")
     p.add_argument("--model", choices=("dense", "moe", "both"), default="both")
-    p.add_argument(
-        "--samples",
-        type=int,
-        default=6,
-        help="loading ranks sampled per N besides the first and last",
-    )
-    p.add_argument(
-        "--dcp-max-n", type=int, default=1024, help="build DCP's Metadata objects up to this N"
-    )
-    p.add_argument(
-        "--write-docs", nargs="?", const="docs/benchmarks.md", help="write the table into this file"
-    )
+    p.add_argument("--samples", type=int, default=6, help="loading ranks sampled besides 0, N-1")
+    p.add_argument("--dcp-max-n", type=int, default=1024, help="build DCP's Metadata up to N")
+    p.add_argument("--write-docs", nargs="?", const="docs/benchmarks.md", metavar="PATH")
     args = p.parse_args(argv)
     models = {"dense": [("dense 70B", dense_70b())], "moe": [("MoE 16 experts", moe_16())]}
     chosen = models["dense"] + models["moe"] if args.model == "both" else models[args.model]
-    rows = []
+    rows, load = [], h.RunLoad()
     for name, model in chosen:
         for n in (int(x) for x in args.n.split(",")):
-            row = simulate(name, model, n, args.samples, n <= args.dcp_max_n)
-            rows.append(row)
+            rows.append(simulate(name, model, n, args.samples, n <= args.dcp_max_n))
             print(
-                f"{name:15s} N={n:6d}: manifest {_mib(row['manifest_bytes'])}, DCP entries {row['dcp_entries']:,}, "
-                f"headers/rank <= {row['headers_max']}, planning <= {row['plan_s_max']:.3f} s, "
-                f"runs {row['runs_max']:,} -> reads {row['reads_max']:,}, read/needed {row['read_over_needed']:.3f}, "
-                f"commit check {row['commit_check_s']:.3f} s",
+                ", ".join(f"{k} {v}" for k, v in zip(HEAD, table_rows(rows)[-1], strict=True)),
                 flush=True,
             )
-    text = table(rows)
-    print("\n" + text)
+    table = h.table(HEAD, table_rows(rows), markdown=True)
+    print("\n" + table)
     if args.write_docs:
-        _write_docs(
-            args.write_docs,
-            text,
-            " ".join(
-                ["python", "tools/scale_sim.py"] + (argv if argv is not None else sys.argv[1:])
-            ),
-        )
+        command = f"Command: `{h.rerun_command(__file__, argv)}` ({h.today()}); {load.note()}."
+        section = [HEADING, "", INTRO, "", command, "", *h.machine_lines(), "", NOTES, "", table]
+        h.write_section(args.write_docs, "scale_sim", section)
+        print(f"wrote {args.write_docs}")
     return 0
-
-
-def _write_docs(path: str, text: str, command: str) -> None:
-    begin, end = "<!-- scale_sim:begin -->", "<!-- scale_sim:end -->"
-    section = (
-        f"{begin}\n## Scale: metadata and planning from 8 to 16,384 ranks (`tools/scale_sim.py`)\n\n"
-        f"Command: `{command.replace(' --write-docs', '')}`. No processes: the library's own planning code, "
-        "run for the sampled loading ranks (rank 0, the last rank and random others) on one core.\n\n"
-        f"{text}\n\n"
-        "Manifest: anyshard's `manifest.json` for the save. DCP: one chunk entry per distinct saved chunk "
-        "(what its pickled `.metadata` lists, plus one storage entry each), pickled size measured by "
-        "building torch's `Metadata` objects. Headers: data files whose header a loading rank must "
-        "read (the files holding shards it overlaps). Runs: contiguous byte runs the rank needs; reads: "
-        "read calls after coalescing (runs larger than 64 MiB are cut into parts that threads read in "
-        "parallel, so a few rows show more calls than runs). Bytes read / needed: worst sampled rank.\n"
-        "The MoE variant holds experts as grouped `[16, ...]` tensors sharded over `dp_shard` (expert "
-        "parallelism folded into data-parallel sharding); a separate `ep` mesh dim is not simulated yet.\n"
-        f"{end}\n"
-    )
-    old = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
-    if begin in old:
-        old = old[: old.index(begin)] + old[old.index(end) + len(end) + 1 :]
-    with open(path, "w") as f:
-        f.write(old.rstrip("\n") + "\n\n" + section)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import anyshard
 import anyshard.format.datafile
 import anyshard.reshard.fill
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
+sys.path.append(os.path.join(os.path.dirname(__file__), "..", "..", "tools"))  # after harness.py
 import scale_sim  # noqa: E402
 
 DIMS = ("pp", "dp_shard", "tp")
