@@ -356,6 +356,7 @@ class ZarrView(BaseView):
         except KeyError:
             raise KeyError(f"{self.path}: no value named {name!r}") from None
 
+    @property
     def values(self) -> dict[str, Any]:
         return dict(self._values)
 
