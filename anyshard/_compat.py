@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.planner import SavePlanner
     from torch.distributed.checkpoint.storage import StorageWriter
     from torch.distributed.device_mesh import DeviceMesh
@@ -231,8 +232,8 @@ def set_element(root: dict[str, Any], path: Sequence[Any], value: Any) -> None:
     f(root, tuple(path), value)
 
 
-def fsspec_writer() -> type[StorageWriter]:
-    """DCP's ``FsspecWriter`` (a `StorageWriter` onto any fsspec URL), which
+def fsspec_writer() -> type[FileSystemWriter]:
+    """DCP's ``FsspecWriter`` (its `FileSystemWriter` onto any fsspec URL), which
     ``torch.distributed.checkpoint`` does not export: its private ``_fsspec_filesystem``
     module (torch 2.6-2.14); a clear error where missing."""
     try:

@@ -108,7 +108,9 @@ def write_dcp(
             return t
 
     if storage.is_url(dst) and not dst.startswith("file://"):
-        writer = fsspec_writer()(dst, single_file_per_rank=False, thread_count=1)
+        # an object is durable once its upload completes: no fsync (torch 2.6 would call it on
+        # the object's stream, which has no file descriptor, and fail)
+        writer = fsspec_writer()(dst, single_file_per_rank=False, sync_files=False, thread_count=1)
     else:
         local = dst.removeprefix("file://")
         storage.makedirs(local)
