@@ -42,6 +42,7 @@ __all__ = [
     "s3_call",
     "set_element",
     "set_nccl_timeout",
+    "storage_offset_in_file",
     "strided_shard_type",
 ]
 
@@ -230,6 +231,14 @@ def set_element(root: dict[str, Any], path: Sequence[Any], value: Any) -> None:
     except ImportError as e:
         raise _missing("torch.distributed.checkpoint._traverse.set_element", e) from None
     f(root, tuple(path), value)
+
+
+def storage_offset_in_file(t: torch.Tensor) -> int | None:
+    """Where the bytes of ``t``'s storage begin in the archive ``torch.load`` read it from,
+    recorded as ``UntypedStorage._checkpoint_offset`` when loading to the meta device (torch
+    2.13-2.14); None where torch records none (2.6): the reader then reads the whole chunk."""
+    offset = getattr(t.untyped_storage(), "_checkpoint_offset", None)
+    return offset if isinstance(offset, int) else None
 
 
 def fsspec_writer() -> type[FileSystemWriter]:

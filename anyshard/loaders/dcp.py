@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from anyshard._compat import DCP_PICKLED_PRIVATE, DCP_PLAN_PRIVATE
+from anyshard._compat import DCP_PICKLED_PRIVATE, DCP_PLAN_PRIVATE, storage_offset_in_file
 from anyshard.api.views import BaseView, StoredShard
 from anyshard.errors import CheckpointNotFoundError, CorruptCheckpointError
 from anyshard.format import storage
@@ -399,9 +399,10 @@ class DCPCheckpointView(BaseView):
                 f"({size} bytes); the metadata is corrupt or hostile"
             )
         m = self._checked(name, c, t, self._load_chunk(name, c, meta=True))
-        record = getattr(m.untyped_storage(), "_checkpoint_offset", None)
-        dense = m.is_contiguous() and isinstance(record, int)
-        start = c.offset + record + m.storage_offset() * m.element_size() if dense else None
+        record = storage_offset_in_file(m)
+        start = None
+        if m.is_contiguous() and record is not None:
+            start = c.offset + record + int(m.storage_offset()) * m.element_size()
         if start is not None and start + m.numel() * m.element_size() > c.offset + c.length:
             raise CorruptCheckpointError(
                 f"{self.path}/{c.file}: chunk {list(c.box)} of {name!r} says its data runs past "
@@ -428,7 +429,9 @@ class DCPCheckpointView(BaseView):
         """Fill the contiguous ``dest`` with region ``local`` of a C-order chunk stored from
         byte ``start``: only the bytes of its rows' runs are read."""
         item = dest.element_size()
-        flat = memoryview(dest.view(-1).view(torch.uint8).numpy()) if dest.numel() else None
+        if not dest.numel():
+            return
+        flat = dest.view(-1).view(torch.uint8).numpy().data
         spans, pos = [], 0
         for first, n in box_runs(box_shape(c.box), local):
             spans.append((start + first * item, flat[pos : pos + n * item]))

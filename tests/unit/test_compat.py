@@ -275,6 +275,21 @@ def test_fsspec_writer_writes_a_dcp_checkpoint_to_a_url(tmp_path):
             fs.rm(url.removeprefix("memory://"), recursive=True)
 
 
+def test_storage_offset_in_file_points_at_the_tensors_bytes():
+    import io
+
+    t = torch.arange(24, dtype=torch.int32).reshape(4, 6)
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    meta = torch.load(io.BytesIO(buf.getvalue()), map_location="meta", weights_only=True)
+    offset = _compat.storage_offset_in_file(meta)
+    assert _compat.storage_offset_in_file(t) is None  # not loaded from a file
+    if offset is None:
+        pytest.skip(f"torch {torch.__version__} records no storage offsets: whole chunks are read")
+    nbytes = t.numel() * t.element_size()
+    assert buf.getvalue()[offset : offset + nbytes] == t.numpy().tobytes()
+
+
 def test_module_members_are_a_modules_own_children_parameters_and_buffers():
     m = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3))
     bn = m[1]
@@ -328,6 +343,7 @@ _PRIVATE_ATTRIBUTES = {
     "_MEM_FORMAT_ENCODING",
     "_get_layout",
     "_clear_DTensor_sharding_propagator_cache",
+    "_checkpoint_offset",
 }  # fmt: skip  (attributes, or names in strings: getattr(x, "_call_s3"), pickled names)
 
 
