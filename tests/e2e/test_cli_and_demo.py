@@ -1,4 +1,6 @@
-"""The `anyshard` command and the README's demo, run as a user runs them."""
+"""The `anyshard` command and the README's demo, run as a user runs them: the installed console
+script in a subprocess for each command, --help and the README's script; the other cases call the
+script's function in this process (tests/cli_runner.py), sparing each an interpreter's start-up."""
 
 import json
 import os
@@ -7,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from cli_runner import cli
 
 import anyshard
 
@@ -41,14 +44,14 @@ def test_inspect_lists_tensors_with_shape_dtype_and_shards(ckpt):
 
 
 def test_inspect_json_is_machine_readable(ckpt):
-    out = run("anyshard", "inspect", ckpt, "--json")
+    out = cli("inspect", ckpt, "--json")
     data = json.loads(out.stdout)
     assert {t["name"]: t["shape"] for t in data["tensors"]} == {"model.b": [2], "model.w": [3, 4]}
     assert data["values"] == {"step": 7}
 
 
 def test_verify_passes_a_good_checkpoint_and_fails_a_corrupt_one_with_exit_1(ckpt):
-    assert run("anyshard", "verify", ckpt).returncode == 0
+    assert cli("verify", ckpt).returncode == 0
     data = os.path.join(ckpt, "data", os.listdir(os.path.join(ckpt, "data"))[0])
     with open(data, "r+b") as f:
         f.seek(-1, os.SEEK_END)
@@ -61,7 +64,7 @@ def test_verify_passes_a_good_checkpoint_and_fails_a_corrupt_one_with_exit_1(ckp
 
 
 def test_a_missing_checkpoint_is_exit_2_with_one_line_on_stderr(tmp_path):
-    out = run("anyshard", "inspect", str(tmp_path / "nope"))
+    out = cli("inspect", str(tmp_path / "nope"))
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0 and "no such checkpoint" in out.stderr
 
