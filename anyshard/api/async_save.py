@@ -174,7 +174,7 @@ def start(group) -> None:
     _executor().submit(lambda: None).result()
 
 
-def submit(fn: Callable[[], None], staged: threading.Event | None = None) -> SaveHandle:
+def submit(fn: Callable[[], object], staged: threading.Event | None = None) -> SaveHandle:
     executor = _executor()
     with _LOCK:
         handle = SaveHandle(executor.submit(fn), staged)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,20 @@ __all__ = [
     "rank",
     "world_size",
 ]
+
+
+class _Backend(Protocol):
+    """What `PeerGroup` calls of its c10d backend (``ProcessGroupGloo`` or ``ProcessGroupNCCL``)."""
+
+    def allgather(
+        self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], /
+    ) -> dist.Work: ...
+
+    def broadcast(self, tensor: torch.Tensor, root: int, /) -> dist.Work: ...
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int, /) -> dist.Work: ...
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int, /) -> dist.Work: ...
 
 
 class PeerGroup:
@@ -49,12 +63,15 @@ class PeerGroup:
             raise ValueError(f"rank {rank} is not in a group of {size}")
         self.rank, self.size, self.world_offset = rank, size, world_offset
         self.device = torch.device(device)
+        backend: object
         if self.device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
             set_nccl_timeout(opts, timeout)
-            self.pg = dist.ProcessGroupNCCL(store, rank, size, opts)
+            backend = dist.ProcessGroupNCCL(store, rank, size, opts)
         else:
-            self.pg = dist.ProcessGroupGloo(store, rank, size, timeout)
+            backend = dist.ProcessGroupGloo(store, rank, size, timeout)
+        # torch's stubs list no collectives on a backend class, which has them at run time
+        self.pg = cast(_Backend, backend)
 
     def member_rank(self, world_rank: int) -> int:
         """The member rank of this process's world rank ``world_rank``."""
@@ -166,7 +183,7 @@ def gather_json(obj: Any, group=None, dst: int = 0) -> list[Any] | None:
     )
     dst_global = dist.get_global_rank(group, dst) if group is not None else dst
     dist.gather(padded, outs, dst=dst_global, group=group)
-    if me != dst:
+    if outs is None:  # not the destination
         return None
     return [_decode(t, s) for t, s in zip(outs, sizes, strict=True)]
 

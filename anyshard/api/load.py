@@ -191,8 +191,8 @@ def load_reporting(
                     split[fqn] = (part, target)
             if part is not None:
                 value = part
-            layout = layout_of(fqn, value, process_group, meshes)
-            fills.append(Fill(fqn, layout.local, layout.shard().pieces))
+            held = layout_of(fqn, value, process_group, meshes)
+            fills.append(Fill(fqn, held.local, held.shard().pieces))
         elif fqn in manifest.values:
             if isinstance(value, torch.Tensor):
                 problems.append(
@@ -223,6 +223,7 @@ def _world_mesh(process_group):
     from torch.distributed.device_mesh import DeviceMesh
 
     group = process_group or dist.group.WORLD
+    assert group is not None  # torch.distributed is initialised: its default group exists
     device = "cuda" if "nccl" in str(dist.get_backend(group)) else "cpu"
     return DeviceMesh.from_group(group, device, mesh_dim_names=("read_once",))
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,9 @@ from anyshard.ucl.library import load_spec
 from anyshard.ucl.lowering import compile_mapping_cached
 from anyshard.ucl.mapping import parse_mapping
 from anyshard.ucl.ranks import compile_every_rank
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["DEFAULT_MAX_INFLIGHT_BYTES", "plan_redistribution", "redistribute"]
 
@@ -105,12 +108,13 @@ def _describe_side(
             side.desc["tensors"][fqn] = {"shape": shape, "dtype": dtype}
             side.held[fqn] = [_Held(value.detach(), Piece(0, tuple(shape), box, box))]
             continue
+        dt = cast("DTensor", value)  # it has a device mesh
         # DTensors of one mesh, placements and shape share their description and pieces
-        key = (id(value.device_mesh), tuple(value.placements), tuple(value.shape))
+        key = (id(dt.device_mesh), tuple(dt.placements), tuple(dt.shape))
         hit = layouts.get(key)
-        if hit is None or hit[0] is not value.device_mesh:
+        if hit is None or hit[0] is not dt.device_mesh:
             try:
-                lay = layout_of(fqn, value, group, cache)
+                lay = layout_of(fqn, dt, group, cache)
             except LayoutError as e:
                 side.problems.append(f"{what} {e}")
                 continue
@@ -119,9 +123,9 @@ def _describe_side(
                 "mesh": lay.mesh.to_json(),
                 "map": str(lay.hold),
             }
-            hit = layouts[key] = (value.device_mesh, entry, lay.shard().pieces)
+            hit = layouts[key] = (dt.device_mesh, entry, lay.shard().pieces)
         _, entry, pieces = hit
-        local = value.to_local().detach()
+        local = dt.to_local().detach()
         side.desc["tensors"][fqn] = {**entry, "dtype": dtype}
         side.held[fqn] = [_Held(local, p) for p in pieces]
     return side
@@ -316,6 +320,7 @@ def _region(held: list[_Held], box: Box, fqn: str, what: str) -> list[torch.Tens
         if inter != box:
             continue
         p = h.piece.restrict(box)
+        assert p is not None  # the piece holds all of ``box``
         t = h.tensor
         if p.base == 0 and tuple(p.array_shape) == tuple(t.shape):
             arr = t

@@ -33,7 +33,7 @@ from anyshard.format.commit import (
 from anyshard.format.datafile import tensor_bytes, write_datafile
 from anyshard.format.dtypes import DTYPE_TO_ST
 from anyshard.format.incremental import Incremental
-from anyshard.format.manifest import MeshEntry
+from anyshard.format.manifest import MeshEntry, Ref
 from anyshard.ucl.evaluate import compile, coords_of_rank, layout_for
 from anyshard.ucl.library import load_spec
 from anyshard.ucl.mapping import On
@@ -444,7 +444,9 @@ def _write_and_commit(path: str, plan: _LocalPlan, error: BaseException | None, 
     """Write this rank's data file, agree with every rank, commit on rank 0, raise on failure."""
     me = coll.rank(group)
     file = None
-    writes, refs, hashes = plan.writes, {}, None
+    writes = plan.writes
+    refs: dict[str, Ref] = {}
+    hashes: dict[str, str] | None = None
     spans: dict[str, tuple[int, int]] = {}
     if error is None and plan.incremental is not None:
         try:
@@ -471,6 +473,7 @@ def _write_and_commit(path: str, plan: _LocalPlan, error: BaseException | None, 
     reports = coll.gather_json(report.to_json(), group)
     outcome: dict[str, Any] = {"ok": True}
     if me == 0:
+        assert reports is not None  # rank 0 gathers every rank's report
         try:
             manifest = build_manifest([SaveReport.from_json(r) for r in reports], path)
             data = manifest.dumps()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,9 @@ from anyshard.format.manifest import MeshEntry
 from anyshard.geometry.shards import Shard, chunk_bounds
 from anyshard.ucl.lowering import compile_mapping_cached
 from anyshard.ucl.mapping import Chunk, Mapping, On, Op, Replicate
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["SPREAD_MIN_BYTES", "TensorLayout", "hold_mapping", "layout_of", "stored_mapping"]
 
@@ -57,7 +61,7 @@ class TensorLayout:
         for op in stored.ops[kept:]:  # the ops that resolve the replicated dims to writers
             if isinstance(op, On) and self.coords[op.axis] != op.index:
                 return stored, None
-            if isinstance(op, Chunk):
+            if isinstance(op, Chunk) and op.axis is not None:
                 start, stop = chunk_bounds(part.shape[0], sizes[op.axis], self.coords[op.axis])
                 part = part[start:stop]
         return stored, part
@@ -105,7 +109,7 @@ def _is_pipeline(name: str) -> bool:
     return name == "pp" or name.startswith("pp_")
 
 
-def _root_view(mesh) -> tuple[object, tuple[str, ...]]:
+def _root_view(mesh: DeviceMesh) -> tuple[DeviceMesh, tuple[str, ...]]:
     """The root mesh of ``mesh`` when ``mesh`` is a plain slice of it, else ``mesh`` itself."""
     root = root_mesh(mesh)
     if root is mesh or root is None:
@@ -151,7 +155,7 @@ def _application_order(entries, sizes, names, fqn) -> list[int]:
     pending: list[tuple[int, int]] = []  # strided (mesh dim, remaining split factor)
     for i, p in entries:
         if strided is not None and isinstance(p, strided):
-            pending.append((i, p.split_factor))
+            pending.append((i, int(p.split_factor)))
             continue
         order.append(i)
         still = []

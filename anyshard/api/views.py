@@ -95,8 +95,9 @@ class BaseView(abc.ABC):
         """Shape, dtype and stored shards of tensor ``name``."""
 
     @abc.abstractmethod
-    def read_region(self, name: str, box: Box, **kwargs) -> torch.Tensor:
-        """The logical region ``box`` of tensor ``name``, reading only the bytes it needs."""
+    def read_region(self, name: str, box: Box) -> torch.Tensor:
+        """The logical region ``box`` of tensor ``name``, reading only the bytes it needs (a
+        view may also take ``out=``, a tensor to fill instead)."""
 
     @abc.abstractmethod
     def _entry(self, name: str) -> Any:

@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.planner import (
     LoadPlanner,
     SavePlan,
     SavePlanner,
+    TensorWriteData,
     WriteItem,
     WriteItemType,
 )
@@ -140,11 +141,16 @@ def _intervals(fqn: str, dim: int, n: int, spans: set[tuple[int, int]]) -> list[
     )
 
 
+def _tensor_data(item: WriteItem) -> TensorWriteData:
+    td = item.tensor_data
+    assert td is not None  # DCP plans every tensor write with its chunk and properties
+    return td
+
+
 def _place(fqn: str, items: list[tuple[int, WriteItem]]) -> tuple[_Placed, list[tuple[int, tuple]]]:
     """Where the chunks of ``fqn`` (rank, write item) go: its grid, and the (rank, offsets) of
     the chunks that store it (each non-empty chunk once; duplicates dropped)."""
-    td = items[0][1].tensor_data
-    assert td is not None
+    td = _tensor_data(items[0][1])
     shape = tuple(int(n) for n in td.size)
     dtype = td.properties.dtype
     if dtype not in DTYPE_TO_ST:
@@ -156,7 +162,7 @@ def _place(fqn: str, items: list[tuple[int, WriteItem]]) -> tuple[_Placed, list[
         return _Placed(st, shape, mesh, "", (rank,)), []
     boxes: dict[Box, tuple[int, tuple]] = {}
     for rank, item in items:
-        c = item.tensor_data.chunk
+        c = _tensor_data(item).chunk
         offsets = tuple(int(o) for o in c.offsets)
         box = tuple((o, o + int(s)) for o, s in zip(offsets, c.sizes, strict=True))
         if any(lo == hi for lo, hi in box):
@@ -275,23 +281,24 @@ class AnyshardWriter(StorageWriter):
                 results.append(WriteResult(item.index, 0, {"value": value}))
                 continue
             if fqn in stored.empty:
-                t = torch.empty(stored.empty[fqn], dtype=item.tensor_data.properties.dtype)
+                t = torch.empty(stored.empty[fqn], dtype=_tensor_data(item).properties.dtype)
                 shards.append((fqn, t))
             else:
-                offsets = tuple(int(o) for o in item.tensor_data.chunk.offsets)
+                offsets = tuple(int(o) for o in _tensor_data(item).chunk.offsets)
                 if (fqn, offsets) not in stored.chunks:
                     results.append(WriteResult(item.index, 0, {"file": None}))
                     continue
-                t = planner.resolve_data(item)
-                assert isinstance(t, torch.Tensor)
-                t = t.detach()
+                data = planner.resolve_data(item)
+                assert isinstance(data, torch.Tensor)
+                t = data.detach()
                 if t.device.type != "cpu" or not t.is_contiguous():
                     t = t.to("cpu", memory_format=torch.contiguous_format)
                 shards.append((fqn, t))
             results.append(WriteResult(item.index, t.nbytes, {"file": file}))
         if shards:
-            storage.makedirs(storage.join(self.path, DATA_DIR))
-            write_datafile(storage.join(self.path, *file.split("/")), shards, threads=self.threads)
+            root = _path(self.path, "AnyshardWriter")
+            storage.makedirs(storage.join(root, DATA_DIR))
+            write_datafile(storage.join(root, *file.split("/")), shards, threads=self.threads)
         return _done(results)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -313,7 +320,8 @@ class AnyshardWriter(StorageWriter):
             )
             reports[rank].tensors[fqn] = tensor
         reports[0] = replace(reports[0], values={**values, **reports[0].values})
-        commit_manifest(self.path, build_manifest(reports, self.path))
+        root = _path(self.path, "AnyshardWriter")
+        commit_manifest(root, build_manifest(reports, root))
 
 
 def _value_of(planner: SavePlanner, item: WriteItem) -> Any:
@@ -422,7 +430,7 @@ class AnyshardReader(StorageReader):
             committed.append((req, dest))
         if fills:
             fill_regions(
-                self.path,
+                _path(self.path, "AnyshardReader"),
                 manifest,
                 fills,
                 headers=self._headers,

@@ -71,21 +71,23 @@ def checked_region(name: str, box, shape: tuple[int, ...]) -> Box:
 
 def check_file_name(name: object, where: str) -> str:
     """A file an index names: a plain relative POSIX path, never outside the checkpoint."""
-    ok = (
-        isinstance(name, str)
-        and name
+    if not (isinstance(name, str) and _inside(name)):
+        raise CorruptCheckpointError(
+            f"{where}: names the file {name!r}, which is not a relative path inside the "
+            "checkpoint; the index is corrupt or hostile"
+        )
+    return name
+
+
+def _inside(name: str) -> bool:
+    return (
+        name != ""
         and "://" not in name
         and not name.startswith("/")
         and "\\" not in name
         and not any(ord(ch) < 32 or ord(ch) == 127 for ch in name)
         and all(p not in ("", ".", "..") for p in name.split("/"))
     )
-    if not ok:
-        raise CorruptCheckpointError(
-            f"{where}: names the file {name!r}, which is not a relative path inside the "
-            "checkpoint; the index is corrupt or hostile"
-        )
-    return name
 
 
 def split_path(path: str) -> tuple[str, str]:

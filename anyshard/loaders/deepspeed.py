@@ -37,6 +37,7 @@ import enum
 import io
 import re
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -80,7 +81,7 @@ class _FragmentAddress:
     """Stands in for ``deepspeed.utils.tensor_fragment.fragment_address`` (numel, start)."""
 
 
-_STAND_INS = [
+_STAND_INS: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
     (_LossScaler, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
     (_LossScaler, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
     (_ZeroStage, "deepspeed.runtime.zero.config.ZeroStageEnum"),

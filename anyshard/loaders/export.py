@@ -494,6 +494,7 @@ def write_anyshard(
         if not writes:
             continue
         rel = reports[rank].file
+        assert rel is not None  # a rank with writes has its data file
         storage.makedirs(storage.join(dst, *rel.split("/")[:-1]))
         _write_datafile(storage.join(dst, *rel.split("/")), view, writes, on_tensor)
         files.append(rel)

@@ -73,8 +73,8 @@ def looks_like_torch_save(path: str) -> bool:
         names = storage.listdir(path)
     except OSError as e:
         return not_there(path, "a torch.save checkpoint", e)
-    names = {n.rstrip("/").rsplit("/", 1)[-1] for n in names}
-    return SINGLE_NAME in names or INDEX_NAME in names
+    found = {n.rstrip("/").rsplit("/", 1)[-1] for n in names}
+    return SINGLE_NAME in found or INDEX_NAME in found
 
 
 def _refusal(path: str, e: Exception) -> CorruptCheckpointError:

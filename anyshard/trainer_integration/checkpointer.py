@@ -245,6 +245,11 @@ class Checkpointer:
         """Where ``step`` is (or would be) saved on local disk; None without ``local_dir``."""
         if self.local_dir is None:
             return None
+        return self._local_step(step)
+
+    def _local_step(self, step: int) -> str:
+        """`local_path` in tiered mode (``local_dir`` set), where every caller of it runs."""
+        assert self.local_dir is not None
         return storage.join(self.local_dir, steps.step_dir_name(step))
 
     def save(self, step: int, app_state: Mapping[str, Any]) -> bool:
@@ -296,7 +301,7 @@ class Checkpointer:
             self._pending.append(async_save.submit(self._apply_retention))
 
     def _save_tiered(self, step: int, state: dict[str, Any]) -> None:
-        local, remote = self.local_path(step), self.step_path(step)
+        local, remote = self._local_step(step), self.step_path(step)
         self._clear_stale(local)
         group = async_save.background_group(self.process_group)  # collective: on this thread
         handle = save(
@@ -337,6 +342,7 @@ class Checkpointer:
         errors = coll.gather_json(error, group)
         outcome: dict[str, Any] = {"ok": True}
         if me == 0:
+            assert errors is not None  # rank 0 gathers every rank's
             try:
                 failed = [e for e in errors if e]
                 if failed:
@@ -430,8 +436,10 @@ class Checkpointer:
 
     def _apply_local_retention(self, uploaded: int) -> None:
         """Local step directories older than the newest ``keep_local`` uploaded ones go."""
+        local_dir = self.local_dir
+        assert local_dir is not None  # tiered mode
         try:
-            names = storage.listdir(self.local_dir) if storage.exists(self.local_dir) else []
+            names = storage.listdir(local_dir) if storage.exists(local_dir) else []
             found = sorted(
                 int(n.rsplit("-", 1)[1])
                 for n in (os.path.basename(x.rstrip("/")) for x in names)
@@ -441,7 +449,7 @@ class Checkpointer:
             keep = set(sorted(keep)[-self.keep_local :]) | {s for s in found if s > uploaded}
             for s in found:
                 if s not in keep:
-                    steps.remove_step(self.local_path(s))
+                    steps.remove_step(self._local_step(s))
         except OSError as e:
             warnings.warn(
                 f"anyshard: local retention under {self.local_dir} failed ({e})", stacklevel=2
@@ -458,7 +466,7 @@ class Checkpointer:
 
     def _local_complete(self, step: int) -> bool:
         """Whether this rank finds ``step`` committed on its local disk with every data file."""
-        path = self.local_path(step)
+        path = self._local_step(step)
         try:
             manifest = read_manifest(path)
         except AnyshardError:
@@ -522,7 +530,7 @@ class Checkpointer:
         if step is None:
             return None
         state = _state_dicts(app_state)
-        path = self.local_path(step) if local else self.step_path(step)
+        path = self._local_step(step) if local else self.step_path(step)
         self.restored_from = path
         load(path, state, process_group=self.process_group, strict=strict)
         if not local:

@@ -34,6 +34,7 @@ from anyshard.ucl.syntax import (
     Compare,
     KwArg,
     Let,
+    ListArg,
     Neg,
     Not,
     Num,
@@ -153,7 +154,9 @@ class _Eval:
             return a % b
         if isinstance(e, Call):
             if e.fn == "rank":
-                return self.coords.get(e.args[0].name, 0)
+                axis = e.args[0]
+                assert isinstance(axis, Var)  # check_spec: rank() names a mesh dim
+                return self.coords.get(axis.name, 0)
             args = [self.expr(a, env) for a in e.args]
             if e.fn == "min":
                 return min(args)
@@ -362,7 +365,9 @@ class _Eval:
             if c.kind == "fuse":
                 blocks = None
             else:
-                blocks = [self.expr(x, env) for x in pos[1].items]
+                sizes = pos[1]
+                assert isinstance(sizes, ListArg)  # check_spec: interleave(dim, [block, ...])
+                blocks = [self.expr(x, env) for x in sizes.items]
                 if len(blocks) != len(parts):
                     raise self.error(
                         pos[1],

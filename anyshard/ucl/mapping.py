@@ -18,6 +18,7 @@ it, so one expression describes the shard of every rank.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -170,7 +171,7 @@ def _parser() -> lark.Lark:
 
 
 # name -> (argument kinds, constructor); kinds: i = int, a = axis name, l = list of ints
-_SIGNATURES = {
+_SIGNATURES: dict[str, list[tuple[str, Callable[..., Op]]]] = {
     "chunk": [
         ("ia", lambda d, a: Chunk(dim=d, axis=a)),
         ("iii", lambda d, n, i: Chunk(dim=d, parts=n, index=i)),
@@ -199,19 +200,21 @@ def _kind(node: lark.Tree) -> str:
     return {"int_arg": "i", "name_arg": "a", "list_arg": "l"}[node.data]
 
 
-def _value(node: lark.Tree) -> object:
+def _value(node: lark.Tree) -> int | str | list[int]:
+    tokens = [c for c in node.children if isinstance(c, lark.Token)]
     if node.data == "int_arg":
-        return int(node.children[0])
+        return int(tokens[0])
     if node.data == "name_arg":
-        return str(node.children[0])
-    return [int(c) for c in node.children if c is not None]
+        return str(tokens[0])
+    return [int(c) for c in tokens]
 
 
 def _build_op(tree: lark.Tree, text: str) -> Op:
-    name_tok, *args = tree.children
-    args = [a for a in args if a is not None]
+    name_tok = tree.children[0]
+    assert isinstance(name_tok, lark.Token)  # the grammar: an operation starts with its name
+    args = [a for a in tree.children[1:] if isinstance(a, lark.Tree)]
     name = str(name_tok)
-    line, column = name_tok.line, name_tok.column
+    line, column = name_tok.line or 1, name_tok.column or 1
     if name not in _SIGNATURES:
         raise MappingSyntaxError(
             f"unknown mapping operation {name!r}",
@@ -248,12 +251,10 @@ def _check(op: Op, text: str) -> None:
 
     if getattr(op, "dim", 0) < 0:
         raise bad("dim must be >= 0")
-    if (
-        isinstance(op, Chunk)
-        and op.axis is None
-        and not (op.parts > 0 and 0 <= op.index < op.parts)
-    ):
-        raise bad(f"chunk index {op.index} is outside 0..{op.parts - 1}")
+    if isinstance(op, Chunk) and op.axis is None:
+        assert op.parts is not None and op.index is not None  # chunk(dim, parts, index)
+        if not (op.parts > 0 and 0 <= op.index < op.parts):
+            raise bad(f"chunk index {op.index} is outside 0..{op.parts - 1}")
     if isinstance(op, Split) and any(s < 0 for s in op.sizes):
         raise bad("split sizes must be >= 0")
     if isinstance(op, (Slice, Range)) and not 0 <= op.start <= op.stop:
@@ -304,7 +305,7 @@ def parse_mapping(text: str) -> Mapping:
             column=column if column > 0 else 1,
             expected=_describe(expected) or "an operation such as chunk(0, tp)",
         ) from None
-    ops = tuple(_build_op(t, text) for t in tree.children if t is not None)
+    ops = tuple(_build_op(t, text) for t in tree.children if isinstance(t, lark.Tree))
     for op in ops:
         _check(op, text)
     return Mapping(ops)
