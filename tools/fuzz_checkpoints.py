@@ -51,6 +51,7 @@ import anyshard  # noqa: E402
 from anyshard import ucl  # noqa: E402
 from anyshard.cli import main as cli_main  # noqa: E402
 from anyshard.errors import AnyshardError  # noqa: E402
+from anyshard.geometry.shards import chunk_bounds  # noqa: E402
 from anyshard.reshard.verify import verify_checkpoint  # noqa: E402
 
 SLOW_S, KILL_S, RSS_GROWTH, MEMORY_CAP = 5.0, 30.0, 1 << 30, 8 << 30
@@ -121,14 +122,9 @@ def snapshot(path: str) -> dict[str, torch.Tensor]:
 def _paths(node, prefix=()):
     """Every path into a JSON document, depth first."""
     yield prefix
-    for k, v in (
-        node.items()
-        if isinstance(node, dict)
-        else enumerate(node)
-        if isinstance(node, list)
-        else ()
-    ):
-        yield from _paths(v, (*prefix, k))
+    if isinstance(node, (dict, list)):
+        for k, v in node.items() if isinstance(node, dict) else enumerate(node):
+            yield from _paths(v, (*prefix, k))
 
 
 def mutate_json(rng: random.Random, doc) -> str:
@@ -363,9 +359,8 @@ def run_entry_points(f: Findings, m: Mutation, label: str, path: str, pristine, 
         def load():
             if m.corpus == "anyshard-spec":  # each rank's local tensors under the spec
                 for r in range(2):
-                    state = {k: torch.zeros_like(v.chunk(2)[r]) for k, v in pristine.items()}
-                    state["norm"] = torch.zeros_like(pristine["norm"])
-                    anyshard.load(path, state, spec=SPEC, layout={"tp": 2}, coords={"tp": r})
+                    state, kw = _spec_state(pristine, r, 2)
+                    anyshard.load(path, state, **kw)
                 return
             state = {k: torch.zeros_like(v) for k, v in pristine.items()}
             state.update(step=0, cfg={})
@@ -404,26 +399,28 @@ def _scratch_copy(work: str, pristine: str) -> str:
     return os.path.join(case, os.path.basename(pristine))
 
 
+def _spec_state(pristine: dict, rank: int, world: int) -> tuple[dict, dict]:
+    """A rank's local tensors under SPEC at tp = ``world`` (torch.chunk's parts: the last ranks
+    may hold none), and the keywords that load them."""
+    state = {"norm": torch.zeros_like(pristine["norm"])}
+    for k in ("w", "b"):
+        lo, hi = chunk_bounds(pristine[k].shape[0], world, rank)
+        state[k] = torch.zeros_like(pristine[k][lo:hi])
+    return state, {"spec": SPEC, "layout": {"tp": world}, "coords": {"tp": rank}}
+
+
 def _pool_state(corpus: str, pristine: dict, rank: int, world: int):
     """The state a rank of ``world`` loads: DTensors on a 1-D mesh, or spec-local tensors."""
     if corpus == "anyshard-spec":
-        from anyshard.geometry.shards import chunk_bounds
-
-        state = {"norm": torch.zeros_like(pristine["norm"])}
-        for k in ("w", "b"):  # torch.chunk's parts: the last ranks may hold none
-            lo, hi = chunk_bounds(pristine[k].shape[0], world, rank)
-            state[k] = torch.zeros_like(pristine[k][lo:hi])
-        kw = {"spec": SPEC, "layout": {"tp": world}, "coords": {"tp": rank}}
+        state, kw = _spec_state(pristine, rank, world)
         return state, lambda path, st: anyshard.load(path, st, **kw)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    mesh = init_device_mesh("cpu", (world,))
-    state = {"step": 0, "cfg": {}}
+    mesh, state = init_device_mesh("cpu", (world,)), {"step": 0, "cfg": {}}
     for k, v in pristine.items():
-        state[k] = distribute_tensor(
-            torch.zeros_like(v), mesh, [Shard(0) if v.dim() else Replicate()]
-        )
+        place = [Shard(0) if v.dim() else Replicate()]
+        state[k] = distribute_tensor(torch.zeros_like(v), mesh, place)
     return state, anyshard.load
 
 
@@ -587,8 +584,8 @@ def main(argv: list[str] | None = None) -> int:
         opts = ["--mutations", args.mutations, "--seed", args.seed, "--procs", args.procs]
         cmd = h.rerun_command(__file__, [*map(str, opts), "--procs-every", str(args.procs_every)])
         command = f"Command: `{cmd}` ({h.today()}); seed {args.seed}; mutations: {kinds}."
-        section = [HEADING, "", INTRO, "", command, "", "Machine:", "", *h.machine_lines()]
-        section += [f"- {load.note()}", "", table, *lines]
+        section = [HEADING, "", INTRO, "", command, "", *h.machine_lines(), f"- {load.note()}"]
+        section += ["", table, *lines]
         h.write_section(args.write_docs, "fuzz", section)
         print(f"wrote {args.write_docs}")
     return 1 if f.internal or f.slow or f.rss or f.flips_undetected_full else 0
