@@ -15,27 +15,56 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "dist"))
 sys.path.append(os.path.dirname(__file__))  # cli_runner, ft_events, s3_server
 
 
-def _pool(world: int, tmp_path_factory):
-    from harness import DistPool
+class _Pools:
+    """The session's pools of gloo ranks, one per world size, spawned when first asked for and
+    shared by the modules that follow (spawning 4 ranks that import torch costs 8-10 s on 2
+    cores); a pool that a failed or timed-out task may have left out of step is replaced."""
 
-    pool = DistPool(world, str(tmp_path_factory.mktemp(f"pool{world}")))
-    yield pool
-    pool.close()
+    def __init__(self, tmp_path_factory):
+        self._tmp = tmp_path_factory
+        self._pools: dict[int, object] = {}
+
+    def get(self, world: int):
+        from harness import DistPool
+
+        pool = self._pools.get(world)
+        if pool is None or not pool.healthy():
+            if pool is not None:
+                pool.close(kill=True)
+            pool = DistPool(world, str(self._tmp.mktemp(f"pool{world}")))
+            self._pools[world] = pool
+        return pool
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+
+
+@pytest.fixture(scope="session")
+def dist_pools(tmp_path_factory):
+    pools = _Pools(tmp_path_factory)
+    yield pools
+    pools.close()
 
 
 @pytest.fixture(scope="module")
-def pool2(tmp_path_factory):
-    yield from _pool(2, tmp_path_factory)
+def pool2(dist_pools):
+    return dist_pools.get(2)
 
 
 @pytest.fixture(scope="module")
-def pool4(tmp_path_factory):
-    yield from _pool(4, tmp_path_factory)
+def pool4(dist_pools):
+    return dist_pools.get(4)
 
 
 @pytest.fixture(scope="module")
 def pool8(tmp_path_factory):
-    yield from _pool(8, tmp_path_factory)
+    """Eight ranks, for one module: spawned for it alone and closed after it."""
+    from harness import DistPool
+
+    pool = DistPool(8, str(tmp_path_factory.mktemp("pool8")))
+    yield pool
+    pool.close()
 
 
 # --- S3 on loopback: SeaweedFS, a real object store; moto's mock behind the fault proxy ----------

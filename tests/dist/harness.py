@@ -1,7 +1,11 @@
 """A small multi-process harness: a pool of gloo ranks that runs test functions on every rank.
 
-Workers are spawned once per pool (per test module) and join one process group through a
-FileStore; each task runs a top-level function of a test module on every rank, with a timeout.
+Workers are spawned once per pool and join one process group through a FileStore (tests/conftest.py
+shares one pool of each size between the test modules of a session); each task runs a top-level
+function of a test module on every rank, with a timeout, and leaves the workers' environment
+variables as it found them. After a task failed or timed out, the next module that asks for a
+pool gets a fresh one. ``init=False`` spawns bare workers that join no process group
+(each task sets up its own), for tests of several torch.distributed worlds.
 """
 
 from __future__ import annotations
@@ -29,33 +33,40 @@ def _import(path: str):
     return module
 
 
-def _worker(rank: int, world: int, store_path: str, tasks, results) -> None:
+def _worker(rank: int, world: int, store_path: str | None, tasks, results) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     sys.path.insert(0, os.path.dirname(__file__))
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    if store_path is not None:
+        store = dist.FileStore(store_path, world)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     while True:
         task = tasks.get()
         if task is None:
             break
         path, fn, args = task
+        env = dict(os.environ)
         try:
             out = getattr(_import(path), fn)(*args)
             results.put((rank, True, out))
         except BaseException:  # report everything, including assertion failures
             results.put((rank, False, traceback.format_exc()))
-    dist.destroy_process_group()
+        finally:  # a task's AWS_* or LOCAL_RANK do not reach the next module's tasks
+            os.environ.clear()
+            os.environ.update(env)
+    if store_path is not None:
+        dist.destroy_process_group()
 
 
 class DistPool:
-    def __init__(self, world: int, tmpdir: str):
+    def __init__(self, world: int, tmpdir: str, *, init: bool = True):
         self.world = world
         self._tasks = [_CTX.Queue() for _ in range(world)]
         self._results = _CTX.Queue()
-        store = os.path.join(tmpdir, f"store-{world}")
+        self.failed = False
+        store = os.path.join(tmpdir, f"store-{world}") if init else None
         self._procs = [
             _CTX.Process(
                 target=_worker, args=(r, world, store, self._tasks[r], self._results), daemon=True
@@ -65,10 +76,22 @@ class DistPool:
         for p in self._procs:
             p.start()
 
+    def healthy(self) -> bool:
+        """Whether every worker still runs and no task failed (a failed task may leave the
+        ranks' collectives out of step; a timed-out one kills the workers)."""
+        return not self.failed and all(p.is_alive() for p in self._procs)
+
     def run(self, path: str, fn: str, *args: Any, timeout: float = 240) -> list[Any]:
         """Run ``fn(*args)`` from the module file ``path`` on every rank; results by rank."""
-        for q in self._tasks:
-            q.put((path, fn, args))
+        return self.run_ranks(path, fn, [args] * self.world, timeout=timeout)
+
+    def run_ranks(
+        self, path: str, fn: str, args: list[tuple], *, timeout: float = 240
+    ) -> list[Any]:
+        """Run ``fn(*args[r])`` from the module file ``path`` on each rank r; results by rank."""
+        assert len(args) == self.world, (len(args), self.world)
+        for q, a in zip(self._tasks, args, strict=True):
+            q.put((path, fn, tuple(a)))
         out: dict[int, Any] = {}
         errors = []
         deadline = time.monotonic() + timeout
@@ -88,6 +111,8 @@ class DistPool:
             else:
                 errors.append(f"--- rank {rank} ---\n{value}")
         if errors:
+            # the ranks that failed may have left the others' collectives out of step
+            self.failed = True
             raise AssertionError(f"{fn} failed:\n" + "\n".join(sorted(errors)))
         return [out[r] for r in range(self.world)]
 
