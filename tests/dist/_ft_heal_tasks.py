@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import sys
-import traceback
 from datetime import timedelta
 
 import torch
@@ -51,18 +49,28 @@ def _refuse(*args, **kwargs):
     raise AssertionError("the heal must not pickle or unpickle")
 
 
-def group_main(role: str, layout: str, rank: int, port: int, src_port: int, out_path: str):
-    """One rank of a replica group: ``role`` "source" serves its state, "healer" receives."""
-    try:
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-        from anyshard.trainer_integration.ft import AnyshardTransport
+def _write_atomic(path: str, text: str) -> None:
+    """``path`` appears whole or not at all: a reader that polls for it never reads a part."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
-        torch.set_num_threads(1)
-        store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, wait_for_workers=False)
-        dist.init_process_group(
-            "gloo", store=dist.PrefixStore("w/", store), rank=rank, world_size=2
-        )
-        for name in ("loads", "load", "dumps", "dump"):
+
+def group_main(role: str, layout: str, rank: int, port: int, src_port: int, out_path: str):
+    """One rank of a replica group, in a process of its own that is in no process group yet:
+    ``role`` "source" serves its state, "healer" receives it. Returns what it sent or checked;
+    the process's default process group is destroyed again, and pickle restored, on return."""
+    import time
+
+    from anyshard.trainer_integration.ft import AnyshardTransport
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, wait_for_workers=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore("w/", store), rank=rank, world_size=2)
+    saved = {name: getattr(pickle, name) for name in ("loads", "load", "dumps", "dump")}
+    try:
+        for name in saved:
             setattr(pickle, name, _refuse)
         state = _state(layout, role == "source")
         transport = AnyshardTransport(
@@ -76,19 +84,18 @@ def group_main(role: str, layout: str, rank: int, port: int, src_port: int, out_
         )
         meta = transport.metadata()
         if role == "source":
-            with open(f"{out_path}.meta{rank}", "w") as f:
-                f.write(meta)
+            _write_atomic(f"{out_path}.meta{rank}", meta)
             payload = {"user": state, "torchft": {"step": 12, "batches_committed": 24}}
             transport.send_checkpoint([1], 12, payload, timedelta(seconds=60))
             result = {"sent": transport.last["sent_bytes"]}
         else:
-            import time
-
             path = f"{out_path}.meta{rank}".replace("healer", "source")
+            deadline = time.monotonic() + 60
             while not os.path.exists(path):
+                assert time.monotonic() < deadline, f"{path} did not appear"
                 time.sleep(0.05)
-            time.sleep(0.1)
-            meta = open(path).read()
+            with open(path) as f:
+                meta = f.read()
             got = transport.recv_checkpoint(0, meta, 12, timedelta(seconds=60))
             sd = got["user"]["default"]
             checked = 0
@@ -102,10 +109,8 @@ def group_main(role: str, layout: str, rank: int, port: int, src_port: int, out_
             assert got["torchft"] == {"step": 12, "batches_committed": 24}, got["torchft"]
             result = {"checked": checked, "received": transport.last["received_bytes"]}
         dist.barrier()
+    finally:
+        for name, fn in saved.items():
+            setattr(pickle, name, fn)
         dist.destroy_process_group()
-        with open(f"{out_path}.{rank}.ok", "w") as f:
-            f.write(repr(result))
-    except BaseException:
-        with open(f"{out_path}.{rank}.err", "w") as f:
-            f.write(traceback.format_exc())
-        raise
+    return result

@@ -6,8 +6,6 @@ Run: python -m pytest tests/dist/test_ft_heal.py -q
 
 from __future__ import annotations
 
-import ast
-import multiprocessing as mp
 import os
 import socket
 
@@ -15,7 +13,18 @@ import pytest
 
 pytest.importorskip("torchft")
 
-HERE = os.path.dirname(__file__)
+TASKS = os.path.join(os.path.dirname(__file__), "_ft_heal_tasks.py")
+
+
+@pytest.fixture(scope="module")
+def processes(tmp_path_factory):
+    """Four processes in no process group, shared by the cases: two for each replica group, each
+    group its own torch.distributed world per case."""
+    from harness import DistPool
+
+    pool = DistPool(4, str(tmp_path_factory.mktemp("ft-heal")), init=False)
+    yield pool
+    pool.close()
 
 
 def _free_port() -> int:
@@ -28,29 +37,18 @@ def _free_port() -> int:
     "src_layout,dst_layout",
     [("dp2", "dp2"), ("dp2", "tp2"), ("repl2", "dp2")],
 )
-def test_heal_across_groups_into_any_layout(tmp_path, src_layout, dst_layout):
-    import sys
-
-    sys.path.insert(0, HERE)
-    from _ft_heal_tasks import group_main
-
-    ctx = mp.get_context("spawn")
+def test_heal_across_groups_into_any_layout(processes, tmp_path, src_layout, dst_layout):
     src_port, dst_port = _free_port(), _free_port()
-    procs = []
-    for role, layout, port in (("source", src_layout, src_port), ("healer", dst_layout, dst_port)):
-        for rank in range(2):
-            out = str(tmp_path / role)
-            args = (role, layout, rank, port, src_port, out)
-            procs.append(ctx.Process(target=group_main, args=args))
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-    errors = sorted(tmp_path.glob("*.err"))
-    assert not errors, errors[0].read_text()
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    healed = [ast.literal_eval((tmp_path / f"healer.{r}.ok").read_text()) for r in range(2)]
-    sent = [ast.literal_eval((tmp_path / f"source.{r}.ok").read_text()) for r in range(2)]
+    args = [
+        (role, layout, rank, port, src_port, str(tmp_path / role))
+        for role, layout, port in (
+            ("source", src_layout, src_port),
+            ("healer", dst_layout, dst_port),
+        )
+        for rank in range(2)
+    ]
+    out = processes.run_ranks(TASKS, "group_main", args, timeout=120)
+    sent, healed = out[:2], out[2:]
     assert all(h["checked"] == 6 for h in healed)
     # every byte the healers lack arrives once: what the sources sent is what they received
     assert sum(h["received"] for h in healed) == sum(s["sent"] for s in sent) > 0
