@@ -1,41 +1,21 @@
-"""Goodput of the reference trainer with injected faults: recovery, stalls, lost steps, goodput.
+"""Goodput of the reference trainer with injected faults: recovery, stalls, lost steps, heals.
 
-One invocation runs the same fault schedule (one SIGKILL per ``--fault-every`` steps, the
-default model, an asynchronous checkpoint every 2 steps) under each of ``--modes``, each once
-without faults and once with them (FT-HSDP modes ``--reps`` times, each with its own fault-free
-run just before it: this machine's speed drifts by more than the faults cost):
+Each of ``--modes`` runs ``--steps`` steps (a checkpoint every ``--every``) without faults and
+with one per ``--fault-every`` steps, ``--reps`` pairs in alternating order: ``restart`` (a) 4
+ranks pp=2 x dp_shard=2 under the elastic agent (``--launcher``), rank 3 SIGKILLed, the group
+restarts from its checkpoint; FT-HSDP, 2 replica groups x 2 ranks, group 1's rank 1 SIGKILLed,
+group 1 alone restarts and heals from group 0: ``ft`` (b) into its layout, ``ft-relayout`` (c)
+into tp=2, ``ft-relayout-dp`` (c) from tp=2 into dp_shard=2 (the (c) modes also pair a
+fault-free run whose group 1 switches layout at the first fault's step); ``elastic`` (d) group
+1's node lost for ``--back-s`` (4 -> 2 -> 4 ranks). Goodput: steps x the pair's fault-free
+median step over the job's wall time. Healthy ranks restarted per fault: the rank processes
+(this process's descendants, sampled every 0.1 s) alive at the fault whose forkserver or agent
+starts new ranks before the next, less the rank it killed.
+``--heal-gib``: the heal rate of an fp32 state between two 2-rank groups, in fresh processes.
 
-- ``restart`` (a): the demo's job, 4 ranks pp=2 x dp_shard=2 under torch's elastic agent
-  (``--launcher warm``, as ``anyshard demo`` launches it, or ``torchrun``): rank 3 dies and the
-  whole group restarts from its newest checkpoint;
-- ``ft`` (b): FT-HSDP on torchft, 2 replica groups x 2 ranks (dp_shard=2); rank 1 of group 1
-  dies, group 1 alone restarts and heals from group 0 (`anyshard.redistribute`) while group 0
-  keeps training;
-- ``ft-relayout`` (c): the same, but group 1 comes back under tp=2 and heals into that layout;
-- ``ft-relayout-dp`` (c, the other way): both groups run tp=2, and group 1 comes back under
-  dp_shard=2; its fault-free run is tp=2 too. On CPU tp=2 steps are about 1.4x slower than
-  dp_shard=2, so in ``ft-relayout`` the healed group paces both groups for the rest of the run;
-  here the healed group is not the slower one. On shared cores its faster steps also leave the
-  other group more CPU, so this ratio can exceed 100% and does not isolate what a heal into
-  another layout costs;
-- ``elastic`` (d): group 1's whole node (agent and ranks) is lost; group 0 goes on alone on the
-  whole batch (4 -> 2 ranks) until the node is relaunched ``--back-s`` later and heals from
-  group 0's memory (2 -> 4 ranks).
-
-Goodput is useful step time (steps x the median step time of the mode's fault-free run) over
-the wall time of the whole job, launch included. The (c) modes also run the job without a
-fault but with group 1 switching to the heal layout at the first fault's step
-(``--group-args 1:--parallel.relayout_at``): goodput with faults against that run is what the
-faults and heals cost, apart from how fast the new layout trains. FT-HSDP rows also give the
-healthy group's stall per fault, the failed group's recovery and what each heal moved;
-``--heal-gib`` measures the heal rate of a larger replica state in a table of its own (two
-groups of 2 ranks, dp_shard=2 -> dp_shard=2, dp_shard=2 -> tp=2 and tp=2 -> dp_shard=2).
-
-    python tools/bench_goodput.py                    # 100 steps, a fault every 50
-    python tools/bench_goodput.py --write-docs       # also replace the section in docs/benchmarks.md
-    python tools/bench_goodput.py --config anyshard/trainer_integration/gpt/tiny.toml  # other sizes
-
-Other words (``--config FILE``, ``--model.dim 128``, ...) go to the trainer as they are.
+    python tools/bench_goodput.py --reps 3 --write-docs
+    python tools/bench_goodput.py --modes restart --steps 8 --fault-every 8 --heal-gib 0 \\
+        --config anyshard/trainer_integration/gpt/tiny.toml    # smoke test; other words: trainer
 """
 
 from __future__ import annotations
@@ -45,124 +25,238 @@ import json
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
+import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOC = os.path.join(ROOT, "docs", "benchmarks.md")
-BEGIN, END = "<!-- goodput:begin -->", "<!-- goodput:end -->"
+import harness as h
+
+MODES = {  # title, ranks, mesh dim of 2, heal layout, a lost node
+    "restart": ("(a) whole-group restart", "4: pp=2 x dp_shard=2", None, None, False),
+    "ft": ("(b) heal, same layout", "2 x 2 (dp_shard=2)", "dp_shard", None, False),
+    "ft-relayout": ("(c) heal into tp=2", "2 x 2 (dp_shard=2)", "dp_shard", "tp=2", False),
+    "ft-relayout-dp": ("(c) tp=2, heal into dp_shard=2", "2 x 2 (tp=2)", "tp", "dp_shard=2", False),
+    "elastic": ("(d) elastic 4 -> 2 -> 4", "2 x 2 (dp_shard=2)", "dp_shard", None, True),
+}
 
 
-def _port() -> int:
+def records(path: str) -> list[dict]:
+    """The JSON lines of ``path`` ([] where it is missing)."""
+    return [json.loads(x) for x in open(path) if x.strip()] if os.path.exists(path) else []
+
+
+def step_times(losses: list[dict]) -> list[float]:
+    """Seconds between consecutive steps of one attempt, from a ``losses.jsonl``."""
+    pairs = zip(losses, losses[1:], strict=False)
+    same = lambda a, b: a.get("attempt") == b.get("attempt") and b["step"] == a["step"] + 1  # noqa: E731
+    return [b["time"] - a["time"] for a, b in pairs if same(a, b)]
+
+
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def launch(
-    run_dir: str, steps: int, faults: list[tuple[int, int]], extra: list[str], launcher: str
-) -> float:
+class RankWatch(threading.Thread):
+    """Samples this process's descendants every 0.1 s for the trainer's rank processes (forked
+    by a multiprocessing forkserver, or the trainer module under torchrun): ``seen`` maps each
+    to [first seen, last seen, the pid of the process that started it]."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.seen, self.stop = {}, threading.Event()
+
+    def _walk(self, pid: str, up: tuple[bytes, bytes, str]) -> None:
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+            born = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[19]
+            kids = [c for t in os.listdir(f"/proc/{pid}/task") for c in
+                    open(f"/proc/{pid}/task/{t}/children").read().split()]  # fmt: skip
+        except OSError:
+            return
+        forked = b"forkserver" in cmd and b"forkserver" in up[0] and b"forkserver" not in up[1]
+        if forked or (b"-m\0anyshard.trainer_integration.gpt.train" in cmd
+                      and b"torch.distributed.run" not in cmd):  # fmt: skip
+            self.seen.setdefault((pid, born), [time.time(), 0.0, up[2]])[1] = time.time()
+        for kid in kids:
+            self._walk(kid, (cmd, up[0], pid))
+
+    def run(self) -> None:
+        while not self.stop.wait(0.1):
+            self._walk(str(os.getpid()), (b"", b"", ""))
+
+
+def train(run_dir: str, args: list[str], *, nproc: int, restarts: int = 0, faults: str = "",
+          launcher: str = "warm") -> dict:  # fmt: skip
+    """Run the reference trainer, ``nproc`` ranks (per replica group with ``--replicas``), and
+    ``args`` (launcher and trainer options); ``faults``: ANYSHARD_FAULTS. The harness's counters
+    of the job (`harness.run_process`), rank 0's losses and events (of the group that logged
+    the most steps), the faults logged and the rank processes seen (`RankWatch`)."""
+    cmd = [sys.executable, "-m", "anyshard.trainer_integration.gpt.launch"]
     if launcher == "torchrun":
-        head = [
-            sys.executable, "-m", "torch.distributed.run",
-            "--nnodes", "1", "--nproc-per-node", "4", "--max-restarts", str(len(faults)),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_port()}",
-            "-m", "anyshard.trainer_integration.gpt.train",
-        ]  # fmt: skip
-    else:
-        head = [
-            sys.executable, "-m", "anyshard.trainer_integration.gpt.launch",
-            "--nproc-per-node", "4", "--max-restarts", str(len(faults)),
-            "--rdzv-endpoint", f"127.0.0.1:{_port()}",
-        ]  # fmt: skip
-    cmd = [
-        *head,
-        "--parallel.pp", "2", "--parallel.dp_shard", "2",
-        "--train.steps", str(steps),
-        "--checkpoint.keep_last", "2",
-        "--checkpoint.root", os.path.join(run_dir, "ckpt"),
-        "--run_dir", run_dir,
-        *extra,
-    ]  # fmt: skip
-    schedule = ",".join(f"{r}:{s}" for r, s in faults)
-    return _timed_run(cmd, "training", {"ANYSHARD_FAULTS": schedule} if faults else {})
+        cmd[2:] = ["torch.distributed.run", "--nnodes", "1", "--rdzv-backend", "c10d",
+                   "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]  # fmt: skip
+    cmd += ["--nproc-per-node", str(nproc), "--max-restarts", str(restarts)]
+    cmd += ["-m", "anyshard.trainer_integration.gpt.train"] if launcher == "torchrun" else []
+    cmd += ["--run_dir", run_dir, "--checkpoint.root", os.path.join(run_dir, "ckpt"), *args]
+    os.environ.pop("ANYSHARD_FAULT", None)
+    os.environ.update(OMP_NUM_THREADS="1", ANYSHARD_FAULTS=faults)
+    os.makedirs(run_dir, exist_ok=True)
+    watch = RankWatch()
+    watch.start()
+    try:
+        run = h.run_process(cmd, run_dir + ".log")
+    finally:
+        watch.stop.set()
+        watch.join()
+    if run["rc"] != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({run['rc']}):\n{run['log']}")
+    dirs = (run_dir, *(os.path.join(run_dir, f"replica-{g}") for g in (0, 1)))
+    logs = {d: records(os.path.join(d, "losses.jsonl")) for d in dirs}
+    base = max(dirs, key=lambda d: len(logs[d]))  # a fault-free group may finish the job alone
+    faults = [x for d in dirs for x in records(os.path.join(d, "fault.json"))]
+    run.pop("log")
+    return {**run, "losses": logs[base], "events": records(os.path.join(base, "events.jsonl")),
+            "faults": sorted((x for x in faults if not x.get("recovered")), key=lambda x: x["time"]),
+            "ranks": sorted(watch.seen.values())}  # fmt: skip
 
 
-def _timed_run(cmd: list[str], what: str, extra_env: dict[str, str]) -> float:
-    """Run ``cmd`` (one thread per rank, no inherited fault schedule); its wall time."""
-    env = {k: v for k, v in os.environ.items() if k not in ("ANYSHARD_FAULT", "ANYSHARD_FAULTS")}
-    env["OMP_NUM_THREADS"] = "1"
-    env.update(extra_env)
-    t = time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
-    wall = time.perf_counter() - t
-    if out.returncode != 0:
-        raise SystemExit(f"{what} failed ({out.returncode}):\n{out.stderr[-4000:]}")
-    return wall
-
-
-def launch_ft(
-    run_dir: str,
-    steps: int,
-    faults: list[int],
-    extra: list[str],
-    heal_layout: str | None,
-    heartbeat_ms: int,
-    lose_back_s: float | None = None,
-    layout: str = "dp_shard",
-    switch: str | None = None,
-) -> float:
-    """FT-HSDP: 2 replica groups x 2 ranks (``layout`` = 2), group 1 killed at each of
-    ``faults`` (rank 1 SIGKILLed, or with ``lose_back_s`` its whole node, relaunched that much
-    later); ``switch`` (STEP:LAYOUT): group 1 changes layout at STEP without a fault."""
-    if lose_back_s is None:
-        hits = [x for s in faults for x in ("--fault", f"1:1:{s}")]
-    else:
-        hits = [x for s in faults for x in ("--lose-group", f"1:{s}:{lose_back_s:g}")]
-    cmd = [
-        sys.executable, "-m", "anyshard.trainer_integration.gpt.launch",
-        "--replicas", "2", "--nproc-per-node", "2", "--max-restarts", str(len(faults)),
-        "--heartbeat-ms", str(heartbeat_ms),
-        *hits,
-        f"--parallel.{layout}", "2",
-        "--train.steps", str(steps),
-        "--checkpoint.keep_last", "2",
-        "--checkpoint.root", os.path.join(run_dir, "ckpt"),
-        "--run_dir", run_dir,
-        *(["--ft.heal_layout", heal_layout] if heal_layout else []),
-        *(["--group-args", f"1:--parallel.relayout_at {switch}"] if switch else []),
-        *extra,
-    ]  # fmt: skip
-    return _timed_run(cmd, "FT-HSDP training", {})
-
-
-def records(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def step_times(losses: list[dict]) -> list[float]:
-    out = []
-    for a, b in zip(losses, losses[1:], strict=False):
-        if a["attempt"] == b["attempt"] and b["step"] == a["step"] + 1:
-            out.append(b["time"] - a["time"])
+def restarted(run: dict) -> list[int]:
+    """Per fault: the healthy ranks restarted, the ranks alive at it whose parent (forkserver
+    or agent) starts new ranks before the next fault, less the rank it killed."""
+    times, out = [f["time"] for f in run["faults"]] + [float("inf")], []
+    for f, t0, t1 in zip(run["faults"], times, times[1:], strict=False):
+        again = {parent for first, _, parent in run["ranks"] if t0 < first <= t1}
+        alive = [p for first, last, p in run["ranks"] if first <= t0 <= last + 0.5]
+        out.append(sum(p in again for p in alive) - (f["rank"] is not None))
     return out
 
 
-def _phases(event: dict) -> str:
-    p = event.get("process_to_run_s")
-    head = f"{p:.1f}" if p is not None else "?"
-    return f"{head} / {event['build_s']:.1f} / {event['restore_s']:.1f} s"
+def report(args, argv, tool: str, name: str, run: str, blocks: list, load: h.RunLoad,
+           heading: str | None = None, under: str | None = None, dirs: dict | None = None,
+           data=None) -> None:  # fmt: skip
+    """Print ``blocks`` (lines, and ``(head, rows)`` tables) as text; with ``--write-docs`` the
+    docs section ``name`` (a new one ``under`` that heading): ``heading``,
+    `harness.docs_header`, the blocks in markdown; with ``--json`` ``data``."""
+    for markdown in (False, True):
+        text = [b if isinstance(b, str) else h.table(*b, markdown=markdown) for b in blocks]
+        if not markdown:
+            print("\n\n".join([run, *text]), flush=True)
+        elif args.write_docs:
+            section = [heading, ""] if heading else []
+            section += h.docs_header(tool, argv, run, dirs, load.note())
+            section += ["", *"\n\n".join(text).split("\n")]
+            h.write_section(args.write_docs, name, section, heading=under)
+            print(f"\nwrote {args.write_docs}")
+    h.dump_json(args.json, data)
 
 
-def _heal_worker(
-    role: str, rank: int, port: int, src_port: int, out: str, gib: float, frm: str, into: str
-) -> None:
-    """One rank of a replica group for the heal-rate measurement: the source holds ``gib`` GiB
-    of fp32 state in ``frm``, the healer receives it in ``into``: each dp_shard=2 (rows) or
-    tp=2 (columns)."""
+def job(args, mode: str, kind: str, run_dir: str) -> dict:
+    """One run of ``mode``: ``kind`` "clean" (no fault), "faulty", or "switch" (no fault, group
+    1 switching to the heal layout at the first fault's step)."""
+    _, _, dim, heal, lose = MODES[mode]
+    opts = ["--train.steps", str(args.steps), "--checkpoint.keep_last", "2", *args.trainer]
+    steps, restarts = (args.fault_steps if kind == "faulty" else []), len(args.fault_steps)
+    if mode == "restart":
+        opts = ["--parallel.pp", "2", "--parallel.dp_shard", "2", *opts]
+        run = train(run_dir, opts, nproc=4, restarts=restarts, launcher=args.launcher,
+                    faults=",".join(f"3:{s}" for s in steps))  # fmt: skip
+        after = lambda f: [e for e in run["events"] if "recovery_s" in e and e["time"] > f["time"]]  # noqa: E731
+        per = [{**(after(f) or [{}])[0]} for f in run["faults"]]
+        for x in (x for x in per if x):
+            x["phases"] = f"{x.get('process_to_run_s') or float('nan'):.1f} / {x['build_s']:.1f}"
+            x["phases"] += f" / {x['restore_s']:.1f} s"
+    else:
+        opts = ["--replicas", "2", "--heartbeat-ms", str(args.heartbeat_ms), *opts]
+        opts += [f"--parallel.{dim}", "2", *(["--ft.heal_layout", heal] if heal and steps else [])]
+        for s in steps:
+            opts += ["--lose-group", f"1:{s}:{args.back_s:g}"] if lose else ["--fault", f"1:1:{s}"]
+        if kind == "switch":
+            opts += ["--group-args", f"1:--parallel.relayout_at {args.fault_steps[0]}:{heal}"]
+        run = train(run_dir, opts, nproc=2, restarts=restarts)
+        if kind != "faulty":
+            return run
+        from anyshard.trainer_integration.gpt.ft_demo import summarize
+
+        run["summary"] = summarize(run_dir, "elastic" if lose else "ft-hsdp")
+        per = run["summary"]["faults"]
+        for x in per:
+            x["heal"] = f"{x['heal_source']}, {x['heal_layout']}"
+            x["heal_mib"] = x["heal_bytes"] and x["heal_bytes"] / h.MiB
+    for x, n in zip(per, restarted(run), strict=False):
+        x["healthy_restarted"] = n
+    return {**run, "per_fault": per}
+
+
+def median_step(run: dict) -> float:
+    return h.spread(step_times(run["losses"]))["median"]
+
+
+PER_FAULT = [  # label, key, format: per fault of every faulty run
+    ("recovery, kill -> first step after restart (s)", "recovery_s", ".1f"),
+    ("restart: process start -> run / build / restore", "phases", ""),
+    ("steps lost per fault (redone after restoring)", "lost_steps", ""),
+    ("healthy ranks restarted per fault (alive at it in a group that restarts)",
+     "healthy_restarted", ""),
+    ("healthy group's stall per fault (s)", "healthy_stall_s", ".2f"),
+    ("heal source, layout", "heal", ""),
+    ("bytes moved per heal (MiB)", "heal_mib", ".1f"),
+    ("heal time, quorum + transfer (s)", "heal_s", ".2f"),
+    ("heal bit-identical (state digests)", "heal_bit_identical", ""),
+]  # fmt: skip
+
+
+def mode_rows(args, runs: dict[str, list[dict]]) -> list[list[str]]:
+    """One row per figure, one column per mode; each figure over every pair of runs."""
+
+    def both(fn, form: str):  # no fault / with faults
+        return lambda m, ps: " / ".join(
+            h.fmt_spread([fn(p, k) for p in ps], form) for k in ("clean", "faulty"))  # fmt: skip
+
+    def ratio(base: str):
+        return lambda m, ps: h.fmt_spread(
+            [100 * p[base]["wall_s"] / p["faulty"]["wall_s"] for p in ps], ".1f") if base in ps[0] else "-"  # fmt: skip
+
+    def each(key: str, form: str):  # "faults of run 1; of run 2 ..."
+        def cell(m: str, ps: list[dict]) -> str:
+            got = [", ".join(f"{x[key]:{form}}" for x in p["faulty"]["per_fault"]
+                             if x.get(key) is not None) for p in ps]  # fmt: skip
+            return "; ".join(r or "-" for r in got) if any(got) else "-"
+
+        return cell
+
+    def healthy(m: str, ps: list[dict]) -> str:
+        s = [p["faulty"].get("summary") for p in ps]
+        return "; ".join(f"{x['healthy_restarts']} / {x['lost_steps']} / "
+                         f"{x.get('rescued_steps', 0)}" for x in s if x) or "-"  # fmt: skip
+
+    start = lambda r: next(e for e in r["events"] if e["event"] == "start")  # noqa: E731
+    what = {"restart": "rank 3", "elastic": "group 1's node"}
+    figures = [
+        ("ranks (replica groups x ranks)", lambda m, ps: MODES[m][1]),
+        ("faults at steps", lambda m, ps: f"{args.fault_steps} ({what.get(m, 'group 1 rank 1')})"),
+        ("wall time, no fault / with faults (s)", both(lambda p, k: p[k]["wall_s"], ".1f")),
+        ("median step, no fault / with faults (ms)", both(lambda p, k: 1e3 * median_step(p[k]), ".0f")),
+        ("start-up to first step, no fault / with faults (s)",
+         both(lambda p, k: start(p[k])["startup_to_first_step_s"], ".1f")),
+        ("steps run in all, no fault / with faults", both(lambda p, k: len(p[k]["losses"]), ".0f")),
+        ("CPU s of the job, no fault / with faults", both(lambda p, k: p[k]["cpu_s"], ".0f")),
+        ("goodput, no fault / with faults (%)",
+         both(lambda p, k: 100 * args.steps * median_step(p["clean"]) / p[k]["wall_s"], ".1f")),
+        ("goodput with faults / without, paired (%)", ratio("clean")),
+        ("goodput with faults / fault-free run switching layout at the first fault's step (%)",
+         ratio("switch")),
+        *((label, each(key, form)) for label, key, form in PER_FAULT),
+        ("healthy group's restarts / steps it redid / steps it saved", healthy),
+    ]  # fmt: skip
+    return [[label, *(fn(m, ps) for m, ps in runs.items())] for label, fn in figures]
+
+
+def _heal_rank(rank: int, world: int, gib: float, frm: str, into: str, ports: list[int]):
+    """Ranks 0-1: the source group, holding ``gib`` GiB of fp32 state laid out ``frm``; ranks
+    2-3: the healer, receiving it laid out ``into`` (dp_shard=2: rows, tp=2: columns)."""
     import datetime
 
     import torch
@@ -173,361 +267,109 @@ def _heal_worker(
     from anyshard.trainer_integration.ft import AnyshardTransport
     from anyshard.ucl.library import preload
 
-    torch.set_num_threads(1)
     preload()  # as the trainer's ranks have it: the launcher's forkserver builds the parsers
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, wait_for_workers=False)
-    dist.init_process_group("gloo", store=dist.PrefixStore("w/", store), rank=rank, world_size=2)
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("g",))
+    role, g = ("source", "healer")[rank // 2], rank % 2
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("role", "g"))["g"]
     cols = (into if role == "healer" else frm) == "tp=2"
-    place = [Shard(1)] if cols else [Shard(0)]
-    n = max(1, int(gib * 2**30 / 4 / (4096 * 4096)))  # 64 MiB tensors
     state = {}
-    for i in range(n):
-        local_shape = (4096, 2048) if cols else (2048, 4096)
-        # the healer's tensors hold other values, written as a trainer's are by initialising
-        # its model: the first touch of fresh pages is not part of a heal
-        local = torch.full(local_shape, float(i) if role == "source" else -1.0)
-        state[f"w{i}"] = DTensor.from_local(
-            local, mesh, place, shape=(4096, 4096), stride=(4096, 1)
-        )
-    timeout = datetime.timedelta(seconds=300)
-    tr = AnyshardTransport(
-        state=lambda: {"default": state},
-        replica_id=role,
-        group_rank=rank,
-        group_world_size=2,
-        store_addr="127.0.0.1",
-        store_port=port,
-        timeout=timeout,
-    )
-    meta = tr.metadata()
+    for i in range(max(1, int(gib * h.GiB / 4 / 4096**2))):  # 64 MiB tensors
+        # the healer's values differ, written as a trainer's are when it builds its model: the
+        # first touch of fresh pages is no part of a heal
+        local = torch.full((4096, 2048) if cols else (2048, 4096), i if role == "source" else -1.0)
+        local = local.float()
+        kw = {"shape": (4096, 4096), "stride": (4096, 1)}
+        state[f"w{i}"] = DTensor.from_local(local, mesh, [Shard(int(cols))], **kw)
+    port, timeout = ports[rank // 2], datetime.timedelta(seconds=300)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=g == 0, wait_for_workers=False)
+    tr = AnyshardTransport(state=lambda: {"default": state}, replica_id=role, group_rank=g,
+                           group_world_size=2, store_addr="127.0.0.1", store_port=port,
+                           timeout=timeout)  # fmt: skip
+    metas = [None] * world
+    dist.all_gather_object(metas, tr.metadata())
+    out = None
     if role == "source":
-        with open(f"{out}.meta{rank}", "w") as f:
-            f.write(meta)
-        tr.send_checkpoint(
-            [1],
-            1,
-            {"user": {"default": state}, "torchft": {"step": 1, "batches_committed": 2}},
-            timeout,
-        )
+        sd = {"user": {"default": state}, "torchft": {"step": 1, "batches_committed": 2}}
+        tr.send_checkpoint([1], 1, sd, timeout)
     else:
-        path = f"{out}.meta{rank}".replace("healer", "source")
-        while not os.path.exists(path):
-            time.sleep(0.05)
-        time.sleep(0.2)
-        t = time.perf_counter()
-        tr.recv_checkpoint(0, open(path).read(), 1, timeout)
-        took = time.perf_counter() - t
-        ok = all(bool((v.to_local() == float(int(k[1:]))).all()) for k, v in state.items())
-        with open(f"{out}.{rank}.json", "w") as f:
-            json.dump({"seconds": took, "bytes": n * 4096 * 4096 * 4, "ok": ok}, f)
+        time.sleep(0.2)  # the source in send_checkpoint
+        rec = h.measure(lambda: tr.recv_checkpoint(0, metas[g], 1, timeout))
+        rec.pop("result", None)
+        ok = all(bool((v.to_local() == int(k[1:])).all()) for k, v in state.items())
+        out = {**rec, "bytes": len(state) * 4 * 4096**2, "ok": ok}
     dist.barrier()
-    dist.destroy_process_group()
+    del store
+    return out
 
 
-def heal_rate(gib: float, frm: str, into: str) -> dict:
-    """Heal a ``gib`` GiB replica state from a 2-rank group (``frm``) into another (``into``);
-    each dp_shard=2 or tp=2."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        src_port, dst_port = _port(), _port()
-        procs = [
-            ctx.Process(
-                target=_heal_worker,
-                args=(role, r, port, src_port, os.path.join(tmp, role), gib, frm, into),
-            )
-            for role, port in (("source", src_port), ("healer", dst_port))
-            for r in range(2)
-        ]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(600)
-        if any(p.exitcode != 0 for p in procs):
-            raise SystemExit("the heal-rate measurement failed")
-        got = [json.load(open(os.path.join(tmp, f"healer.{r}.json"))) for r in range(2)]
-    if not all(g["ok"] for g in got):
-        raise SystemExit("the healed state differs from the source's")
-    seconds = max(g["seconds"] for g in got)
-    return {"gib": got[0]["bytes"] / 2**30, "seconds": seconds}
+def heal_rates(args, records: h.Records) -> list[list[str]]:
+    pairs = [("dp_shard=2", "dp_shard=2"), ("dp_shard=2", "tp=2"), ("tp=2", "dp_shard=2")]
+    got: dict = {p: [] for p in pairs}
+    for rep, order in h.rotations(pairs, args.heal_reps):
+        for frm, into in order:
+            ports = [free_port(), free_port()]
+            out = h.run_ranks(_heal_rank, 4, args.heal_gib, frm, into, ports)[2:]
+            if not all(r["ok"] for r in out):
+                raise SystemExit(f"heal {frm} -> {into}: the healed state differs from the source")
+            rec = {"wall_s": max(r["wall_s"] for r in out), "gib": out[0]["bytes"] / h.GiB}
+            got[(frm, into)].append(records.add(rec, heal=f"{frm} -> {into}", rep=rep))
+    rows = []
+    for (frm, into), recs in got.items():
+        secs, gib = [r["wall_s"] for r in recs], recs[0]["gib"]
+        per_gib = f"{statistics.median(secs) / gib:.2f}"
+        rows.append([f"{frm} -> {into}", f"{gib:.2f}", h.fmt_spread(secs), per_gib])
+    return rows
 
 
-def _ft_columns(
-    steps: int,
-    faults: list[int],
-    extra: list[str],
-    heal_layout,
-    heartbeat_ms: int,
-    tmp: str,
-    lose_back_s: float | None = None,
-    layout: str = "dp_shard",
-):
-    from anyshard.trainer_integration.gpt.ft_demo import summarize
-
-    tag = "elastic" if lose_back_s is not None else heal_layout or "same"
-    clean_dir = os.path.join(tmp, f"ft-clean-{layout}")
-    faulty_dir = os.path.join(tmp, f"ft-{layout}-{tag}")
-    if not os.path.exists(clean_dir):  # one fault-free run serves the modes of its layout
-        _CLEAN_WALL[clean_dir] = launch_ft(
-            clean_dir, steps, [], extra, None, heartbeat_ms, layout=layout
-        )
-    clean_wall = _CLEAN_WALL[clean_dir]
-    switch_wall = None
-    if heal_layout is not None:  # the same layouts at the same steps, without a fault
-        switch_wall = launch_ft(
-            os.path.join(tmp, f"ft-{layout}-switch-{tag}"), steps, [], extra, None,
-            heartbeat_ms, layout=layout, switch=f"{faults[0]}:{heal_layout}",
-        )  # fmt: skip
-    faulty_wall = launch_ft(
-        faulty_dir, steps, faults, extra, heal_layout, heartbeat_ms, lose_back_s, layout
-    )
-    clean = records(os.path.join(clean_dir, "replica-0", "losses.jsonl"))
-    faulty = records(os.path.join(faulty_dir, "replica-0", "losses.jsonl"))
-    step = statistics.median(step_times(clean))
-    summary = summarize(faulty_dir, "elastic" if lose_back_s is not None else "ft-hsdp")
-    return {
-        "layout": layout,
-        "clean_wall": clean_wall,
-        "faulty_wall": faulty_wall,
-        "step": step,
-        "faulty_step": statistics.median(step_times(faulty)),
-        "goodput_clean": steps * step / clean_wall,
-        "goodput_faulty": steps * step / faulty_wall,
-        "switch_wall": switch_wall,
-        "summary": summary,
-    }
-
-
-_CLEAN_WALL: dict[str, float] = {}
-
-
-def _fmt(values, form: str) -> str:
-    values = [v for v in values if v is not None]
-    return ", ".join(form.format(v) for v in values) or "-"
-
-
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--fault-every", type=int, default=50)
-    p.add_argument(
-        "--sync",
-        dest="async_",
-        action="store_false",
-        help="synchronous checkpoints (default: async)",
-    )
-    p.add_argument("--every", type=int, default=2, help="checkpoint every N steps (default 2)")
-    p.add_argument(
-        "--launcher",
-        choices=["warm", "torchrun"],
-        default="warm",
-        help="warm: anyshard.trainer_integration.gpt.launch (torch's elastic agent, ranks forked "
-        "from a process with torch imported), as the demo runs; torchrun: new interpreters",
-    )
-    p.add_argument(
-        "--modes",
-        default="restart,ft,ft-relayout,ft-relayout-dp,elastic",
-        help="comma-separated: restart (a: the whole group restarts), ft (b: FT-HSDP, the "
-        "failed group heals into its layout), ft-relayout (c: it heals into tp=2), "
-        "ft-relayout-dp (c the other way: groups run tp=2, it heals into dp_shard=2), elastic "
-        "(d: group 1's node is lost, the job goes on at 2 ranks, the node returns --back-s "
-        "later and heals: 4 -> 2 -> 4 ranks)",
-    )
+    p.add_argument("--fault-every", type=int, default=50, help="a fault mid-way in every N steps")
+    p.add_argument("--sync", dest="async_", action="store_false", help="synchronous checkpoints")
+    p.add_argument("--every", type=int, default=2, help="checkpoint every N steps (2)")
+    p.add_argument("--launcher", choices=["warm", "torchrun"], default="warm",
+                   help="restart mode: warm (ranks forked from a process with torch imported, as "
+                   "the demo runs) or torchrun (new interpreters)")  # fmt: skip
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated: {', '.join(MODES)}")
     p.add_argument("--back-s", type=float, default=5.0, help="elastic: seconds a lost node is away")
     p.add_argument("--heartbeat-ms", type=int, default=1000, help="FT-HSDP: lighthouse timeout")
-    p.add_argument(
-        "--heal-gib",
-        type=float,
-        default=1.0,
-        help="state size of the heal-rate measurement (0: skip)",
-    )
+    p.add_argument("--heal-gib", type=float, default=1.0, help="heal-rate state size (0: skip)")
     p.add_argument("--heal-reps", type=int, default=3, help="repetitions of the heal-rate run")
-    p.add_argument(
-        "--reps",
-        type=int,
-        default=1,
-        help="FT-HSDP: runs of each mode, each paired with a fault-free run just before it; "
-        "the table shows the run of the median goodput ratio, and every run's ratio and stalls",
-    )
-    p.add_argument("--write-docs", action="store_true")
-    args, trainer_args = p.parse_known_args()
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    extra = ["--checkpoint.every_steps", str(args.every), *trainer_args]
-    extra += ["--checkpoint.async_", "true"] if args.async_ else []
-    fault_steps = list(range(args.fault_every // 2, args.steps, args.fault_every))
-    sections = []
-    if "restart" in modes:
-        sections.append(_restart_table(args, extra, fault_steps))
-    runs: dict[str, list[dict]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for rep in range(args.reps):  # each: a fault-free run per layout, each mode's faulty run
-            rep_dir = os.path.join(tmp, f"rep{rep}")
-            os.makedirs(rep_dir)
-            for mode, layout, heal, back in (
-                ("ft", "dp_shard", None, None),
-                ("ft-relayout", "dp_shard", "tp=2", None),
-                ("ft-relayout-dp", "tp", "dp_shard=2", None),
-                ("elastic", "dp_shard", None, args.back_s),
-            ):
-                if mode in modes:
-                    runs.setdefault(mode, []).append(
-                        _ft_columns(
-                            args.steps,
-                            fault_steps,
-                            extra,
-                            heal,
-                            args.heartbeat_ms,
-                            rep_dir,
-                            back,
-                            layout,
-                        )
-                    )
-    ft = {}
-    for mode, got in runs.items():  # the run of the median ratio, with every run's ratio
-        got.sort(key=lambda c: c["goodput_faulty"] / c["goodput_clean"])
-        ft[mode] = {**got[len(got) // 2], "runs": got}
-    rate = {}
-    if args.heal_gib > 0:  # each in fresh processes, the layouts interleaved; median and fastest
-        pairs = [("dp_shard=2", "dp_shard=2"), ("dp_shard=2", "tp=2"), ("tp=2", "dp_shard=2")]
-        runs: dict[tuple[str, str], list] = {pair: [] for pair in pairs}
-        for _ in range(args.heal_reps):
-            for (frm, into), got in runs.items():
-                got.append(heal_rate(args.heal_gib, frm, into))
-        for pair, got in runs.items():
-            seconds = sorted(r["seconds"] for r in got)
-            rate[pair] = {
-                "gib": got[0]["gib"],
-                "seconds": statistics.median(seconds),
-                "min": seconds[0],
-            }
-    if ft:
-        sections.append(_ft_table(args, ft, fault_steps))
-    if rate:
-        sections.append(_rate_table(args, rate))
-    for title, rows, head in sections:
-        width = max(len(r[0]) for r in rows)
-        print(title)
-        print(f"{'':{width}}  " + "  ".join(f"{h:>22}" for h in head))
-        for name, *cells in rows:
-            print(f"{name:{width}}  " + "  ".join(f"{c:>22}" for c in cells))
-        print()
-    if args.write_docs:
-        cmd = "python tools/bench_goodput.py " + " ".join(sys.argv[1:])
-        body = [f"Command: `{cmd}` ({time.strftime('%Y-%m-%d')}, 2 CPU cores, gloo)", ""]
-        for title, rows, head in sections:
-            body += [f"{title}", "", "| | " + " | ".join(head) + " |"]
-            body += ["| --- |" + " --- |" * len(head)]
-            body += ["| " + " | ".join(r) + " |" for r in rows]
-            body += [""]
-        section = "\n".join([BEGIN, *body[:-1], END])
-        text = open(DOC).read()
-        if BEGIN in text:
-            text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END) :]
-        else:
-            text += (
-                "\n\n## Goodput of the reference trainer with faults (`tools/bench_goodput.py`)\n\n"
-                + section
-                + "\n"
-            )
-        with open(DOC, "w") as f:
-            f.write(text)
+    p.add_argument("--reps", type=int, default=1, help="pairs (fault-free, faulty) of each mode")
+    p.add_argument("--seed", type=int, default=0, help="the trainer's seed (initialisation, data)")
+    h.add_output_args(p)
+    args, args.trainer = p.parse_known_args(argv)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip() not in ("", "none")]
+    if set(modes) - set(MODES):
+        p.error(f"--modes: of {', '.join(MODES)} or none, not {args.modes!r}")
+    args.trainer += ["--checkpoint.every_steps", str(args.every), "--train.seed", str(args.seed)]
+    args.trainer += ["--checkpoint.async_", "true"] if args.async_ else []
+    args.fault_steps = list(range(args.fault_every // 2, args.steps, args.fault_every))
+    records, load, runs = h.Records(args.jsonl, "goodput"), h.RunLoad(), {}
+    with tempfile.TemporaryDirectory(prefix="bench-goodput-") as tmp:
+        for rep in range(args.reps):
+            for mode in modes:
+                kinds = ["clean", "faulty", *(["switch"] if MODES[mode][3] else [])]
+                pair = {}
+                for kind in kinds[rep % len(kinds) :] + kinds[: rep % len(kinds)]:
+                    pair[kind] = job(args, mode, kind, os.path.join(tmp, f"{mode}-{kind}-{rep}"))
+                    records.add(pair[kind], mode=mode, kind=kind, rep=rep)
+                    print(f"{mode} {kind} {rep + 1}: {pair[kind]['wall_s']:.1f} s", flush=True)
+                runs.setdefault(mode, []).append(pair)
+    blocks = []
+    if runs:
+        head = ["", *(MODES[m][0] for m in runs)]
+        blocks += [f"Faults and goodput, median [min-max] of {args.reps} pair(s), each run in "
+                   "order (runs separated by ';'):", (head, mode_rows(args, runs))]  # fmt: skip
+    if args.heal_gib > 0:
+        head = ["replica state", "GiB", f"s: median [min-max] of {args.heal_reps}", "s per GiB"]
+        rows = heal_rates(args, records)
+        blocks += ["Heal rate (2 replica groups x 2 ranks, fp32 state):", (head, rows)]
+    ckpt = "an async" if args.async_ else "a sync"
+    run = (f"{args.steps} steps, {ckpt} checkpoint every {args.every}, faults at steps "
+           f"{args.fault_steps}, launcher {args.launcher}, heartbeat {args.heartbeat_ms} ms, "
+           f"trainer seed {args.seed}, trainer options {' '.join(args.trainer)}")  # fmt: skip
+    report(args, argv, __file__, "goodput", run, blocks, load, data=records.rows)
     return 0
-
-
-def _restart_table(args, extra, fault_steps):
-    faults = [(3, s) for s in fault_steps]
-    with tempfile.TemporaryDirectory() as tmp:
-        clean_dir, faulty_dir = os.path.join(tmp, "clean"), os.path.join(tmp, "faulty")
-        clean_wall = launch(clean_dir, args.steps, [], extra, args.launcher)
-        faulty_wall = launch(faulty_dir, args.steps, faults, extra, args.launcher)
-        clean = records(os.path.join(clean_dir, "losses.jsonl"))
-        faulty = records(os.path.join(faulty_dir, "losses.jsonl"))
-        events = records(os.path.join(faulty_dir, "events.jsonl"))
-        clean_events = records(os.path.join(clean_dir, "events.jsonl"))
-    step = statistics.median(step_times(clean))
-    useful = args.steps * step
-    recoveries = [e for e in events if "recovery_s" in e]
-    rows = [
-        ("steps", f"{args.steps}", f"{args.steps}"),
-        ("faults (rank 3, SIGKILL)", "0", f"{len(faults)} (at steps {', '.join(str(s) for _, s in faults)})"),
-        ("wall time, launch to exit", f"{clean_wall:.1f} s", f"{faulty_wall:.1f} s"),
-        ("median step time", f"{step * 1000:.0f} ms", f"{statistics.median(step_times(faulty)) * 1000:.0f} ms"),
-        ("start-up to first step", f"{clean_events[0]['startup_to_first_step_s']:.1f} s", f"{events[0]['startup_to_first_step_s']:.1f} s"),
-        (
-            "recovery time (fault -> first step after restart)",
-            "-",
-            ", ".join(f"{e['recovery_s']:.1f} s" for e in recoveries) or "-",
-        ),
-        (
-            "restart: process start -> run, build, restore",
-            "-",
-            ", ".join(_phases(e) for e in recoveries) or "-",
-        ),
-        ("lost steps per fault", "-", ", ".join(str(e["lost_steps"]) for e in recoveries) or "-"),
-        ("healthy ranks restarted per fault", "-", "3 (the whole group)"),
-        ("steps run in all", f"{len(clean)}", f"{len(faulty)}"),
-        ("goodput (useful step time / wall time)", f"{useful / clean_wall:.0%}", f"{useful / faulty_wall:.0%}"),
-    ]  # fmt: skip
-    return "(a) Whole-group restart (4 ranks, pp=2 x dp_shard=2)", rows, ["no fault", "with faults"]
-
-
-def _ft_table(args, ft, fault_steps):
-    head, cols = [], []
-    names = {
-        "ft": "(b) heal, same layout",
-        "ft-relayout": "(c) heal into tp=2",
-        "ft-relayout-dp": "(c) tp=2, heal into dp_shard=2",
-        "elastic": "(d) elastic 4 -> 2 -> 4",
-    }
-    for mode, c in ft.items():
-        head.append(names[mode])
-        cols.append(c)
-    rows = []
-    if cols:
-        f = [c["summary"]["faults"] for c in cols]
-        rows = [
-            ("replica groups x ranks", *[f"2 x 2 ({c['layout']}=2)" for c in cols]),
-            ("faults (group 1: rank 1 SIGKILLed; (d): its node) at steps", *[", ".join(map(str, fault_steps))] * len(cols)),
-            ("wall time, no fault / with faults", *[f"{c['clean_wall']:.1f} s / {c['faulty_wall']:.1f} s" for c in cols]),
-            ("median step, no fault / with faults", *[f"{c['step'] * 1000:.0f} / {c['faulty_step'] * 1000:.0f} ms" for c in cols]),
-            ("goodput, no fault / with faults", *[f"{c['goodput_clean']:.1%} / {c['goodput_faulty']:.1%}" for c in cols]),
-            ("goodput with faults / without", *[f"{c['goodput_faulty'] / c['goodput_clean']:.1%}" for c in cols]),
-            *([
-                ("goodput with faults / fault-free with group 1 switching layout at the first fault's step", *[f"{c['switch_wall'] / c['faulty_wall']:.1%}" if c["switch_wall"] else "-" for c in cols]),
-                *([(f"the same, each of {args.reps} runs", *[", ".join(f"{r['switch_wall'] / r['faulty_wall']:.1%}" for r in c["runs"]) if c["switch_wall"] else "-" for c in cols])] if args.reps > 1 else []),
-            ] if any(c["switch_wall"] for c in cols) else []),
-            ("healthy group's stall per fault", *[_fmt([x["healthy_stall_s"] for x in fs], "{:.2f} s") for fs in f]),
-            *([
-                (f"goodput with faults / without, each of {args.reps} runs", *[", ".join(f"{r['goodput_faulty'] / r['goodput_clean']:.1%}" for r in c["runs"]) for c in cols]),
-                (f"healthy group's stall per fault, each of {args.reps} runs", *["; ".join(_fmt([x["healthy_stall_s"] for x in r["summary"]["faults"]], "{:.2f}") for r in c["runs"]) + " s" for c in cols]),
-            ] if args.reps > 1 else []),
-            ("failed group's recovery (kill -> first step; (d): node away included)", *[_fmt([x["recovery_s"] for x in fs], "{:.1f} s") for fs in f]),
-            ("heal source, layout", *[_fmt([f"{x['heal_source']}, {x['heal_layout']}" for x in fs], "{}") for fs in f]),
-            ("bytes moved per heal", *[_fmt([x["heal_bytes"] and x["heal_bytes"] / 2**20 for x in fs], "{:.1f} MiB") for fs in f]),
-            ("heal time (quorum + transfer)", *[_fmt([x["heal_s"] for x in fs], "{:.2f} s") for fs in f]),
-            ("heal bit-identical (state digests)", *[_fmt([x["heal_bit_identical"] for x in fs], "{}") for fs in f]),
-            ("healthy processes restarted", *[str(c["summary"]["healthy_restarts"]) for c in cols]),
-            ("steps the healthy group redid", *[str(c["summary"]["lost_steps"]) for c in cols]),
-            ("steps it saved after losing the other group", *[str(c["summary"].get("rescued_steps", 0)) for c in cols]),
-        ]  # fmt: skip
-    return "FT-HSDP on torchft (2 replica groups; the failed group restarts alone)", rows, head
-
-
-def _rate_table(args, rate):
-    rows = [
-        (
-            f"{frm} -> {into}",
-            f"{r['gib']:.2f} GiB",
-            f"{r['seconds']:.2f} s",
-            f"{r['min']:.2f} s",
-            f"{r['seconds'] / r['gib']:.2f} s",
-        )
-        for (frm, into), r in rate.items()
-    ]
-    head = ["replica state", f"median of {args.heal_reps}", "fastest", "median per GiB"]
-    return "Heal rate (2 replica groups x 2 ranks, fp32 state)", rows, head
 
 
 if __name__ == "__main__":
