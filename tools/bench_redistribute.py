@@ -1,103 +1,63 @@
-"""Live resharding benchmark: anyshard.redistribute vs a storage round trip vs DTensor.redistribute
-vs the network floor.
+"""Live resharding: anyshard.redistribute vs a storage round trip vs DTensor.redistribute vs the
+network floor.
 
-Run (1 GiB fp32 state, 3 repetitions, a few minutes on 2 cores; writes docs/benchmarks.md):
+4 gloo ranks (one torch thread each) hold the state of tools/bench_reshard.py (``--gib`` GiB
+fp32, values from ``--seed``) as DTensors on a (dp_shard=2, tp=2) mesh, with targets on tp=4 and
+dp_shard=4 meshes, and a ``megatron_gpt`` model of about that size as local tensors under tp=2
+x pp=2, with targets under tp=4. Systems: ``redistribute`` (reused plan), ``redistribute, new
+plan`` (``reuse_plan=False``), ``anyshard-tmpfs``/``dcp-tmpfs`` (save to /dev/shm, load),
+``DTensor.redistribute`` (on the source mesh, into placements giving each rank the target's
+shard), ``floor`` (the bytes each rank pair exchanges, one prepacked buffer per pair, posted at
+once) and ``floor+local`` (plus one copy of what a rank keeps). After an untimed warm-up, each is
+measured ``--reps`` times in rotated order from a common barrier with the harness's counters
+(time: slowest rank; CPU: all ranks; peak RSS over the state: largest rank, less the outputs
+DTensor.redistribute allocates), every result checked bit-exact outside the measurement; bytes
+received are set against the minimum (the target bytes a rank's source lacks, from global
+offsets).
 
-    python tools/bench_redistribute.py --write-docs
-
-Smoke test (0.1 GiB, 1 repetition): ``python tools/bench_redistribute.py --quick``.
-
-What it does, in one run: spawns 4 gloo ranks on CPU (one torch thread each) and builds
-
-* the state of tools/bench_reshard.py (``--gib`` GiB fp32, transformer-like) as DTensors on a
-  (dp_shard=2, tp=2) mesh, and targets on a tp=4 mesh and on a dp_shard=4 mesh;
-* a Megatron GPT (the shipped ``megatron_gpt`` UCL spec, fused QKV and SwiGLU, padded
-  vocabulary) of about the same size as plain local tensors under tp=2 x pp=2, and targets
-  under tp=4.
-
-For each case and repetition (systems in rotated order), it times, from a common barrier to the
-slowest rank:
-
-* ``redistribute``: ``anyshard.redistribute(src, dst)`` (default ``max_inflight_bytes``, 256 MiB),
-  as a repeated call makes it: the plan of the earlier call between the same layouts is reused
-  (the ranks exchange digests of their descriptions);
-* ``redistribute, new plan``: the same with ``reuse_plan=False``, as a first call makes it: the
-  ranks exchange their descriptions and each plans its part;
-* ``anyshard-tmpfs``: ``anyshard.save`` of the source to /dev/shm, then ``anyshard.load`` into
-  the target;
-* ``dcp-tmpfs``: ``dcp.save`` then ``dcp.load`` through /dev/shm (DTensor cases);
-* ``DTensor.redistribute``: tensor by tensor, on the source's own (dp_shard, tp) mesh, into the
-  placements that give every rank the same shard as the target (``[Shard(d), Shard(d)]`` is
-  tp=4's or dp_shard=4's ``Shard(d)``); DTensor cases;
-* ``floor``: the bytes each rank pair must exchange, prepacked as one buffer per pair and posted
-  at once with ``batch_isend_irecv``;
-* ``floor+local``: the same, plus one copy (one flat buffer into another) of as many bytes as the
-  rank's target takes from its own source: any redistribution into separate target tensors
-  copies them.
-
-Every result is checked bit-exact (BLAKE2b digest of each local shard) outside the timed region.
-Bytes: what each rank receives, against the minimum (the bytes of its target that its source
-does not already hold, computed from the shards' global offsets, independently of the
-planner). Peak RSS over the state: VmHWM (reset before each operation) minus VmRSS just before
-it, with source and target already allocated and touched (DTensor.redistribute allocates its
-outputs: their bytes are subtracted).
+    python tools/bench_redistribute.py --gib 1 --reps 3 --write-docs
+    python tools/bench_redistribute.py --quick                 # smoke test: 0.1 GiB, 1 rep
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
-import time
-from datetime import datetime, timezone
+import zlib
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness as h
+from bench_goodput import report
+from bench_reshard import digest, model_spec, placements_for
 
-from bench_reshard import (  # noqa: E402
-    GiB,
-    digest,
-    full_tensor,
-    model_spec,
-    placements_for,
-    reset_hwm,
-    status_kib,
-)
-from markdown_section import replace_section  # noqa: E402
-
-WORLD = 4
-DOCS_BEGIN = "<!-- bench_redistribute:begin -->"
-DOCS_END = "<!-- bench_redistribute:end -->"
 OURS = ("redistribute", "redistribute, new plan")
-SYSTEMS = (
-    "redistribute",
-    "redistribute, new plan",
-    "anyshard-tmpfs",
-    "dcp-tmpfs",
-    "DTensor.redistribute",
-    "floor",
-    "floor+local",
-)
+SYSTEMS = (*OURS, "anyshard-tmpfs", "dcp-tmpfs", "DTensor.redistribute", "floor", "floor+local")
 CASES = ("dtensor->tp4", "dtensor->dp4", "megatron tp2xpp2->tp4")
+MEGA = CASES[2]
+
+
+def full_tensor(name: str, shape: tuple[int, ...], seed: int):
+    import torch
+
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()) + seed)
+    return torch.randn(shape, generator=g, dtype=torch.float32)
 
 
 def megatron_cfg(gib: float) -> dict:
-    h = 1024 if gib >= 0.5 else 512
-    ffn, vocab, hd_heads = 4 * h, 8192, h // 64
-    per_layer = 4 * (2 * h * h + h * h + h * h // 2 + 2 * ffn * h + ffn * h + 2 * h)  # approx.
-    layers = max(2, 2 * round((gib * GiB - 2 * 4 * vocab * h) / per_layer / 2))
-    return dict(
-        hidden=h, heads=hd_heads, kv_heads=hd_heads // 2, ffn=ffn, vocab=vocab, layers=layers
-    )
+    hid = 1024 if gib >= 0.5 else 512
+    ffn, vocab = 4 * hid, 8192
+    per_layer = 4 * (2 * hid * hid + hid * hid + hid * hid // 2 + 3 * ffn * hid + 2 * hid)
+    layers = max(2, 2 * round((gib * h.GiB - 8 * vocab * hid) / per_layer / 2))
+    return dict(hidden=hid, heads=hid // 64, kv_heads=hid // 128, ffn=ffn, vocab=vocab,
+                layers=layers)  # fmt: skip
 
 
-def spec_locals(cfg: dict, sizes: dict, rank: int):
-    """The local tensors of ``rank`` under the megatron_gpt spec at ``sizes`` (ranks row-major),
-    filled from deterministic logical tensors, as the spec's pieces place them."""
+def spec_locals(cfg: dict, sizes: dict, rank: int, seed: int) -> dict:
+    """The local tensors of ``rank`` under the megatron_gpt spec at ``sizes`` (ranks
+    row-major), filled from seeded logical tensors as the spec's pieces place them."""
     import torch
 
     from anyshard.ucl.evaluate import compile, coords_of_rank, layout_for
@@ -109,430 +69,243 @@ def spec_locals(cfg: dict, sizes: dict, rank: int):
         return {}
     out = {}
     for name, t in sorted(compile(spec, lay, coords_of_rank(lay.sizes, rank)).items()):
-        local = torch.zeros(t.stored_shape)
-        flat = local.view(-1)
+        out[name] = local = torch.zeros(t.stored_shape)
         for part in t.parts:
-            logical = full_tensor(part.logical, part.logical_shape)
+            logical = full_tensor(part.logical, part.logical_shape, seed)
             for p in part.shard.pieces:
-                n = 1
-                for s in p.array_shape:
-                    n *= s
-                arr = flat[p.base : p.base + n].view(p.array_shape)
-                arr[tuple(slice(a, b) for a, b in p.array_box)] = logical[
-                    tuple(slice(a, b) for a, b in p.logical_box)
+                n = int(torch.Size(p.array_shape).numel())
+                arr = local.view(-1)[p.base : p.base + n].view(p.array_shape)
+                arr[tuple(slice(*b) for b in p.array_box)] = logical[
+                    tuple(slice(*b) for b in p.logical_box)
                 ]
-            del logical
-        out[name] = local
     return out
 
 
-def _box(shape, offset, local_shape):
-    return tuple((o, o + n) for o, n in zip(offset, local_shape, strict=True))
-
-
-def _overlap(a, b) -> int:
+def _overlap(a: tuple, b: tuple) -> int:
+    """Elements two (shape, offset) boxes share."""
     n = 1
-    for (alo, ahi), (blo, bhi) in zip(a, b, strict=True):
-        n *= max(0, min(ahi, bhi) - max(alo, blo))
+    for sa, oa, sb, ob in zip(*a, *b, strict=True):
+        n *= max(0, min(oa + sa, ob + sb) - max(oa, ob))
     return n
 
 
-def worker(rank: int, cfg: dict, store_path: str, out_path: str) -> None:
+def worker(rank: int, world: int, cfg: dict) -> dict | None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset as box
 
     import anyshard
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD
-    )
-    meshes = {
-        "src": init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp")),
-        "tp4": init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",)),
-        "dp4": init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp_shard",)),
-    }
-    spec = model_spec(cfg["gib"])
-
-    def on_2x2(target: str, kind: str):
-        """Placements on the (dp_shard, tp) mesh that give each rank the target's shard."""
-        (p,) = placements_for(target, kind)
-        return [p, p] if isinstance(p, Shard) else [Replicate(), Replicate()]
-
+    meshes = {"src": init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))}
+    meshes.update({t: init_device_mesh("cpu", (world,), mesh_dim_names=(d,))
+                   for t, d in (("tp4", "tp"), ("dp4", "dp_shard"))})  # fmt: skip
+    spec, seed = model_spec(cfg["gib"]), cfg["seed"]
     source, targets, expected = {}, {"tp4": {}, "dp4": {}}, {"tp4": {}, "dp4": {}}
     minimum = {"tp4": 0, "dp4": 0}
     for name, shape, kind in spec:
-        full = full_tensor(name, shape)
+        full = full_tensor(name, shape, seed)
+        kw = {"run_check": False, "shape": full.shape, "stride": full.stride()}
         sp = placements_for("src", kind)
         local = distribute_tensor(full, meshes["src"], sp, src_data_rank=None).to_local()
-        source[name] = DTensor.from_local(
-            local.clone(),
-            meshes["src"],
-            sp,
-            run_check=False,
-            shape=full.shape,
-            stride=full.stride(),
-        )
-        s_shape, s_off = compute_local_shape_and_global_offset(full.shape, meshes["src"], sp)
+        source[name] = DTensor.from_local(local.clone(), meshes["src"], sp, **kw)
         for t in targets:
-            tp_ = placements_for(t, kind)
-            exp = distribute_tensor(full, meshes[t], tp_, src_data_rank=None).to_local()
+            tp = placements_for(t, kind)
+            exp = distribute_tensor(full, meshes[t], tp, src_data_rank=None).to_local()
             expected[t][name] = digest(exp)
-            targets[t][name] = DTensor.from_local(
-                torch.zeros_like(exp),
-                meshes[t],
-                tp_,
-                run_check=False,
-                shape=full.shape,
-                stride=full.stride(),
-            )
-            d_shape, d_off = compute_local_shape_and_global_offset(full.shape, meshes[t], tp_)
-            held = _overlap(_box(shape, s_off, s_shape), _box(shape, d_off, d_shape))
+            targets[t][name] = DTensor.from_local(torch.zeros_like(exp), meshes[t], tp, **kw)
+            held = _overlap(box(shape, meshes["src"], sp), box(shape, meshes[t], tp))
             minimum[t] += 4 * (exp.numel() - held)
-            del exp
-        del full, local
     mcfg = megatron_cfg(cfg["gib"])
-    m_src = spec_locals(mcfg, {"tp": 2, "pp": 2}, rank)
-    m_dst_want = spec_locals(mcfg, {"tp": 4}, rank)
-    m_expected = {k: digest(v) for k, v in m_dst_want.items()}
-    m_dst = {k: torch.zeros_like(v) for k, v in m_dst_want.items()}
-    del m_dst_want
+    m_src = spec_locals(mcfg, {"tp": 2, "pp": 2}, rank, seed)
+    m_want = spec_locals(mcfg, {"tp": 4}, rank, seed)
+    m_expected = {k: digest(v) for k, v in m_want.items()}
+    m_dst = {k: torch.zeros_like(v) for k, v in m_want.items()}
+    del m_want
+    m_kw = ({"src_spec": "megatron_gpt", "src_layout": {"tp": 2, "pp": 2, **mcfg}},
+            {"dst_spec": "megatron_gpt", "dst_layout": {"tp": 4, **mcfg}})  # fmt: skip
+    state_bytes = {"dtensor": sum(v.to_local().numel() * 4 for v in source.values()),
+                   "megatron": sum(v.numel() * 4 for v in m_src.values())}  # fmt: skip
     gc.collect()
-    m_layouts = (
-        {"src_spec": "megatron_gpt", "src_layout": {"tp": 2, "pp": 2, **mcfg}},
-        {"dst_spec": "megatron_gpt", "dst_layout": {"tp": 4, **mcfg}},
-    )
-    state_bytes = {
-        "dtensor": sum(v.to_local().numel() * 4 for v in source.values()),
-        "megatron": sum(v.numel() * 4 for v in m_src.values()),
-    }
-    if rank == 0:
-        print(
-            f"state: {len(spec)} DTensors, {state_bytes['dtensor'] / 2**20:.0f} MiB per rank; "
-            f"megatron_gpt {mcfg}: {state_bytes['megatron'] / 2**20:.0f} MiB on rank 0",
-            flush=True,
-        )
-
-    shm = tempfile.mkdtemp(prefix="bench-redistribute-", dir="/dev/shm") if rank == 0 else None
-    shm = [shm]
+    shm = [tempfile.mkdtemp(prefix="bench-redistribute-", dir="/dev/shm") if rank == 0 else None]
     dist.broadcast_object_list(shm, src=0)
     shm = shm[0]
-    records = []
 
-    def check(case: str, result) -> list[str]:
-        if case == "megatron tp2xpp2->tp4":
-            return [k for k, v in m_dst.items() if digest(v) != m_expected[k]]
-        t = case.split("->")[1]
-        got = result if result is not None else targets[t]
-        return [n for n, v in got.items() if digest(v.to_local()) != expected[t][n]]
+    def dst_of(case: str):
+        return m_dst if case == MEGA else {k: v.to_local() for k, v in targets[case[-3:]].items()}
 
-    def clear(case: str) -> None:
-        if case == "megatron tp2xpp2->tp4":
-            for v in m_dst.values():
-                v.fill_(-7.25)
-        else:
-            for v in targets[case.split("->")[1]].values():
-                v.to_local().fill_(-7.25)
+    def bad(case: str, out) -> list[str]:
+        want = m_expected if case == MEGA else expected[case[-3:]]
+        got = {k: v.to_local() for k, v in out.items()} if out else dst_of(case)
+        return [k for k, v in got.items() if digest(v) != want[k]][:3]
 
-    def run(case: str, system: str):
-        """The operation, and the bytes it allocates as its result (DTensor.redistribute)."""
-        mega = case.startswith("megatron")
-        t = None if mega else case.split("->")[1]
-        src, dst = (m_src, m_dst) if mega else (source, targets[t])
-        kw_src, kw_dst = m_layouts if mega else ({}, {})
+    def make(case: str, system: str):
+        """(the operation, the dict it fills with its outputs), or None where it does not apply."""
+        mega = case == MEGA
+        src, dst = (m_src, m_dst) if mega else (source, targets[case[-3:]])
+        kw_src, kw_dst = m_kw if mega else ({}, {})
         if system in OURS:
             reuse = system == "redistribute"
             return lambda: anyshard.redistribute(
                 src, dst, **kw_src, **kw_dst, reuse_plan=reuse
             ), None
         if system == "anyshard-tmpfs":
+            save_kw = {"spec": "megatron_gpt", "layout": kw_src["src_layout"]} if mega else {}
+            load_kw = {"spec": "megatron_gpt", "layout": kw_dst["dst_layout"]} if mega else {}
             path = os.path.join(shm, "anyshard")
-
-            def trip():
-                save_kw = (
-                    {"spec": kw_src["src_spec"], "layout": kw_src["src_layout"]} if mega else {}
-                )
-                load_kw = (
-                    {"spec": kw_dst["dst_spec"], "layout": kw_dst["dst_layout"]} if mega else {}
-                )
-                anyshard.save(path, src, **save_kw)
-                anyshard.load(path, dst, **load_kw)
-
-            return trip, None
+            return lambda: (anyshard.save(path, src, **save_kw),
+                            anyshard.load(path, dst, **load_kw)), None  # fmt: skip
+        if mega and system in ("dcp-tmpfs", "DTensor.redistribute"):  # DTensor cases only
+            return None
         if system == "dcp-tmpfs":
-            if mega:
-                return None, None
             path = os.path.join(shm, "dcp")
-
-            def trip():
-                dcp.save(src, storage_writer=dcp.FileSystemWriter(path))
-                dcp.load(dst, storage_reader=dcp.FileSystemReader(path))
-
-            return trip, None
+            writer, reader = dcp.FileSystemWriter(path), dcp.FileSystemReader(path)
+            return lambda: (dcp.save(src, storage_writer=writer),
+                            dcp.load(dst, storage_reader=reader)), None  # fmt: skip
         if system == "DTensor.redistribute":
-            if mega:
-                return None, None
-            out = {}
-            kinds = {n: k for n, _, k in spec}
+            out, kinds = {}, {n: k for n, _, k in spec}
 
-            def redist():
-                for n, v in source.items():
-                    out[n] = v.redistribute(meshes["src"], on_2x2(t, kinds[n]))
+            def on_2x2(n: str):  # the placements on the source mesh that give the target's shard
+                (p,) = placements_for(case[-3:], kinds[n])
+                return [p, p] if isinstance(p, Shard) else [Replicate(), Replicate()]
 
-            return redist, out
-        if system in ("floor", "floor+local"):
-            plan = anyshard.redistribute(src, dst, **kw_src, **kw_dst)  # for its pair sizes
-            sends, recvs = {}, {}
-            for (s, d), msgs in plan.messages.items():
-                n = sum(m.nbytes for g in msgs for m in g)
-                if s == rank:
-                    sends[d] = torch.empty(n, dtype=torch.uint8)
-                if d == rank:
-                    recvs[s] = torch.empty(n, dtype=torch.uint8)
+            return lambda: out.update({n: v.redistribute(meshes["src"], on_2x2(n))
+                                       for n, v in source.items()}), out  # fmt: skip
+        plan = anyshard.redistribute(src, dst, **kw_src, **kw_dst)  # the floors: its pair sizes
+        ops = []
+        for (s, d), msgs in plan.messages.items():
+            if rank in (s, d):
+                buf = torch.empty(sum(m.nbytes for g in msgs for m in g), dtype=torch.uint8)
+                ops.append(
+                    dist.P2POp(dist.isend, buf, d) if s == rank else dist.P2POp(dist.irecv, buf, s)
+                )
+        held = sum(m.nbytes for m in plan.local) if system == "floor+local" else 0
+        here, there = torch.ones(held, dtype=torch.uint8), torch.zeros(held, dtype=torch.uint8)
 
-            held = sum(m.nbytes for m in plan.local) if system == "floor+local" else 0
-            here = torch.ones(held, dtype=torch.uint8)
-            there = torch.zeros(held, dtype=torch.uint8)
+        def floor() -> None:
+            reqs = dist.batch_isend_irecv(ops) if ops else []
+            there.copy_(here)  # floor+local: one copy of the bytes the rank keeps
+            for req in reqs:
+                req.wait()
 
-            def floor():
-                ops = [dist.P2POp(dist.isend, b, p) for p, b in sends.items()]
-                ops += [dist.P2POp(dist.irecv, b, p) for p, b in recvs.items()]
-                reqs = dist.batch_isend_irecv(ops) if ops else []
-                there.copy_(here)  # floor+local: one copy of the bytes the rank already holds
-                for req in reqs:
-                    req.wait()
+        return floor, None
 
-            return floor, None
-        raise ValueError(system)
+    def measure(rep: int, case: str, system: str) -> dict | None:
+        made = make(case, system)
+        if made is None:
+            return None
+        fn, out = made
+        for v in dst_of(case).values():
+            v.fill_(-7.25)
+        gc.collect()
+        dist.barrier()
+        plan = []  # what the operation returns: redistribute's plan
+        rec = h.measure(lambda: plan.append(fn()))
+        dist.barrier()
+        if out:
+            rec["rss_over"] -= sum(v.to_local().numel() * 4 for v in out.values())
+        rec["bad"] = [] if system.startswith("floor") else bad(case, out)
+        if system in OURS:
+            mini = None if case == MEGA else minimum[case[-3:]]
+            rec.update(received=plan[0].received_bytes(rank), minimum=mini)
+        ranks = [None] * world
+        dist.all_gather_object(ranks, rec)
+        if rank == 0:
+            for sub in ("anyshard", "dcp"):
+                shutil.rmtree(os.path.join(shm, sub), ignore_errors=True)
+            slowest = max(r["wall_s"] for r in ranks)
+            print(f"  rep {rep + 1} {case:24s} {system:22s} {slowest:7.2f} s"
+                  + ("  MISMATCH" if any(r["bad"] for r in ranks) else ""), flush=True)  # fmt: skip
+        return {"rep": rep, "case": case, "system": system, "ranks": ranks}
 
-    # an untimed warm-up of every system on the smallest case
-    for case in CASES:
-        for system in SYSTEMS:
-            fn, _ = run(case, system)
-            if fn is not None and cfg["warmup"]:
-                dist.barrier()
-                fn()
-                dist.barrier()
-                if rank == 0:
-                    for sub in ("anyshard", "dcp"):
-                        shutil.rmtree(os.path.join(shm, sub), ignore_errors=True)
-        if not cfg["warmup"]:
-            break
-    gc.collect()
-
-    for rep in range(cfg["reps"]):
-        order = SYSTEMS[rep % len(SYSTEMS) :] + SYSTEMS[: rep % len(SYSTEMS)]
+    if cfg["warmup"]:
         for case in CASES:
-            for system in order:
-                fn, out = run(case, system)
-                if fn is None:
-                    continue
-                clear(case)
-                gc.collect()
-                dist.barrier()
-                rss0 = status_kib("VmRSS")
-                hwm_ok = reset_hwm()
-                t0 = time.perf_counter()
-                plan = fn()
-                took = time.perf_counter() - t0
-                hwm = status_kib("VmHWM") if hwm_ok else 0
-                dist.barrier()
-                out_bytes = 0
-                if out:
-                    out_bytes = sum(v.to_local().numel() * 4 for v in out.values())
-                rec = {
-                    "time": took,
-                    "rss_over": max(0, (hwm - rss0) * 1024 - out_bytes) if hwm_ok else None,
-                    "bad": check(case, out)[:3] if not system.startswith("floor") else [],
-                }
-                if system in OURS:
-                    rec["received"] = plan.received_bytes(rank)
-                    rec["sent"] = plan.sent_bytes(rank)
-                    rec["minimum"] = (
-                        None if case.startswith("megatron") else minimum[case.split("->")[1]]
-                    )
-                gathered = [None] * WORLD
-                dist.all_gather_object(gathered, rec)
-                if rank == 0:
-                    shutil.rmtree(os.path.join(shm, "anyshard"), ignore_errors=True)
-                    shutil.rmtree(os.path.join(shm, "dcp"), ignore_errors=True)
-                    records.append({"rep": rep, "case": case, "system": system, "ranks": gathered})
-                    worst = max(r["time"] for r in gathered)
-                    bad = any(r["bad"] for r in gathered)
-                    print(
-                        f"  rep {rep + 1} {case:24s} {system:22s} {worst:7.2f} s"
-                        + ("  MISMATCH" if bad else ""),
-                        flush=True,
-                    )
-                del out, fn
-                gc.collect()
-                dist.barrier()
+            for system in SYSTEMS:
+                measure(-1, case, system)
+    records = [r for rep, order in h.rotations(SYSTEMS, cfg["reps"]) for case in CASES
+               for s in order if (r := measure(rep, case, s))]  # fmt: skip
+    dist.barrier()
     if rank == 0:
         shutil.rmtree(shm, ignore_errors=True)
-        with open(out_path, "w") as f:
-            json.dump({"records": records, "state_bytes": state_bytes, "megatron": mcfg}, f)
-    dist.barrier()
-    dist.destroy_process_group()
+        return {"records": records, "state_bytes": state_bytes, "megatron": mcfg}
+    return None
 
 
-def summarize(data: dict) -> list[dict]:
-    rows = []
-    for case in CASES:
-        for system in SYSTEMS:
-            recs = [r for r in data["records"] if r["case"] == case and r["system"] == system]
-            if not recs:
-                continue
-            times = [max(x["time"] for x in r["ranks"]) for r in recs]
-            rss = [x["rss_over"] for r in recs for x in r["ranks"] if x["rss_over"] is not None]
-            row = {
-                "case": case,
-                "system": system,
-                "time": statistics.median(times),
-                "times": times,
-                "rss_over": max(rss) if rss else None,
-                "bad": sum(bool(x["bad"]) for r in recs for x in r["ranks"]),
-            }
-            if system in OURS:
-                last = recs[-1]["ranks"]
-                row["received"] = [x["received"] for x in last]
-                row["sent"] = [x["sent"] for x in last]
-                row["minimum"] = [x["minimum"] for x in last]
-            rows.append(row)
-    return rows
+def mib(n: float) -> str:
+    return f"{n / h.MiB:.0f}"
 
 
-def _mib(n) -> str:
-    return f"{n / 2**20:.0f}"
-
-
-def table(rows: list[dict]) -> list[str]:
-    out = [
-        "| case | system | time (s) | vs redistribute | peak RSS over state (MiB) | bytes received per rank (MiB) |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    base = {r["case"]: r["time"] for r in rows if r["system"] == "redistribute"}
-    for r in rows:
-        recv = ""
-        if r["system"] in OURS:
-            recv = " / ".join(_mib(x) for x in r["received"])
-            if all(m is not None for m in r["minimum"]):
-                recv += " (minimum " + " / ".join(_mib(x) for x in r["minimum"]) + ")"
-        ratio = r["time"] / base[r["case"]] if r["case"] in base else float("nan")
-        rss = "n/a" if r["rss_over"] is None else _mib(r["rss_over"])
-        bad = " **MISMATCH**" if r["bad"] else ""
-        spread = f"{min(r['times']):.2f}-{max(r['times']):.2f}"
-        out.append(
-            f"| {r['case']} | {r['system']} | {r['time']:.2f} ({spread}){bad} | {ratio:.2f}x | {rss} | {recv} |"
-        )
-    return out
-
-
-def check_targets(rows: list[dict], inflight: int) -> list[tuple[str, bool, str]]:
-    by = {(r["case"], r["system"]): r for r in rows}
-    checks = []
-    for case, system in ((c, s) for c in CASES for s in OURS):
-        ours = by.get((case, system))
-        if ours is None:
-            continue
-        label = case if system == "redistribute" else f"{case} (new plan)"
-        trip = by.get((case, "anyshard-tmpfs"))
-        if trip:
-            x = trip["time"] / ours["time"]
-            checks.append(
-                (f"{label}: >= 3x faster than anyshard's tmpfs round trip", x >= 3, f"{x:.1f}x")
-            )
-        dt = by.get((case, "DTensor.redistribute"))
-        if dt:
-            x = ours["time"] / dt["time"]
-            checks.append(
-                (f"{label}: no slower than DTensor.redistribute", x <= 1.0, f"{x:.2f}x its time")
-            )
-        fl = by.get((case, "floor"))
-        if fl:
-            x = ours["time"] / fl["time"]
-            fll = by.get((case, "floor+local"))
-            note = f" ({ours['time'] / fll['time']:.2f}x floor+local)" if fll else ""
-            checks.append((f"{label}: <= 1.5x the floor", x <= 1.5, f"{x:.2f}x{note}"))
-        if all(m is not None for m in ours["minimum"]):
-            x = sum(ours["received"]) / max(1, sum(ours["minimum"]))
-            checks.append((f"{label}: bytes sent <= 1.02x the minimum", x <= 1.02, f"{x:.3f}x"))
-        if ours["rss_over"] is not None:
-            limit = inflight + (64 << 20)
-            checks.append(
-                (
-                    f"{label}: peak RSS over the state <= max_inflight_bytes + 64 MiB",
-                    ours["rss_over"] <= limit,
-                    f"{_mib(ours['rss_over'])} MiB (limit {_mib(limit)})",
-                )
-            )
-    return checks
+def summary(data: dict, inflight: int) -> tuple[list[list], list[tuple]]:
+    """The table's rows (case by case, system by system) and the target checks."""
+    got: dict[tuple[str, str], list] = {}
+    for r in data["records"]:
+        got.setdefault((r["case"], r["system"]), []).append(r["ranks"])
+    times = {k: [max(x["wall_s"] for x in r) for r in recs] for k, recs in got.items()}
+    med = {k: h.spread(v)["median"] for k, v in times.items()}
+    rows, checks = [], []
+    for case, system in sorted(got, key=lambda k: (CASES.index(k[0]), SYSTEMS.index(k[1]))):
+        recs, t, recv = got[(case, system)], med[(case, system)], "-"
+        rss = max(x["rss_over"] for r in recs for x in r)
+        if system in OURS:
+            last, label = recs[-1], case if system == OURS[0] else f"{case} (new plan)"
+            recv = " / ".join(mib(x["received"]) for x in last)
+            if all(x["minimum"] is not None for x in last):
+                recv += " (minimum " + " / ".join(mib(x["minimum"]) for x in last) + ")"
+                x = sum(y["received"] for y in last) / max(1, sum(y["minimum"] for y in last))
+                checks += [
+                    (f"{label}: bytes received <= 1.02x the minimum", x <= 1.02, f"{x:.3f}x")
+                ]
+            if (trip := med.get((case, "anyshard-tmpfs"))) is not None:
+                checks += [(f"{label}: >= 3x faster than anyshard's tmpfs round trip",
+                            trip / t >= 3, f"{trip / t:.1f}x")]  # fmt: skip
+            if (dt := med.get((case, "DTensor.redistribute"))) is not None:
+                checks += [(f"{label}: no slower than DTensor.redistribute", t <= dt,
+                            f"{t / dt:.2f}x its time")]  # fmt: skip
+            if (fl := med.get((case, "floor"))) is not None:
+                note = f"{t / fl:.2f}x ({t / med[(case, 'floor+local')]:.2f}x floor+local)"
+                checks += [(f"{label}: <= 1.5x the floor", t <= 1.5 * fl, note)]
+            limit = inflight + 64 * h.MiB
+            checks += [(f"{label}: peak RSS over the state <= max_inflight_bytes + 64 MiB",
+                        rss <= limit, f"{mib(rss)} MiB (limit {mib(limit)})")]  # fmt: skip
+        bad = " MISMATCH" if any(x["bad"] for r in recs for x in r) else ""
+        cpu = h.fmt_spread([sum(x["cpu_s"] for x in r) for r in recs], ".1f")
+        rows.append([case, system, h.fmt_spread(times[(case, system)]) + bad,
+                     f"{t / med.get((case, OURS[0]), float('nan')):.2f}x", cpu, mib(max(0, rss)),
+                     recv])  # fmt: skip
+    return rows, checks
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--gib", type=float, default=1.0)
+    p.add_argument("--gib", type=float, default=1.0, help="state size (1 GiB)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="0.1 GiB, 1 repetition")
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
-    p.add_argument("--write-docs", nargs="?", const="docs/benchmarks.md", default=None)
+    p.add_argument("--seed", type=int, default=0, help="seeds the state's values")
+    h.add_output_args(p)
     args = p.parse_args(argv)
     if args.quick:
         args.gib, args.reps = 0.1, 1
-    import torch.multiprocessing as mp
-
-    cfg = {"gib": args.gib, "reps": args.reps, "warmup": args.warmup}
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "out.json")
-        store = os.path.join(tmp, "store")
-        start = time.monotonic()
-        mp.start_processes(worker, args=(cfg, store, out), nprocs=WORLD, start_method="spawn")
-        with open(out) as f:
-            data = json.load(f)
-    took = time.monotonic() - start
-    rows = summarize(data)
-    lines = table(rows)
     from anyshard.api.redistribute import DEFAULT_MAX_INFLIGHT_BYTES
 
-    checks = check_targets(rows, DEFAULT_MAX_INFLIGHT_BYTES)
-    print("\n".join(lines))
-    for name, ok, detail in checks:
-        print(f"{'met' if ok else 'NOT MET'}: {name}: {detail}")
-    print(f"took {took:.0f} s")
-    bad = any(r["bad"] for r in rows)
-    if args.write_docs:
-        command = (
-            "python tools/bench_redistribute.py"
-            + (" --quick" if args.quick else f" --gib {args.gib:g} --reps {args.reps}")
-            + " --write-docs"
-        )
-        sb = data["state_bytes"]
-        section = [
-            "## Live resharding: redistribute vs storage round trips (`tools/bench_redistribute.py`)",
-            "",
-            f"Command: `{command}` ({datetime.now(timezone.utc).strftime('%Y-%m-%d')}, {took:.0f} s; "
-            f"4 gloo ranks on CPU, one torch thread each; median of {args.reps} repetition(s), "
-            "slowest rank, spread in brackets).",
-            "",
-            f"State per rank: {_mib(sb['dtensor'])} MiB of DTensors on a (dp_shard=2, tp=2) mesh (the "
-            f"state of `tools/bench_reshard.py`); megatron_gpt {data['megatron']} as plain local tensors, "
-            f"{_mib(sb['megatron'])} MiB on rank 0. See the tool's header for the method.",
-            "",
-            *lines,
-            "",
-            "Targets:",
-            "",
-            *[
-                f"- {'met' if ok else '**not met**'}: {name}: {detail}"
-                for name, ok, detail in checks
-            ],
-        ]
-        replace_section(args.write_docs, DOCS_BEGIN, DOCS_END, section)
-        print(f"wrote {args.write_docs}")
-    return 1 if bad else 0
+    load = h.RunLoad()
+    cfg = {"gib": args.gib, "reps": args.reps, "warmup": args.warmup, "seed": args.seed}
+    data = h.run_ranks(worker, 4, cfg)[0]
+    rows, checks = summary(data, DEFAULT_MAX_INFLIGHT_BYTES)
+    head = ["case", "system", "time s (slowest rank)", "vs redistribute", "CPU s (all ranks)"]
+    head += ["peak RSS over state MiB", "bytes received per rank MiB"]
+    sb = data["state_bytes"]
+    run = (f"4 gloo ranks, one torch thread each; median [min-max] of {args.reps}; seed "
+           f"{args.seed}; per rank {mib(sb['dtensor'])} MiB of DTensors on (dp_shard=2, tp=2); "
+           f"megatron_gpt {data['megatron']}, {mib(sb['megatron'])} MiB on rank 0")  # fmt: skip
+    blocks = [(head, rows), "Targets:\n\n" + "\n".join(h.check_lines(checks))]
+    heading = "## Live resharding: redistribute vs storage round trips "
+    heading += "(`tools/bench_redistribute.py`)"
+    report(args, argv, __file__, "bench_redistribute", run, blocks, load, heading=heading,
+           data=data)  # fmt: skip
+    return 1 if any("MISMATCH" in r[2] for r in rows) else 0
 
 
 if __name__ == "__main__":
