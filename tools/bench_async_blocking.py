@@ -1,21 +1,15 @@
 """How long checkpointing holds the reference trainer's steps up: sync saves, async saves whose
-staging copy blocks the step, and async saves staged during forward and backward.
+staging copy blocks the step, async saves staged during forward and backward.
 
-The trainer as ``anyshard demo`` runs it (4 CPU ranks, pp=2 x dp_shard=2, the default model,
-the warm launcher), ``--steps`` steps with a checkpoint every ``--every``, once per save mode
-and storage root (``--roots``), and once without checkpoints; all of it ``--reps`` times, the
-runs of each repetition in rotated order. A run's blocking is `Checkpointer.blocked_s` of its
-slowest rank (the trainer's ``end`` event: ``save`` calls, optimizer steps waiting for a
-staging copy, reserving the staging buffers), the first save included, per save; '/ sync save':
-over the same repetition's sync save. Goodput: the median step time of the repetition's
-checkpoint-free run x steps over the run's training time (first step to last). Every run's
-losses must equal the checkpoint-free run's.
+The trainer as ``anyshard demo`` runs it (4 ranks, pp=2 x dp_shard=2, warm launcher), ``--steps``
+steps saving every ``--every``, per save mode and ``--roots`` storage, and once without saves;
+``--reps`` times, each repetition's runs in rotated order. Blocking: `Checkpointer.blocked_s` of
+the slowest rank per save (first save included); goodput: the repetition's checkpoint-free median
+step x steps over the run's training time; every run's losses equal the checkpoint-free run's.
 
     python tools/bench_async_blocking.py --reps 3 --write-docs
     python tools/bench_async_blocking.py --roots tmpfs --steps 4 --every 2 \\
-        --config anyshard/trainer_integration/gpt/tiny.toml      # smoke test
-
-Other words (``--config FILE``, ``--model.dim 128``, ...) go to the trainer as they are.
+        --config anyshard/trainer_integration/gpt/tiny.toml      # smoke test; other words: trainer
 """
 
 from __future__ import annotations

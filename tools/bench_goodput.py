@@ -268,18 +268,16 @@ def _heal_rank(rank: int, world: int, gib: float, frm: str, into: str, ports: li
     from anyshard.ucl.library import preload
 
     preload()  # as the trainer's ranks have it: the launcher's forkserver builds the parsers
-    role, g = ("source", "healer")[rank // 2], rank % 2
+    role, g, port = ("source", "healer")[rank // 2], rank % 2, ports[rank // 2]
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("role", "g"))["g"]
-    cols = (into if role == "healer" else frm) == "tp=2"
-    state = {}
-    for i in range(max(1, int(gib * h.GiB / 4 / 4096**2))):  # 64 MiB tensors
-        # the healer's values differ, written as a trainer's are when it builds its model: the
-        # first touch of fresh pages is no part of a heal
-        local = torch.full((4096, 2048) if cols else (2048, 4096), i if role == "source" else -1.0)
-        local = local.float()
-        kw = {"shape": (4096, 4096), "stride": (4096, 1)}
-        state[f"w{i}"] = DTensor.from_local(local, mesh, [Shard(int(cols))], **kw)
-    port, timeout = ports[rank // 2], datetime.timedelta(seconds=300)
+    cols = int((into if role == "healer" else frm) == "tp=2")
+    # 64 MiB tensors; the healer's hold other values, written as a trainer's are when it builds
+    # its model: the first touch of fresh pages is no part of a heal
+    state = {f"w{i}": DTensor.from_local(
+        torch.full((2048 * (1 + cols), 4096 // (1 + cols)), float(i) if role == "source" else -1.0),
+        mesh, [Shard(cols)], shape=(4096, 4096), stride=(4096, 1))
+        for i in range(max(1, int(gib * h.GiB / 4 / 4096**2)))}  # fmt: skip
+    timeout = datetime.timedelta(seconds=300)
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=g == 0, wait_for_workers=False)
     tr = AnyshardTransport(state=lambda: {"default": state}, replica_id=role, group_rank=g,
                            group_world_size=2, store_addr="127.0.0.1", store_port=port,
@@ -292,27 +290,26 @@ def _heal_rank(rank: int, world: int, gib: float, frm: str, into: str, ports: li
         tr.send_checkpoint([1], 1, sd, timeout)
     else:
         time.sleep(0.2)  # the source in send_checkpoint
-        rec = h.measure(lambda: tr.recv_checkpoint(0, metas[g], 1, timeout))
-        rec.pop("result", None)
-        ok = all(bool((v.to_local() == int(k[1:])).all()) for k, v in state.items())
-        out = {**rec, "bytes": len(state) * 4 * 4096**2, "ok": ok}
+        out = h.measure(lambda: tr.recv_checkpoint(0, metas[g], 1, timeout) and None)
+        out["ok"] = all(bool((v.to_local() == int(k[1:])).all()) for k, v in state.items())
+        out["gib"] = len(state) * 4 * 4096**2 / h.GiB
     dist.barrier()
     del store
     return out
 
 
 def heal_rates(args, records: h.Records) -> list[list[str]]:
-    pairs = [("dp_shard=2", "dp_shard=2"), ("dp_shard=2", "tp=2"), ("tp=2", "dp_shard=2")]
+    """Heal of each pair of layouts in fresh processes, ``--heal-reps`` times in rotated order;
+    its time: the slower healer rank's."""
+    pairs, rows = [("dp_shard=2", "dp_shard=2"), ("dp_shard=2", "tp=2"), ("tp=2", "dp_shard=2")], []
     got: dict = {p: [] for p in pairs}
     for rep, order in h.rotations(pairs, args.heal_reps):
         for frm, into in order:
-            ports = [free_port(), free_port()]
-            out = h.run_ranks(_heal_rank, 4, args.heal_gib, frm, into, ports)[2:]
-            if not all(r["ok"] for r in out):
+            out = h.run_ranks(_heal_rank, 4, args.heal_gib, frm, into, [free_port(), free_port()])
+            if not all(r["ok"] for r in out[2:]):
                 raise SystemExit(f"heal {frm} -> {into}: the healed state differs from the source")
-            rec = {"wall_s": max(r["wall_s"] for r in out), "gib": out[0]["bytes"] / h.GiB}
+            rec = {"wall_s": max(r["wall_s"] for r in out[2:]), "gib": out[2]["gib"]}
             got[(frm, into)].append(records.add(rec, heal=f"{frm} -> {into}", rep=rep))
-    rows = []
     for (frm, into), recs in got.items():
         secs, gib = [r["wall_s"] for r in recs], recs[0]["gib"]
         per_gib = f"{statistics.median(secs) / gib:.2f}"

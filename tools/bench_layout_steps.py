@@ -1,12 +1,6 @@
-"""Step time of the reference trainer under each 2-rank layout: why an FT-HSDP group healed into
-another layout paces the job.
-
-Each layout in ``--layouts`` runs the default model for ``--steps`` steps on 2 ranks (the
-trainer's own launcher, one torch thread per rank, no checkpoints), ``--reps`` times, the
-layouts in rotated order; the step times come from rank 0's ``losses.jsonl`` (each run's first
-step, which builds and warms up, left out), pooled over the runs: median, fastest, slowest.
-FT-HSDP groups average their gradients every step, so groups of different layouts step at the
-pace of the slowest (`tools/bench_goodput.py`'s mode (c) heals a group into tp=2).
+"""Step time of the reference trainer under each 2-rank layout (no checkpoints, the trainer's
+launcher), ``--reps`` runs per layout in rotated order, step times from rank 0's ``losses.jsonl``
+pooled: FT-HSDP groups of different layouts step at the pace of the slowest.
 
     python tools/bench_layout_steps.py                      # dp_shard, cp, pp, tp; 10 steps each
     python tools/bench_layout_steps.py --layouts tp,dp_shard --steps 3 --config \\

@@ -1,19 +1,13 @@
 """Live resharding: anyshard.redistribute vs a storage round trip vs DTensor.redistribute vs the
 network floor.
 
-4 gloo ranks (one torch thread each) hold the state of tools/bench_reshard.py (``--gib`` GiB
-fp32, values from ``--seed``) as DTensors on a (dp_shard=2, tp=2) mesh, with targets on tp=4 and
-dp_shard=4 meshes, and a ``megatron_gpt`` model of about that size as local tensors under tp=2
-x pp=2, with targets under tp=4. Systems: ``redistribute`` (reused plan), ``redistribute, new
-plan`` (``reuse_plan=False``), ``anyshard-tmpfs``/``dcp-tmpfs`` (save to /dev/shm, load),
-``DTensor.redistribute`` (on the source mesh, into placements giving each rank the target's
-shard), ``floor`` (the bytes each rank pair exchanges, one prepacked buffer per pair, posted at
-once) and ``floor+local`` (plus one copy of what a rank keeps). After an untimed warm-up, each is
-measured ``--reps`` times in rotated order from a common barrier with the harness's counters
-(time: slowest rank; CPU: all ranks; peak RSS over the state: largest rank, less the outputs
-DTensor.redistribute allocates), every result checked bit-exact outside the measurement; bytes
-received are set against the minimum (the target bytes a rank's source lacks, from global
-offsets).
+4 gloo ranks move the state of tools/bench_reshard.py (``--gib`` GiB fp32 from ``--seed``) from a
+(dp_shard=2, tp=2) mesh to tp=4 and dp_shard=4, and a ``megatron_gpt`` model from tp=2 x pp=2 to
+tp=4: ``redistribute`` (reused plan, or a new one), save + load through /dev/shm (anyshard, DCP),
+``DTensor.redistribute``, and the floor (the bytes each rank pair exchanges, prepacked, posted at
+once; ``floor+local`` adds a copy of what a rank keeps). After a warm-up, ``--reps`` rounds in
+rotated order, each operation measured from a common barrier (harness.measure on every rank),
+checked bit-exact outside it; bytes received set against the minimum from global offsets.
 
     python tools/bench_redistribute.py --gib 1 --reps 3 --write-docs
     python tools/bench_redistribute.py --quick                 # smoke test: 0.1 GiB, 1 rep
