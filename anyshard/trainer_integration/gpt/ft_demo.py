@@ -87,9 +87,14 @@ def run_ft_hsdp(
     shown: dict[int, int] = {}
     with open(os.path.join(run_dir, "launch.log"), "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-        while proc.poll() is None:
-            time.sleep(0.5)
-            _progress(run_dir, shown, log)
+        try:
+            while proc.poll() is None:
+                time.sleep(0.5)
+                _progress(run_dir, shown, log)
+        finally:  # interrupted (Ctrl-C, a caller's deadline): its groups die with the launcher
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
         _progress(run_dir, shown, log)
     return proc.returncode
 
