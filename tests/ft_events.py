@@ -1,10 +1,30 @@
-"""The FT-HSDP launcher's event logs (RUN_DIR/replica-N/events.jsonl), and the checks of a
-peer heal that the FT-HSDP and demo tests share."""
+"""The FT-HSDP launcher's event logs (RUN_DIR/replica-N/events.jsonl), the checks of a peer
+heal that the FT-HSDP and demo tests share, and a deadline for the jobs they launch from the
+test's own process."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+
+
+@contextlib.contextmanager
+def deadline(seconds: int):
+    """Raise TimeoutError in this (the main) thread after ``seconds``: the launcher's own
+    cleanup then kills its groups and the lighthouse."""
+
+    def expire(signum, frame):
+        raise TimeoutError(f"the job did not end within {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def events(run_dir: str, replica: int) -> list[dict]:

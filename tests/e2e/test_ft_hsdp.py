@@ -12,15 +12,13 @@ Run: python -m pytest tests/e2e/test_ft_hsdp.py -q
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-import signal
 
 import pytest
 import torch
-from ft_events import check_peer_heal, events
+from ft_events import check_peer_heal, deadline, events
 
 pytest.importorskip("torchft")
 
@@ -78,23 +76,6 @@ def _global_losses(run_dir) -> tuple[dict[int, float], list[int]]:
     return out, sorted(per)
 
 
-@contextlib.contextmanager
-def _deadline(seconds: int):
-    """Raise TimeoutError in this (the main) thread after ``seconds``: the launcher's own
-    cleanup then kills the groups and the lighthouse."""
-
-    def expire(signum, frame):
-        raise TimeoutError(f"the job did not end within {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def _launch(run, steps: int, *extra: str, returncode: int = 0):
     """``python -m anyshard.trainer_integration.gpt.launch --replicas 2 ...``, through its
     `main` in this process; its output goes to the test's captured output."""
@@ -104,7 +85,7 @@ def _launch(run, steps: int, *extra: str, returncode: int = 0):
     argv += ["--parallel.dp_shard", "2", "--train.steps", str(steps)]
     argv += ["--checkpoint.every_steps", "4", "--run_dir", str(run)]
     argv += ["--checkpoint.root", str(run / "ckpt"), *extra]
-    with _deadline(300):
+    with deadline(300):
         code = main(argv)
     assert code == returncode, f"the launcher returned {code}; its output is captured above"
 
