@@ -25,7 +25,7 @@ import tempfile
 import time
 import zlib
 
-import harness as h
+import benchkit as h
 
 SAVE_WORLD = 4  # the sharded layout: (dp_shard=2, tp=2)
 TARGET_SLACK_MIB = 256
@@ -259,7 +259,7 @@ ru_maxrss agrees). DCP is `dcp_to_torch_save(src, out.pt)`; anyshard is the cons
 point `anyshard.cli.main(['convert', src, dst, '--to', ...])`, the gpt row with `--spec gpt
 --layout pp=1,dp=2,tp=2,...`. Wall time is the conversion alone; CPU seconds (user + sys) and bytes
 read and written (/proc/PID/io) are the whole child process's, the same counters
-(tools/harness.py) for every tool. Outputs are checked one tensor at a time outside the measured
+(tools/benchkit.py) for every tool. Outputs are checked one tensor at a time outside the measured
 processes: the `.pt` (`torch.load(mmap=True, weights_only=True)`) against the tensors regenerated
 from their seeds, the Hugging Face files (`safe_open`) and anyshard checkpoints (`anyshard.open`)
 against the `.pt`. Target: peak RSS <= 2 x largest tensor + 256 MiB, checked on the raw peak and

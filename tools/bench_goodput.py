@@ -30,7 +30,7 @@ import tempfile
 import threading
 import time
 
-import harness as h
+import benchkit as h
 
 MODES = {  # title, ranks, mesh dim of 2, heal layout, a lost node
     "restart": ("(a) whole-group restart", "4: pp=2 x dp_shard=2", None, None, False),
@@ -92,7 +92,7 @@ def train(run_dir: str, args: list[str], *, nproc: int, restarts: int = 0, fault
           launcher: str = "warm") -> dict:  # fmt: skip
     """Run the reference trainer, ``nproc`` ranks (per replica group with ``--replicas``), and
     ``args`` (launcher and trainer options); ``faults``: ANYSHARD_FAULTS. The harness's counters
-    of the job (`harness.run_process`), rank 0's losses and events (of the group that logged
+    of the job (`benchkit.run_process`), rank 0's losses and events (of the group that logged
     the most steps), the faults logged and the rank processes seen (`RankWatch`)."""
     cmd = [sys.executable, "-m", "anyshard.trainer_integration.gpt.launch"]
     if launcher == "torchrun":
@@ -139,7 +139,7 @@ def report(args, argv, tool: str, name: str, run: str, blocks: list, load: h.Run
            data=None) -> None:  # fmt: skip
     """Print ``blocks`` (lines, and ``(head, rows)`` tables) as text; with ``--write-docs`` the
     docs section ``name`` (a new one ``under`` that heading): ``heading``,
-    `harness.docs_header`, the blocks in markdown; with ``--json`` ``data``."""
+    `benchkit.docs_header`, the blocks in markdown; with ``--json`` ``data``."""
     for markdown in (False, True):
         text = [b if isinstance(b, str) else h.table(*b, markdown=markdown) for b in blocks]
         if not markdown:

@@ -5,7 +5,7 @@ The reference GPT (one process; weights, rank-``--rank`` LoRA adapters on wq, wk
 w2, w3 and data from ``--seed``) is fine-tuned with AdamW on the adapters, a sync save every
 step into ``Checkpointer(root, keep_last=2)``: full, incremental with the base declared
 ``frozen``, incremental hashing every shard. Per save: its step directory's bytes and the
-harness's counters. Loads of the last step into a preallocated state: `harness.paired`, each
+harness's counters. Loads of the last step into a preallocated state: `benchkit.paired`, each
 checked bit-exact (``--cold``: page cache dropped before disk loads). Disk: ``anyshard ls``.
 
     python tools/bench_incremental.py --dim 2048 --ffn 5632 --write-docs
@@ -21,7 +21,7 @@ import shutil
 import sys
 import tempfile
 
-import harness as h
+import benchkit as h
 import torch
 from bench_goodput import report
 from torch import nn
@@ -100,7 +100,7 @@ def train(kind: str, root: str, args) -> dict:
 
 
 def loads(runs: dict, where: str, args, records: h.Records) -> dict[str, list[dict]]:
-    """`harness.paired` loads of each kind's last step into a preallocated zeroed state."""
+    """`benchkit.paired` loads of each kind's last step into a preallocated zeroed state."""
     import anyshard
 
     targets = {k: {p: {n: torch.zeros_like(v) for n, v in r["final"][p].items()}

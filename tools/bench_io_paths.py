@@ -26,7 +26,7 @@ import shutil
 import sys
 import tempfile
 
-import harness as h
+import benchkit as h
 import torch
 
 ROW = 2048  # fp32 elements per row: 8 KiB rows, 4 KiB half rows
@@ -209,7 +209,7 @@ METHOD = """Method: see the module docstring of the tool. Reads: the first tenso
 half of every row of the second (4 KiB runs, 4 KiB gaps), 3/4 of the file, into preallocated
 destinations (on S3: the second tensor in 8 blocks with equal gaps). MiB/s counts the bytes the
 plan needs (reads) or the file's tensor bytes (writes). CPU s: user + sys of the process, all
-threads; bytes: /proc/self/io deltas; the same counters (tools/harness.py) for every system."""
+threads; bytes: /proc/self/io deltas; the same counters (tools/benchkit.py) for every system."""
 
 
 def main(argv: list[str] | None = None) -> int:

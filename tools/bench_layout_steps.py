@@ -15,7 +15,7 @@ import statistics
 import sys
 import tempfile
 
-import harness as h
+import benchkit as h
 from bench_goodput import report, step_times, train
 
 

@@ -6,7 +6,7 @@ Per world size in ``--ranks``, N gloo ranks save a ``--mib`` MiB state (fp32 ten
 from ``--seed``, sharded on dim 0) to SeaweedFS on 127.0.0.1 with anyshard and with DCP's
 ``FsspecWriter``, then load it replicated on every rank: anyshard reading once, anyshard with
 ``read_once=False``, DCP's ``FsspecReader``; ``--reps`` times in rotated order, each checked
-bit-exact. Time: the slowest rank from a common barrier (`harness.measure_ranks`). Bytes: one
+bit-exact. Time: the slowest rank from a common barrier (`benchkit.measure_ranks`). Bytes: one
 counter for every system, what the server sent during the load, counted by a TCP relay in
 front of it that all requests go through.
 
@@ -24,7 +24,7 @@ import socket
 import sys
 import threading
 
-import harness as h
+import benchkit as h
 from bench_goodput import report
 
 SYSTEMS = ("anyshard, read once", "anyshard, every rank reads", "DCP (fsspec)")

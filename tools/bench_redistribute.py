@@ -6,7 +6,7 @@ network floor.
 tp=4: ``redistribute`` (reused plan, or a new one), save + load through /dev/shm (anyshard, DCP),
 ``DTensor.redistribute``, and the floor (the bytes each rank pair exchanges, prepacked, posted at
 once; ``floor+local`` adds a copy of what a rank keeps). After a warm-up, ``--reps`` rounds in
-rotated order, each operation measured from a common barrier (harness.measure on every rank),
+rotated order, each operation measured from a common barrier (benchkit.measure on every rank),
 checked bit-exact outside it; bytes received set against the minimum from global offsets.
 
     python tools/bench_redistribute.py --gib 1 --reps 3 --write-docs
@@ -23,7 +23,7 @@ import sys
 import tempfile
 import zlib
 
-import harness as h
+import benchkit as h
 from bench_goodput import report
 from bench_reshard import digest, model_spec, placements_for
 

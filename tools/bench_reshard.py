@@ -27,8 +27,8 @@ import zlib
 from collections import Counter
 from functools import partial
 
-import harness as h
-from harness import GiB, MiB, reset_hwm, status_kib  # noqa: F401  (bench_redistribute's imports)
+import benchkit as h
+from benchkit import GiB, MiB, reset_hwm, status_kib  # noqa: F401  (bench_redistribute's imports)
 
 WORLD, TARGETS = 4, ("tp4", "dp4")
 SYSTEMS = ("floor", "anyshard", "dcp", "dcp_any")
@@ -60,7 +60,7 @@ VM host's cache survives drop_caches). On tmpfs each system saves, loads twice a
 checkpoint before the next begins, so that tmpfs holds one checkpoint at a time. Every load is
 compared bit-exact (BLAKE2b digest of each shard's bytes against the expected shard's) outside the
 timed region. Every operation is measured on every rank with the same counters
-(tools/harness.py), from a common barrier. Times: the slowest rank, median [min-max] over the
+(tools/benchkit.py), from a common barrier. Times: the slowest rank, median [min-max] over the
 repetitions. Bytes are per-rank /proc/self/io deltas (worst rank): `rchar` (bytes requested from
 the kernel), and for the disk regime `read_bytes` from the block device in parentheses; save rows
 show `wchar` (bytes written). RSS+ is the peak VmRSS during the operation minus VmRSS just before
@@ -179,7 +179,7 @@ def summarize_profile(path: str, top: int = 18) -> str:
         st.sort_stats("tottime").print_stats(top)
         st.sort_stats("cumulative").print_stats(top)
         return f"cProfile {os.path.basename(path)} (main thread only):\n" + s.getvalue()
-    plumbing = re.compile(r"multiprocessing/|bench_reshard|harness|<string>|threading|futures/")
+    plumbing = re.compile(r"multiprocessing/|bench_reshard|benchkit|<string>|threading|futures/")
     own, incl = Counter(), Counter()
     for line in open(path):
         stack, _, n = line.rstrip("\n").rpartition(" ")

@@ -24,7 +24,7 @@ import tempfile
 import time
 import uuid
 
-import harness as h
+import benchkit as h
 import torch
 
 HEADING = "## Storage: async save and S3 throughput (`tools/bench_storage.py`)"
@@ -58,7 +58,7 @@ Best raw variant is the baseline; anyshard and raw alternate first; objects dele
 repetition. Diagnostics (first repetition only, not baselines): the same bytes as ONE object,
 written with `open(path, 'wb', block_size=32 MiB)` and read with `cat_ranges` in 16 MiB ranges,
 i.e. the layout of anyshard's data file (one object per process). Every operation is measured with
-the same counters (tools/harness.py): wall, CPU seconds of this process (all threads) and of the
+the same counters (tools/benchkit.py): wall, CPU seconds of this process (all threads) and of the
 server's processes. Figures are medians over the repetitions; MiB/s counts the tensor bytes."""
 
 

@@ -20,7 +20,7 @@ import re
 import subprocess
 import sys
 
-import harness as h
+import benchkit as h
 
 TEST = "tests/unit/test_crash_safety.py"
 LINE = re.compile(r"^(\w+): (\d+) kills in ([\d.]+)s; newest commit (\w+)(?:; where: (\{.*\}))?$")

@@ -557,7 +557,7 @@ def _stop(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> int:
-    import harness as h  # here: importing this tool leaves "harness" to tests/dist/harness.py
+    import benchkit as h
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mutations", type=int, default=2000)

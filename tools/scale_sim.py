@@ -262,7 +262,7 @@ reads). Commit check: rank 0's check that every rank's shards are listed."""
 
 
 def main(argv: list[str] | None = None) -> int:
-    import harness as h  # here: importing this tool leaves "harness" to tests/dist/harness.py
+    import benchkit as h
 
     doc = __doc__.split("\n\n")
     p = argparse.ArgumentParser(description=doc[0], epilog=doc[1], formatter_class=RAW)

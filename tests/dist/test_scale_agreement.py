@@ -13,7 +13,7 @@ from anyshard.format.manifest import read_manifest
 
 HERE = os.path.dirname(__file__)
 TASKS = os.path.join(HERE, "_scale_tasks.py")
-sys.path.append(os.path.join(HERE, "..", "..", "tools"))  # after tests/dist: its harness.py
+sys.path.append(os.path.join(HERE, "..", "..", "tools"))  # after tests/dist
 sys.path.insert(0, HERE)
 
 import _scale_tasks as tasks  # noqa: E402

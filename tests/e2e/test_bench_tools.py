@@ -159,15 +159,15 @@ def test_bench_storage_local_async_saves_load_back_bit_exact(tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("bench-")] == []
 
 
-def _harness():
+def _benchkit():
     sys.path.insert(0, os.path.join(ROOT, "tools"))
-    import harness
+    import benchkit
 
-    return harness
+    return benchkit
 
 
 def test_harness_meter_counts_the_bytes_written_and_read_and_the_memory_touched(tmp_path):
-    h = _harness()
+    h = _benchkit()
     path, data = tmp_path / "f", os.urandom(3 << 20)
 
     def write() -> None:
@@ -184,7 +184,7 @@ def test_harness_meter_counts_the_bytes_written_and_read_and_the_memory_touched(
 
 
 def test_harness_run_process_takes_the_childs_counters(tmp_path):
-    h = _harness()
+    h = _benchkit()
     code = (
         "import os; b = bytearray(96 << 20); open(os.sys.argv[1], 'wb').write(os.urandom(1 << 20))"
     )
@@ -210,7 +210,7 @@ def _rank_fails(rank: int, world: int) -> None:
 
 
 def test_harness_run_ranks_gathers_and_names_a_failed_rank():
-    h = _harness()
+    h = _benchkit()
     assert h.run_ranks(_rank_value, 2, 10) == [21, 21]
     try:
         h.run_ranks(_rank_fails, 2)
@@ -221,7 +221,7 @@ def test_harness_run_ranks_gathers_and_names_a_failed_rank():
 
 
 def test_harness_paired_alternates_and_records_each_measurement(tmp_path):
-    h = _harness()
+    h = _benchkit()
     order: list[str] = []
     rec = h.Records(str(tmp_path / "m.jsonl"), "t")
     systems = {"a": lambda: order.append("a"), "b": lambda: order.append("b")}
@@ -234,7 +234,7 @@ def test_harness_paired_alternates_and_records_each_measurement(tmp_path):
 
 
 def test_harness_write_section_replaces_only_its_markers(tmp_path):
-    h = _harness()
+    h = _benchkit()
     doc = tmp_path / "b.md"
     doc.write_text("# B\n\nintro\n\n## Tool\n\ntail\n")
     h.write_section(str(doc), "tool", ["one"], heading="## Tool")

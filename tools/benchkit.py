@@ -1,6 +1,6 @@
 """What the benchmarks in tools/ share: measuring, spawning ranks, repeating, reporting.
 
-A tool imports it as ``import harness``. `Meter`/`measure` take the same counters for every
+A tool imports it as ``import benchkit``. `Meter`/`measure` take the same counters for every
 system: wall and CPU seconds (user + sys of this process, all threads, and its waited children;
 optionally of other processes, e.g. a server), the /proc/self/io counters `IO_KEYS` and the peak
 RSS (VmHWM after a reset through /proc/self/clear_refs; a 2 ms VmRSS sampler thread where the
