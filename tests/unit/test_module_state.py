@@ -164,6 +164,7 @@ def test_axis_groups_of_a_collected_group_are_never_handed_to_a_new_one_at_its_a
     monkeypatch.setattr(spec_state.dist, "new_group", new_group)
     monkeypatch.setattr(spec_state.dist, "get_global_rank", lambda group, r: r)
     lay = SimpleNamespace(sizes={"dp": 2, "tp": 2})
+    kept_before = len(spec_state._GROUPS)
     old = _Group()
     first = spec_state.axis_group(lay, "tp", {"dp": 1, "tp": 0}, old)
     assert first[1] == (2, 3) and len(made) == 2  # one group per dp coordinate
@@ -171,11 +172,14 @@ def test_axis_groups_of_a_collected_group_are_never_handed_to_a_new_one_at_its_a
     # many groups dropped, then many made: some of the new ones sit at addresses of old ones
     olds = [_Group() for _ in range(300)]
     before = {id(g): spec_state.axis_group(lay, "tp", {"dp": 1, "tp": 0}, g) for g in olds}
+    assert len(spec_state._GROUPS) == kept_before + 301
     del olds, old
     gc.collect()
+    # a collected group leaves nothing behind that an object at its address could find
+    assert len(spec_state._GROUPS) == kept_before
     news = [_Group() for _ in range(600)]
+    # where the interpreter does reuse an address (it usually does, not always), check it
     reused = [g for g in news if id(g) in before]
-    assert reused, "the interpreter reused no address; nothing to check"
     for g in reused:
         got = spec_state.axis_group(lay, "tp", {"dp": 1, "tp": 0}, g)
         assert got is not before[id(g)] and got[1] == (2, 3)  # made anew, not a stale hit
