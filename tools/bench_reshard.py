@@ -1,15 +1,10 @@
 """Reshard benchmark: anyshard vs torch.distributed.checkpoint (DCP) vs the physical floor.
 
-Run (a few minutes on 2 cores; writes its section of docs/benchmarks.md):
-
     python tools/bench_reshard.py --write-docs                    # smoke test: --quick
     python tools/bench_reshard.py --regimes tmpfs --reps 3 --no-verify   # loads without checks
     python tools/bench_reshard.py --profile pyspy                 # or cprofile: one anyshard rank
 
-4 gloo ranks on CPU hold a deterministic transformer-like state of ``--gib`` GiB fp32 as DTensors
-on a (dp_shard=2, tp=2) mesh, and per regime (the real disk, page cache dropped before every
-operation; /dev/shm) and repetition, systems in rotated order, each system saves it and loads it
-into a tp=4 and a dp_shard=4 mesh. The method, as written into the docs, is `METHOD` below.
+A few minutes on 2 cores. The method, as written into the docs, is `METHOD` below.
 """
 
 from __future__ import annotations
@@ -28,7 +23,7 @@ from collections import Counter
 from functools import partial
 
 import benchkit as h
-from benchkit import GiB, MiB, reset_hwm, status_kib  # noqa: F401  (bench_redistribute's imports)
+from benchkit import GiB, MiB
 
 WORLD, TARGETS = 4, ("tp4", "dp4")
 SYSTEMS = ("floor", "anyshard", "dcp", "dcp_any")
@@ -333,10 +328,8 @@ def summarize(data: dict) -> list[dict]:
     for row in rows.values():
         for s in SYSTEMS:
             reps = row[s]
-            worst = {k: [max(r[k] for r in x["ranks"]) for x in reps] for k in h.IO_KEYS}
-            worst |= {
-                k: [max(r[k] for r in x["ranks"]) for x in reps] for k in ("wall_s", "rss_over")
-            }
+            keys = (*h.IO_KEYS, "wall_s", "rss_over")
+            worst = {k: [max(r[k] for r in x["ranks"]) for x in reps] for k in keys}
             row[s] = {k: h.spread(v)["median"] for k, v in worst.items()}
             row[s]["times"] = [round(t, 3) for t in worst["wall_s"]]
             row[s]["time"], row[s]["rss_over"] = row[s].pop("wall_s"), max(worst["rss_over"])
@@ -347,10 +340,8 @@ def summarize(data: dict) -> list[dict]:
 
 
 def cpu_line(rows: list[dict]) -> str:
-    per_op = (
-        f"{r['regime']} {r['op']} " + " ".join(f"{LABELS[s]}={r[s]['cpu']:.2f}" for s in SYSTEMS)
-        for r in rows
-    )
+    cpu = lambda r: " ".join(f"{LABELS[s]}={r[s]['cpu']:.2f}" for s in SYSTEMS)  # noqa: E731
+    per_op = (f"{r['regime']} {r['op']} {cpu(r)}" for r in rows)
     return "CPU seconds, all ranks together (user + sys, median repetition): " + "; ".join(per_op)
 
 
@@ -371,13 +362,10 @@ def table(rows: list[dict], markdown: bool) -> str:
         f, a, d, da = (r[s] for s in SYSTEMS)
         bad = {s: r[s]["bad"][:2] for s in SYSTEMS if r[s]["bad"]}
         exact = "yes" if not bad else f"NO: {bad}"
-        ratios = [
-            f"{x['time'] / y['time']:.2f}" if y["time"] else "-"
-            for x, y in ((a, f), (a, d), (da, d))
-        ]
-        body.append(
-            [r["regime"], r["op"], *(h.fmt_spread(x["times"]) for x in (f, a, d, da)), *ratios]
-        )
+        pairs = ((a, f), (a, d), (da, d))
+        ratios = [f"{x['time'] / y['time']:.2f}" if y["time"] else "-" for x, y in pairs]
+        times = (h.fmt_spread(x["times"]) for x in (f, a, d, da))
+        body.append([r["regime"], r["op"], *times, *ratios])
         body[-1] += [_moved(a, r), _moved(d, r), f"{r['target_bytes'] / MiB:.0f}"]
         body[-1] += [f"{a['rss_over'] / MiB:.0f}", f"{d['rss_over'] / MiB:.0f}"]
         body[-1] += [exact if r["op"].startswith("load") else "-"]
@@ -399,10 +387,9 @@ def check_targets(rows: list[dict]) -> list[tuple[str, bool | None, str]]:
             out.append((f"{name}anyshard bytes read (rchar) <= {text}", a["rchar"] <= lim, detail))
         if kind == "load" and r["regime"] == "disk":  # informational: readahead, code pages
             detail = f"{a['read_bytes'] / MiB:.1f} MiB vs {r['target_bytes'] / MiB:.1f} MiB"
+            detail += f" (DCP {d['read_bytes'] / MiB:.1f} MiB)"
             what = "anyshard device bytes (read_bytes; readahead and code pages included)"
-            out.append(
-                (f"{name}{what} vs target", None, f"{detail} (DCP {d['read_bytes'] / MiB:.1f} MiB)")
-            )
+            out.append((f"{name}{what} vs target", None, detail))
         ok = a["rss_over"] <= RSS_TARGET_MIB * MiB
         rss = f"{a['rss_over'] / MiB:.0f} MiB"
         out.append((f"{name}anyshard peak RSS over target <= {RSS_TARGET_MIB} MiB", ok, rss))
@@ -424,19 +411,15 @@ def block_devices() -> list[str]:
     except (OSError, subprocess.SubprocessError):
         return []
     disks = [" ".join(ln.split()) for ln in out.splitlines()[1:] if not ln.startswith("zram")]
-    vm = any(d.startswith("vd") for d in disks)
     line = "- block devices (lsblk NAME SIZE ROTA TYPE MODEL): " + "; ".join(
         f"`{d}`" for d in disks
     )
-    return [
-        line
-        + (
+    if any(d.startswith("vd") for d in disks):
+        line += (
             " -- a virtio disk of a VM (ROTA is what the guest is told; the host's backing "
             "store and its cache are unknown, so disk numbers include the host's behaviour)"
-            if vm
-            else ""
         )
-    ]
+    return [line]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -462,11 +445,9 @@ def main(argv: list[str] | None = None) -> int:
     drop = h.drop_cache(dirs["disk"]) if "disk" in dirs else "n/a"
     spec = model_spec(args.gib)
     total = sum(4 * math.prod(s) for _, s, _ in spec)
-    print(
-        f"state: {total / GiB:.3f} GiB fp32 in {len(spec)} tensors; {WORLD} gloo ranks; "
-        f"{args.reps} repetition(s)\n"
-        + "\n".join(f"{r}: {d} on {h.fs_type(d)}" for r, d in dirs.items())
-    )
+    print(f"state: {total / GiB:.3f} GiB fp32 in {len(spec)} tensors; {WORLD} gloo ranks; "
+          f"{args.reps} repetition(s)")  # fmt: skip
+    print("\n".join(f"{r}: {d} on {h.fs_type(d)}" for r, d in dirs.items()))
     if "disk" in dirs:
         print(f"page cache: dropped before every disk-regime operation with {drop}")
     cfg = vars(args) | {"regimes": list(dirs.items()), "verify": not args.no_verify}
@@ -483,16 +464,12 @@ def main(argv: list[str] | None = None) -> int:
             records.add(r, regime=rec["regime"], op=rec["op"], system=rec["system"], rank=rank)
     rows = summarize(data)
     checks = check_targets(rows)
-    times = (
-        f"{r['regime']} {r['op']} " + " ".join(f"{s}={r[s]['times']}" for s in SYSTEMS)
-        for r in rows
-    )
+    each = lambda r: " ".join(f"{s}={r[s]['times']}" for s in SYSTEMS)  # noqa: E731
+    times = (f"{r['regime']} {r['op']} {each(r)}" for r in rows)
     print(f"\n{note}\n\n{table(rows, markdown=False)}\n")
-    print(
-        "MiB/rank: loads: rchar (read_bytes from the device, disk regime); saves: wchar. Worst rank,"
-        " median rep.\nRSS+: peak VmRSS during the operation minus VmRSS before it (targets "
-        "allocated), worst rank and rep."
-    )
+    print("MiB/rank: loads: rchar (read_bytes from the device, disk regime); saves: wchar. Worst "
+          "rank, median rep.\nRSS+: peak VmRSS during the operation minus VmRSS before it "
+          "(targets allocated), worst rank and rep.")  # fmt: skip
     print("per-repetition times (slowest rank): " + "; ".join(times))
     print(cpu_line(rows) + "\n\ntargets:\n" + "\n".join(h.check_lines(checks, "  ")))
     h.dump_json(args.json, {"rows": rows, "checks": checks, "data": data})
@@ -504,10 +481,8 @@ def main(argv: list[str] | None = None) -> int:
             "drop_caches": " (`sync; echo 3 > /proc/sys/vm/drop_caches`)",
             "fadvise": " (fsync + `posix_fadvise(POSIX_FADV_DONTNEED)` on every file)",
         }
-        run = (
-            f"{data['total_bytes'] / GiB:.2f} GiB fp32 in {data['tensors']} tensors, "
-            f"{args.reps} repetitions, median [min-max] of the slowest rank"
-        )
+        run = (f"{data['total_bytes'] / GiB:.2f} GiB fp32 in {data['tensors']} tensors, "
+               f"{args.reps} repetitions, median [min-max] of the slowest rank")  # fmt: skip
         section = [HEADING, "", *h.docs_header(__file__, argv, run, dirs, note), *block_devices()]
         section += [f"- page cache before each disk-regime operation: {drop}{how.get(drop, '')}"]
         section += ["", METHOD, "", table(rows, markdown=True), "", cpu_line(rows) + "."]

