@@ -22,7 +22,7 @@ import sys
 import tempfile
 
 import benchkit as h
-from bench_goodput import report, step_times, train
+from bench_goodput import step_times, train
 
 MODES = {
     "sync": ["--checkpoint.async_", "false"],
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{' '.join(args.trainer) or '-'}")  # fmt: skip
     heading = "## Async saves that do not stall a step (`tools/bench_async_blocking.py`)"
     dirs = {r: BASES[r] for r in roots if r in BASES}
-    report(args, argv, __file__, "async_blocking", text, [(head, rows)], load, heading=heading,
+    h.report(args, argv, __file__, "async_blocking", text, [(head, rows)], load, heading=heading,
            dirs=dirs, data=records.rows)  # fmt: skip
     return 0
 

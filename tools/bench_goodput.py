@@ -134,25 +134,6 @@ def restarted(run: dict) -> list[int]:
     return out
 
 
-def report(args, argv, tool: str, name: str, run: str, blocks: list, load: h.RunLoad,
-           heading: str | None = None, under: str | None = None, dirs: dict | None = None,
-           data=None) -> None:  # fmt: skip
-    """Print ``blocks`` (lines, and ``(head, rows)`` tables) as text; with ``--write-docs`` the
-    docs section ``name`` (a new one ``under`` that heading): ``heading``,
-    `benchkit.docs_header`, the blocks in markdown; with ``--json`` ``data``."""
-    for markdown in (False, True):
-        text = [b if isinstance(b, str) else h.table(*b, markdown=markdown) for b in blocks]
-        if not markdown:
-            print("\n\n".join([run, *text]), flush=True)
-        elif args.write_docs:
-            section = [heading, ""] if heading else []
-            section += h.docs_header(tool, argv, run, dirs, load.note())
-            section += ["", *"\n\n".join(text).split("\n")]
-            h.write_section(args.write_docs, name, section, heading=under)
-            print(f"\nwrote {args.write_docs}")
-    h.dump_json(args.json, data)
-
-
 def job(args, mode: str, kind: str, run_dir: str) -> dict:
     """One run of ``mode``: ``kind`` "clean" (no fault), "faulty", or "switch" (no fault, group
     1 switching to the heal layout at the first fault's step)."""
@@ -365,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     run = (f"{args.steps} steps, {ckpt} checkpoint every {args.every}, faults at steps "
            f"{args.fault_steps}, launcher {args.launcher}, heartbeat {args.heartbeat_ms} ms, "
            f"trainer seed {args.seed}, trainer options {' '.join(args.trainer)}")  # fmt: skip
-    report(args, argv, __file__, "goodput", run, blocks, load, data=records.rows)
+    h.report(args, argv, __file__, "goodput", run, blocks, load, data=records.rows)
     return 0
 
 

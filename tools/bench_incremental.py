@@ -23,7 +23,6 @@ import tempfile
 
 import benchkit as h
 import torch
-from bench_goodput import report
 from torch import nn
 
 TARGETS = {"bytes": 5.0, "save": 10.0, "load": 1.05}  # % of full, % of full, x full
@@ -187,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     blocks += [f"What the root holds at the end ({roots[0]}, {KINDS[1]}):"]
     blocks += [(["step", "state", "owns MiB", "references MiB"], disk)]
     heading = "## Incremental checkpoints in LoRA fine-tuning (`tools/bench_incremental.py`)"
-    report(args, argv, __file__, "incremental", run, blocks, load, heading=heading,
+    h.report(args, argv, __file__, "incremental", run, blocks, load, heading=heading,
            dirs={r: BASES[r] for r in roots}, data=records.rows)  # fmt: skip
     return 0
 

@@ -16,7 +16,7 @@ import sys
 import tempfile
 
 import benchkit as h
-from bench_goodput import report, step_times, train
+from bench_goodput import step_times, train
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     run += f", trainer options {' '.join(extra) or '-'}"
     under = "## Step time of each 2-rank layout (`tools/bench_layout_steps.py`)"
     blocks = [(head, rows)]
-    report(args, argv, __file__, "layout_steps", run, blocks, load, under=under, data=records.rows)
+    h.report(
+        args, argv, __file__, "layout_steps", run, blocks, load, under=under, data=records.rows
+    )
     return 0
 
 

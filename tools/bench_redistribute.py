@@ -24,7 +24,6 @@ import tempfile
 import zlib
 
 import benchkit as h
-from bench_goodput import report
 from bench_reshard import digest, model_spec, placements_for
 
 OURS = ("redistribute", "redistribute, new plan")
@@ -297,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     blocks = [(head, rows), "Targets:\n\n" + "\n".join(h.check_lines(checks))]
     heading = "## Live resharding: redistribute vs storage round trips "
     heading += "(`tools/bench_redistribute.py`)"
-    report(args, argv, __file__, "bench_redistribute", run, blocks, load, heading=heading,
+    h.report(args, argv, __file__, "bench_redistribute", run, blocks, load, heading=heading,
            data=data)  # fmt: skip
     return 1 if any("MISMATCH" in r[2] for r in rows) else 0
 

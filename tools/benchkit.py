@@ -9,7 +9,7 @@ reset is refused, its own reads taken out of ``rchar``); `run_process` the same 
 `rotations`/`paired` alternate systems (A B, B A, ...) so that each pair sees the same machine
 state; `spread`/`fmt_spread`: median with min/max. `Records`: one JSON line per measurement;
 `table`, `write_section` (``<!-- name:begin -->``/``<!-- name:end -->``), `machine_lines`,
-`RunLoad`, `check_lines`: the report.
+`RunLoad`, `check_lines`, `report`: the report.
 """
 
 from __future__ import annotations
@@ -417,6 +417,25 @@ def docs_header(tool: str, argv: Sequence[str] | None, run: str, dirs: dict | No
     return [command, "", "Machine:", "", *machine_lines(dirs), f"- {note}"]
 
 
+def report(args, argv, tool: str, name: str, run: str, blocks: list, load: RunLoad,
+           heading: str | None = None, under: str | None = None, dirs: dict | None = None,
+           data=None) -> None:  # fmt: skip
+    """Print ``blocks`` (lines, and ``(head, rows)`` tables) as text; with ``--write-docs`` the
+    docs section ``name`` (a new one ``under`` that heading): ``heading``, `docs_header`, the
+    blocks in markdown; with ``--json`` ``data``."""
+    for markdown in (False, True):
+        text = [b if isinstance(b, str) else table(*b, markdown=markdown) for b in blocks]
+        if not markdown:
+            print("\n\n".join([run, *text]), flush=True)
+        elif args.write_docs:
+            section = [heading, ""] if heading else []
+            section += docs_header(tool, argv, run, dirs, load.note())
+            section += ["", *"\n\n".join(text).split("\n")]
+            write_section(args.write_docs, name, section, heading=under)
+            print(f"\nwrote {args.write_docs}")
+    dump_json(args.json, data)
+
+
 def version(dist: str) -> str:
     """The installed version of a distribution, or ``?``."""
     from importlib.metadata import version as v
@@ -439,14 +458,12 @@ def fs_type(path: str) -> str:
 
 def git_state() -> str:
     """The commit of the library measured, and which of its files differ from it."""
-    git = ["git", "-C", ROOT]
+
+    def git(*words: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", ROOT, *words], capture_output=True, text=True)
+
     try:
-        head = subprocess.run(
-            [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        )
-        dirty = subprocess.run(
-            [*git, "status", "--porcelain", "anyshard"], capture_output=True, text=True
-        )
+        head, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "anyshard")
     except (OSError, subprocess.SubprocessError):
         return "commit unknown"
     changed = [ln[3:] for ln in dirty.stdout.splitlines() if ln.strip()]
