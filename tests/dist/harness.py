@@ -3,7 +3,9 @@
 Workers are spawned once per pool and join one process group through a FileStore (tests/conftest.py
 shares one pool of each size between the test modules of a session); each task runs a top-level
 function of a test module on every rank, with a timeout, and leaves the workers' environment
-variables as it found them. After a task failed or timed out, the next module that asks for a
+variables and process groups as it found them: the groups a task's meshes created are destroyed
+when it returns (each gloo group keeps threads that poll; a session's worth of them in every
+worker cost the machine a core). After a task failed or timed out, the next module that asks for a
 pool gets a fresh one. ``init=False`` spawns bare workers that join no process group
 (each task sets up its own), for tests of several torch.distributed worlds.
 """
@@ -19,6 +21,8 @@ import time
 import traceback
 from typing import Any
 
+from anyshard._compat import clear_dtensor_sharding_cache, process_groups
+
 _CTX = mp.get_context("spawn")
 
 
@@ -31,6 +35,22 @@ def _import(path: str):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def _release_groups_since(before: set) -> None:
+    """Destroy the process groups created since ``before`` (the default group stays), and free
+    them: a destroyed gloo group's threads end when its last reference goes."""
+    import gc
+
+    import torch.distributed as dist
+
+    new = [g for g in process_groups() - before if g is not dist.GroupMember.WORLD]
+    for group in new:
+        dist.destroy_process_group(group)
+    if new:
+        clear_dtensor_sharding_cache()
+        del group, new
+        gc.collect()
 
 
 def _worker(rank: int, world: int, store_path: str | None, tasks, results) -> None:
@@ -48,6 +68,7 @@ def _worker(rank: int, world: int, store_path: str | None, tasks, results) -> No
             break
         path, fn, args = task
         env = dict(os.environ)
+        groups = process_groups()
         try:
             out = getattr(_import(path), fn)(*args)
             results.put((rank, True, out))
@@ -56,6 +77,7 @@ def _worker(rank: int, world: int, store_path: str | None, tasks, results) -> No
         finally:  # a task's AWS_* or LOCAL_RANK do not reach the next module's tasks
             os.environ.clear()
             os.environ.update(env)
+            _release_groups_since(groups)
     if store_path is not None:
         dist.destroy_process_group()
 
