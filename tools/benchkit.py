@@ -380,10 +380,12 @@ def today() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%d")
 
 
-def parser(doc: str, reps: int = 0, quick: str = "", dirs: bool = False) -> argparse.ArgumentParser:
+def parser(
+    doc: str, reps: int = 0, quick: str = "", dirs: bool = False, records: bool = True
+) -> argparse.ArgumentParser:
     """A parser described by the first paragraph of ``doc``, with the flags the benchmarks share:
     ``--reps`` (default ``reps``), ``--quick`` (its help: ``quick``, what it sets), ``--disk-dir``
-    and ``--tmpfs-dir`` (``dirs``), and `add_output_args`."""
+    and ``--tmpfs-dir`` (``dirs``), and `add_output_args` (``--json``/``--jsonl`` if ``records``)."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     if reps:
         p.add_argument("--reps", type=int, default=reps, help=f"repetitions ({reps}; median kept)")
@@ -392,13 +394,15 @@ def parser(doc: str, reps: int = 0, quick: str = "", dirs: bool = False) -> argp
     if dirs:
         p.add_argument("--disk-dir", default="/tmp", help="(parent) directory on the real disk")
         p.add_argument("--tmpfs-dir", default="/dev/shm", help="(parent) directory on tmpfs")
-    add_output_args(p)
+    add_output_args(p, records)
     return p
 
 
-def add_output_args(p: argparse.ArgumentParser) -> None:
-    """``--write-docs [PATH]`` (docs/benchmarks.md), ``--json PATH``, ``--jsonl PATH``."""
+def add_output_args(p: argparse.ArgumentParser, records: bool = True) -> None:
+    """``--write-docs [PATH]`` (docs/benchmarks.md); ``--json PATH``, ``--jsonl PATH``."""
     p.add_argument("--write-docs", nargs="?", const="docs/benchmarks.md", metavar="PATH")
+    if not records:
+        return
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.add_argument("--jsonl", default=None, help="also write one JSON line per measurement here")
 

@@ -13,7 +13,6 @@ the kills the tests counted and where they landed, as the files on disk tell it.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import os
 import re
@@ -32,12 +31,11 @@ landed as the files on disk tell it (`-`: none; the object-store test does not c
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = h.parser(__doc__, records=False)
     p.add_argument(
         "--kills", type=int, default=40, help="kills per mode: async, tiered, incremental"
     )
     p.add_argument("--seed", type=int, default=20240611, help="the kills' seed (the suite's)")
-    p.add_argument("--write-docs", nargs="?", const="docs/benchmarks.md", metavar="PATH")
     args = p.parse_args(argv)
     print(f"seed {args.seed}, {args.kills} kills per mode", flush=True)
     env = {

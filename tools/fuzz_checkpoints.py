@@ -3,23 +3,16 @@
     python tools/fuzz_checkpoints.py --mutations 100000 --seed 0 --write-docs  # ~1.5 h, 2 cores
     python tools/fuzz_checkpoints.py --mutations 300 --seed 1                  # smoke test
 
-The seed draws the mutations: the same seed, the same run (``--only N``: mutation N of it).
-SIGINT or SIGTERM stops a run; it still reports what the mutations done found. A mutation
-damages a copy of a pristine checkpoint (anyshard: plain, with a UCL spec, an incremental step;
-DCP; Hugging Face) once: the manifest as JSON (a value replaced by a hostile one, a key removed)
-or as bytes (a flipped bit, a cut), the spec's text, a data file's header as JSON or bytes,
-DCP's ``.metadata`` (paths, offsets, lengths, chunks; bytes), a Hugging Face header, or one bit
-of tensor data. Every entry point is called on it: ``anyshard.open`` (keys, metadata, values,
-each tensor whole and in part), ``anyshard.load`` here and in ``--procs`` gloo processes
-(DTensors, uneven and empty shards included; spec-local tensors), ``verify_checkpoint``, the
-CLI's ``inspect`` and ``convert``. Recorded: every exception but an ``AnyshardError`` (the
-CLI's exit code 3), every call over 5 s or growing the peak RSS by 1 GiB, and the reads after a
-flipped data bit that returned a wrong value without an error.
+The seed draws the mutations (``--only N``: mutation N of it alone); SIGINT or SIGTERM stops a
+run, which still reports. A mutation damages a copy of a pristine checkpoint (anyshard: plain,
+with a UCL spec, an incremental step; DCP; Hugging Face) once (`KINDS`), then every entry point is
+called on it (`run_entry_points`; `LoadPool`: loads in ``--procs`` gloo processes). Recorded:
+every exception but an ``AnyshardError`` (the CLI's exit code 3), every call over 5 s or growing
+the peak RSS by 1 GiB, and the reads after a flipped data bit that returned a wrong value.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import dataclasses
@@ -67,12 +60,16 @@ HEADING = "## Reliability: damaged and hostile checkpoints (`tools/fuzz_checkpoi
 INTRO = """Each mutation damages a copy of a small checkpoint (anyshard, with a UCL spec, DCP, Hugging Face)
 and calls every entry point on it: `anyshard.open`, `anyshard.load` (in 1 and 4 processes),
 `verify_checkpoint`, the CLI's `inspect` and `convert`. The seed draws the mutations."""
+# what a mutation damages, drawn with these weights: the manifest as JSON (a value replaced by a
+# hostile one, a key removed) or as bytes (a flipped bit, a cut), the spec's text, a data file's
+# header as JSON or bytes, DCP's .metadata (paths, offsets, lengths, chunks; bytes), a Hugging
+# Face header (JSON, bytes), or one bit of tensor data
 KINDS = {"dcp": ["dcp-metadata"] * 3 + ["dcp-bytes"], "hf": ["hf-header"] * 3 + ["hf-bytes"]}
 KINDS["anyshard"] = ["manifest-json"] * 4 + ["manifest-bytes", "header-json", "header-bytes"]
 KINDS["anyshard"] += ["data-bits"] * 3
 FILES = dict.fromkeys(["manifest-json", "manifest-bytes", "spec-text"], "manifest.json")
-FILES |= {"dcp-metadata": ".metadata", "hf-header": "model.safetensors"}
-FILES["hf-bytes"] = "model.safetensors"
+FILES |= dict.fromkeys(["hf-header", "hf-bytes"], "model.safetensors")
+FILES["dcp-metadata"] = ".metadata"
 ROWS = (
     "mutations; calls; calls refused with an `AnyshardError`",
     "exceptions other than `AnyshardError`",
@@ -389,14 +386,11 @@ def run_entry_points(f: Findings, m: Mutation, label: str, path: str, pristine, 
 def _scratch_copy(work: str, pristine: str) -> str:
     """A copy to damage of the checkpoint at ``pristine`` (with the steps beside it, which an
     incremental step references); the copy's path."""
-    case = os.path.join(work, "case")
+    case, name = os.path.join(work, "case"), os.path.basename(pristine)
     shutil.rmtree(case, ignore_errors=True)
-    if os.path.basename(pristine).startswith("step-"):
-        root = os.path.join(case, os.path.basename(os.path.dirname(pristine)))
-        shutil.copytree(os.path.dirname(pristine), root)
-        return os.path.join(root, os.path.basename(pristine))
-    shutil.copytree(pristine, os.path.join(case, os.path.basename(pristine)))
-    return os.path.join(case, os.path.basename(pristine))
+    src = os.path.dirname(pristine) if name.startswith("step-") else pristine
+    shutil.copytree(src, copy := os.path.join(case, os.path.basename(src)))
+    return copy if src == pristine else os.path.join(copy, name)
 
 
 def _spec_state(pristine: dict, rank: int, world: int) -> tuple[dict, dict]:
@@ -524,12 +518,9 @@ def fuzz(mutations: int, seed: int, work: str, progress=True, only=None, procs=0
                 pool.load(f, label, name, path, m.flipped is not None)
             if progress and (i + 1) % 500 == 0:
                 rate, found = (i + 1) / (time.monotonic() - start), len(f.internal)
-                print(
-                    f"  {i + 1}/{mutations} mutations, {f.calls} calls, {found} internal, ", end=""
-                )
-                print(
-                    f"{len(f.slow)} slow, {rate:.0f}/s, peak RSS {_maxrss() >> 20} MiB", flush=True
-                )
+                line = f"  {i + 1}/{mutations} mutations, {f.calls} calls, {found} internal, "
+                line += f"{len(f.slow)} slow, {rate:.0f}/s, peak RSS {_maxrss() >> 20} MiB"
+                print(line, flush=True)
     except KeyboardInterrupt:  # SIGINT or SIGTERM: stop, and report the mutations done
         print(f"  stopped after {f.mutations} mutations", flush=True)
     finally:
@@ -559,13 +550,12 @@ def _stop(signum, frame):
 def main(argv: list[str] | None = None) -> int:
     import benchkit as h
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = h.parser(__doc__, records=False)
     p.add_argument("--mutations", type=int, default=2000)
     p.add_argument("--seed", type=int, default=0, help="draws the mutations (default: 0)")
     p.add_argument("--only", type=int, default=None, help="run mutation number N of the seed alone")
     p.add_argument("--procs", type=int, default=4, help="gloo processes that also load (0: none)")
     p.add_argument("--procs-every", type=int, default=10, help="load in them every N-th round")
-    p.add_argument("--write-docs", nargs="?", const="docs/benchmarks.md", metavar="PATH")
     args = p.parse_args(argv)
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)  # an absurd allocation: a MemoryError
     if hard == resource.RLIM_INFINITY or hard > MEMORY_CAP:  # recorded, not the OOM killer

@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", choices=("dense", "moe", "both"), default="both")
     p.add_argument("--samples", type=int, default=6, help="loading ranks sampled besides 0, N-1")
     p.add_argument("--dcp-max-n", type=int, default=1024, help="build DCP's Metadata up to N")
-    p.add_argument("--write-docs", nargs="?", const="docs/benchmarks.md", metavar="PATH")
+    h.add_output_args(p, records=False)
     args = p.parse_args(argv)
     models = {"dense": [("dense 70B", dense_70b())], "moe": [("MoE 16 experts", moe_16())]}
     chosen = models["dense"] + models["moe"] if args.model == "both" else models[args.model]
