@@ -1,16 +1,11 @@
 """Memory of converting a DCP checkpoint: ``anyshard convert`` vs DCP's ``dcp_to_torch_save``,
 peak RSS and wall time, each conversion in a fresh process.
 
-Run (3-5 minutes on 2 cores, ~7.5 GiB free under ``--dir``; writes its section of
-docs/benchmarks.md):
-
     python tools/bench_convert_memory.py --write-docs        # smoke test: --quick
 
-Per source layout (``--layouts``: ``sharded`` from 4 gloo ranks, ``whole`` from one process), a
-GPT-shaped fp32 state of at least ``--gib`` GiB is saved with ``dcp.save``; each tool
-(``--tools``) converts it in its own fresh process, its peak RSS checked against 2 x the largest
-tensor + 256 MiB and its output verified tensor by tensor. The method, as written into the docs,
-is `METHOD` below.
+3-5 minutes on 2 cores, ~7.5 GiB free under ``--dir``. Per source layout (``--layouts``), a
+GPT-shaped fp32 state of at least ``--gib`` GiB saved with ``dcp.save``; each tool (``--tools``)
+converts it. The method, as written into the docs, is `METHOD` below.
 """
 
 from __future__ import annotations
@@ -208,11 +203,9 @@ def bench_layout(layout: str, dims: dict, tools: list[str], root: str, records: 
         chunks, largest = h.in_fresh_process(dcp_chunks, src)
         info = {"save_s": time.perf_counter() - t0, "src_bytes": _du(src), "chunks": chunks}
         info |= {"largest_chunk": largest, "tools": {}}
-        print(
-            f"{layout}: DCP checkpoint {info['src_bytes'] / h.GiB:.2f} GiB, {chunks} chunks, "
-            f"largest {largest / h.MiB:.0f} MiB (saved in {info['save_s']:.1f} s)",
-            flush=True,
-        )
+        gib, mib, took = info["src_bytes"] / h.GiB, largest / h.MiB, info["save_s"]
+        print(f"{layout}: DCP checkpoint {gib:.2f} GiB, {chunks} chunks, largest {mib:.0f} MiB "
+              f"(saved in {took:.1f} s)", flush=True)  # fmt: skip
         for tool in ["dcp"] + [t for t in tools if t != "dcp"]:  # the .pt is every check's oracle
             dst = pt if tool == "dcp" else os.path.join(work, f"out-{tool}")
             r = convert(tool, src, dst, layout_arg, work)
@@ -221,12 +214,9 @@ def bench_layout(layout: str, dims: dict, tools: list[str], root: str, records: 
             if tool in tools:
                 info["tools"][tool] = records.add(r, layout=layout, system=tool)
             peak = f"peak {r['peak_mib']:.0f} MiB (ru_maxrss {r['maxrss_mib']:.0f})"
-            print(
-                f"  {TOOLS[tool]}: {peak}, baseline {r['baseline_mib']:.0f} MiB, {r['wall_s']:.1f}"
-                f" s, CPU {r['cpu_s']:.1f} s; output {r['out_bytes'] / h.GiB:.2f} GiB, "
-                + (r["problem"] or "verified"),
-                flush=True,
-            )
+            peak += f", baseline {r['baseline_mib']:.0f} MiB, {r['wall_s']:.1f} s, CPU "
+            out = f"{r['cpu_s']:.1f} s; output {r['out_bytes'] / h.GiB:.2f} GiB"
+            print(f"  {TOOLS[tool]}: {peak}{out}, {r['problem'] or 'verified'}", flush=True)
             if tool != "dcp":
                 shutil.rmtree(dst, ignore_errors=True)
     finally:
@@ -269,16 +259,14 @@ on peak - baseline."""
 def docs_section(argv, results: dict, dims: dict, largest: int, root: str, note: str) -> list:
     shapes = model_shapes(dims)
     total = sum(4 * math.prod(s) for _, s, _ in shapes)
-    how = {
-        "whole": "saved by `dcp.save(..., no_dist=True)` from one process (every tensor one chunk)"
-    }
-    how["sharded"] = f"saved by `dcp.save` from {SAVE_WORLD} gloo ranks holding DTensors on a "
+    how = {"whole": "`dcp.save(..., no_dist=True)` from one process (every tensor one chunk)"}
+    how["sharded"] = f"`dcp.save` from {SAVE_WORLD} gloo ranks holding DTensors on a "
     how["sharded"] += "(dp_shard=2, tp=2) mesh"
     run = f"{total / h.GiB:.2f} GiB fp32 in {len(shapes)} tensors, GPT-shaped: hidden "
     run += f"{dims['hidden']}, {dims['layers']} layers, ffn {dims['ffn']}, vocab {dims['vocab']}; "
     run += f"largest tensor {largest / h.MiB:.0f} MiB"
     sources = [
-        f"- `{layout}`: {how[layout]}; {info['src_bytes'] / h.GiB:.2f} GiB on disk, "
+        f"- `{layout}`: saved by {how[layout]}; {info['src_bytes'] / h.GiB:.2f} GiB on disk, "
         f"{info['chunks']} chunks, the largest {info['largest_chunk'] / h.MiB:.0f} MiB"
         for layout, info in results.items()
     ]
@@ -311,11 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     largest, load = max(sizes), h.RunLoad()
     mib, slack = largest / h.MiB, TARGET_SLACK_MIB
     target = f"2 x {mib:.0f} + {slack} = {2 * mib + slack:.0f} MiB"
-    print(
-        f"state: {sum(sizes) / h.GiB:.2f} GiB fp32 in {len(sizes)} tensors ({dims}); largest "
-        f"tensor {largest / h.MiB:.0f} MiB; target peak RSS <= {target}",
-        flush=True,
-    )
+    state = f"{sum(sizes) / h.GiB:.2f} GiB fp32 in {len(sizes)} tensors ({dims})"
+    print(f"state: {state}; largest tensor {mib:.0f} MiB; target peak RSS <= {target}", flush=True)
     records = h.Records(args.jsonl, "convert_memory")
     results = {layout: bench_layout(layout, dims, tools, args.dir, records) for layout in layouts}
     note = load.note()

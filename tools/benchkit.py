@@ -385,7 +385,7 @@ def parser(
 ) -> argparse.ArgumentParser:
     """A parser described by the first paragraph of ``doc``, with the flags the benchmarks share:
     ``--reps`` (default ``reps``), ``--quick`` (its help: ``quick``, what it sets), ``--disk-dir``
-    and ``--tmpfs-dir`` (``dirs``), and `add_output_args` (``--json``/``--jsonl`` if ``records``)."""
+    and ``--tmpfs-dir`` (``dirs``), and `add_output_args` (``--json``, ``--jsonl``: ``records``)."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     if reps:
         p.add_argument("--reps", type=int, default=reps, help=f"repetitions ({reps}; median kept)")
