@@ -45,7 +45,7 @@ def run(args, root: str, mode: str, rep: int, tmp: str) -> dict:
         ckpt = os.path.join(where, "run", "ckpt")
         steps = sorted(os.listdir(ckpt)) if os.path.isdir(ckpt) else []
         last = os.path.join(ckpt, steps[-1]) if steps else where
-        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(last) for f in fs)
+        size = h.du(last)
     finally:
         shutil.rmtree(where, ignore_errors=True)
     (end,) = [e for e in r["events"] if e["event"] == "end"]
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="the trainer's seed (initialisation, data)")
     h.add_output_args(ap)
     args, args.trainer = ap.parse_known_args(argv)
-    roots = [x.strip() for x in args.roots.split(",") if x.strip()]
+    roots = h.words(ap, "--roots", args.roots)
     systems = [("-", "no checkpoints"), *((r, m) for r in roots for m in MODES)]
     records, load = h.Records(args.jsonl, "async_blocking"), h.RunLoad()
     with tempfile.TemporaryDirectory(prefix="bench-async-") as tmp:

@@ -144,14 +144,8 @@ def convert(tool: str, src: str, dst: str, layout_arg: str, work: str) -> dict:
     with open(result) as f:
         r = json.load(f)
     out = {"baseline_mib": r["baseline_kib"] / 1024, "peak_mib": r["hwm_kib"] / 1024}
-    out |= {"maxrss_mib": proc["rss_peak"] / h.MiB, "wall_s": r["wall_s"], "out_bytes": _du(dst)}
+    out |= {"maxrss_mib": proc["rss_peak"] / h.MiB, "wall_s": r["wall_s"], "out_bytes": h.du(dst)}
     return out | {"process_s": proc["wall_s"], **{k: proc[k] for k in ("cpu_s", *h.IO_KEYS)}}
-
-
-def _du(path: str) -> int:
-    if os.path.isfile(path):
-        return os.path.getsize(path)
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
 def verify(tool: str, out: str, pt: str, dims: dict) -> str | None:
@@ -201,7 +195,7 @@ def bench_layout(layout: str, dims: dict, tools: list[str], root: str, records: 
         else:
             h.in_fresh_process(save_whole, src, dims)
         chunks, largest = h.in_fresh_process(dcp_chunks, src)
-        info = {"save_s": time.perf_counter() - t0, "src_bytes": _du(src), "chunks": chunks}
+        info = {"save_s": time.perf_counter() - t0, "src_bytes": h.du(src), "chunks": chunks}
         info |= {"largest_chunk": largest, "tools": {}}
         gib, mib, took = info["src_bytes"] / h.GiB, largest / h.MiB, info["save_s"]
         print(f"{layout}: DCP checkpoint {gib:.2f} GiB, {chunks} chunks, largest {mib:.0f} MiB "
@@ -291,9 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         return child(*args.child)
     if args.quick:
         args.gib, args.largest_mib, args.hidden, args.heads, args.kv_heads = 0.1, 8, 512, 8, 2
-    layouts, tools = args.layouts.split(","), args.tools.split(",")
-    if not layouts or not set(layouts) <= set(LAYOUTS) or not set(tools) <= set(TOOLS):
-        p.error(f"--layouts: a subset of {LAYOUTS}; --tools: a subset of {tuple(TOOLS)}")
+    layouts = h.words(p, "--layouts", args.layouts, LAYOUTS)
+    tools = h.words(p, "--tools", args.tools, TOOLS)
     dims = model_dims(args.gib, args.largest_mib, args.hidden, args.heads, args.kv_heads)
     sizes = [4 * math.prod(s) for _, s, _ in model_shapes(dims)]
     largest, load = max(sizes), h.RunLoad()

@@ -316,9 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="the trainer's seed (initialisation, data)")
     h.add_output_args(p)
     args, args.trainer = p.parse_known_args(argv)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip() not in ("", "none")]
-    if set(modes) - set(MODES):
-        p.error(f"--modes: of {', '.join(MODES)} or none, not {args.modes!r}")
+    modes = [m for m in h.words(p, "--modes", args.modes, [*MODES, "none"]) if m != "none"]
     args.trainer += ["--checkpoint.every_steps", str(args.every), "--train.seed", str(args.seed)]
     args.trainer += ["--checkpoint.async_", "true"] if args.async_ else []
     args.fault_steps = list(range(args.fault_every // 2, args.steps, args.fault_every))

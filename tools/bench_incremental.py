@@ -67,10 +67,6 @@ def state_of(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> dict:
     return {"model": model.state_dict(), "optim": optim, "meta": {"step": step}}
 
 
-def dir_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
-
-
 def train(kind: str, root: str, args) -> dict:
     from anyshard.format.steps import list_steps
     from anyshard.trainer_integration import Checkpointer
@@ -89,7 +85,7 @@ def train(kind: str, root: str, args) -> dict:
         opt.step()
         opt.zero_grad()
         rec = h.measure(lambda s=step: ckpt.save(s, state_of(model, opt, s)) and None)
-        saves.append({**rec, "bytes": dir_bytes(os.path.join(root, f"step-{step:09d}"))})
+        saves.append({**rec, "bytes": h.du(os.path.join(root, f"step-{step:09d}"))})
     ckpt.wait()
     disk = [(s.step, s.committed, s.referenced, s.bytes, s.shared)
             for s in list_steps(root, refs=True)]  # fmt: skip
@@ -139,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.checkpoints < 2:
         ap.error("--checkpoints: at least 2 (the first save is shown apart)")
     torch.set_num_threads(2)
-    roots = [r.strip() for r in args.roots.split(",") if r.strip()]
+    roots = h.words(ap, "--roots", args.roots, BASES)
     records, load, results = h.Records(args.jsonl, "incremental"), h.RunLoad(), {}
     for where in roots:
         tmp = tempfile.mkdtemp(prefix="bench-incremental-", dir=BASES[where])

@@ -33,10 +33,6 @@ ROW = 2048  # fp32 elements per row: 8 KiB rows, 4 KiB half rows
 HEADING = "## Byte paths: anyshard vs tensorstore KvStore vs fsspec; writer vs safetensors (`tools/bench_io_paths.py`)"
 
 
-def _bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
-
-
 class Plan:
     """The byte ranges of the read plan, their destinations, and what they must hold."""
 
@@ -56,8 +52,8 @@ class Plan:
             self.expected.append(torch.cat(kept))
             starts, size = [base + 2 * k * per * ROW * 4 for k in range(blocks)], per * ROW * 4
         self.dest = [torch.empty_like(t) for t in self.expected]
-        out = _bytes(self.dest[1])
-        self.spans = [(header.shards["whole"].start, _bytes(self.dest[0]))]
+        out = h.as_bytes(self.dest[1])
+        self.spans = [(header.shards["whole"].start, h.as_bytes(self.dest[0]))]
         self.spans += [(a, out[i * size : (i + 1) * size]) for i, a in enumerate(starts)]
 
     def reset(self) -> None:
@@ -220,9 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.mib, args.reps = 16.0, 1
     torch.set_num_threads(1)
-    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    if not set(parts) <= {"tmpfs", "disk", "s3"}:
-        ap.error(f"--parts: a subset of tmpfs,disk,s3, not {args.parts!r}")
+    parts = h.words(ap, "--parts", args.parts, ("tmpfs", "disk", "s3"))
     g = torch.Generator().manual_seed(7)
     n_rows = max(64, int(args.mib * h.MiB / 2 / (ROW * 4)) // 64 * 64)
     tensors = {name: torch.randn(n_rows, ROW, generator=g) for name in ("whole", "rows")}

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = p.parse_known_args(argv)
     if args.steps < 3:
         p.error("--steps: at least 3 (the first step is left out)")
-    layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
+    layouts = h.words(p, "--layouts", args.layouts)
     records, load, times = h.Records(args.jsonl, "layout_steps"), h.RunLoad(), {}
     opts = ["--train.steps", str(args.steps), "--checkpoint.every_steps", str(10**6)]
     opts += ["--train.seed", str(args.seed), *extra]

@@ -87,15 +87,9 @@ def placements_for(layout: str, kind: str):
     return {"src": [Shard(0), tp], "tp4": [tp], "dp4": [Shard(0)]}[layout]
 
 
-def tensor_view(t) -> memoryview:
-    import torch
-
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
-
-
 def digest(t) -> bytes:
     """BLAKE2b of a tensor's bytes: two shards are bit-identical iff their digests match."""
-    return hashlib.blake2b(tensor_view(t.detach().contiguous()), digest_size=20).digest()
+    return hashlib.blake2b(h.as_bytes(t.detach().contiguous()), digest_size=20).digest()
 
 
 def full_tensor(name: str, shape: tuple[int, ...]):
@@ -108,7 +102,7 @@ def full_tensor(name: str, shape: tuple[int, ...]):
 def floor_save(path: str, tensors) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "wb", buffering=0) as f:
-        for mv in map(tensor_view, tensors):
+        for mv in map(h.as_bytes, tensors):
             done = 0
             while done < mv.nbytes:
                 done += f.write(mv[done:])
@@ -118,7 +112,7 @@ def floor_save(path: str, tensors) -> None:
 def floor_load(path: str, tensors) -> None:
     """Read as many bytes as ``tensors`` hold, sequentially, into them (wrapping at EOF)."""
     with open(path, "rb", buffering=0) as f:
-        for mv in map(tensor_view, tensors):
+        for mv in map(h.as_bytes, tensors):
             done = 0
             while done < mv.nbytes:
                 got = f.readinto(mv[done:])
@@ -437,9 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.profile == "pyspy" and shutil.which("py-spy") is None:
             print("py-spy not found; falling back to cProfile (main thread only)")
             args.profile = "cprofile"
-    regimes = [r.strip() for r in args.regimes.split(",") if r.strip()]
-    if not regimes or not set(regimes) <= {"disk", "tmpfs"}:
-        p.error(f"--regimes: a subset of disk,tmpfs, not {args.regimes!r}")
+    regimes = h.words(p, "--regimes", args.regimes, ("disk", "tmpfs"))
     parent = {"disk": args.disk_dir, "tmpfs": args.tmpfs_dir}
     dirs = {r: tempfile.mkdtemp(prefix=f"bench-reshard-{r}-", dir=parent[r]) for r in regimes}
     drop = h.drop_cache(dirs["disk"]) if "disk" in dirs else "n/a"

@@ -95,11 +95,6 @@ def same(a: dict, b: dict, values: bool = True) -> bool:
     return equal and (not values or a["step"] == b["step"])
 
 
-def as_bytes(t: torch.Tensor) -> memoryview:
-    flat = t.reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B") if flat.numel() else memoryview(b"")
-
-
 def micro_floors(state: dict, rounds: int = 3) -> dict:
     """Best of ``rounds``: the state copied into fresh buffers (allocation and page faults
     included), into reused ones, and crc32c over it on one thread."""
@@ -115,7 +110,7 @@ def micro_floors(state: dict, rounds: int = 3) -> dict:
             b.copy_(t)
         t2 = time.perf_counter()
         for t in ts:
-            crc32c.crc32c(as_bytes(t))
+            crc32c.crc32c(h.as_bytes(t))
         for k, dt in zip(out, (t1 - t0, t2 - t1, time.perf_counter() - t2), strict=True):
             out[k].append(dt)
         del bufs
@@ -183,14 +178,14 @@ def raw_put(fs, variant: str, prefix: str, ts: dict[str, torch.Tensor]) -> None:
     elif variant == "one_object_put":
         with fs.open(f"{prefix}/all", "wb", block_size=PART_BYTES) as f:
             for t in ts.values():
-                f.write(as_bytes(t))
+                f.write(h.as_bytes(t))
     elif variant == "pipe_file":
         for name, t in ts.items():
             fs.pipe_file(f"{prefix}/{name}", t.numpy().tobytes())
     else:  # open_wb
         for name, t in ts.items():
             with fs.open(f"{prefix}/{name}", "wb", block_size=PART_BYTES) as f:
-                f.write(as_bytes(t))
+                f.write(h.as_bytes(t))
 
 
 def raw_get(fs, variant: str, prefix: str, targets: dict[str, torch.Tensor]) -> float:
@@ -200,12 +195,12 @@ def raw_get(fs, variant: str, prefix: str, targets: dict[str, torch.Tensor]) -> 
         for name, t in targets.items():
             data = fs.cat_file(f"{prefix}/{name}")
             t0 = time.perf_counter()
-            as_bytes(t)[:] = data
+            h.as_bytes(t)[:] = data
             copy_s += time.perf_counter() - t0
         return copy_s
     one, pos, ranges = variant == "one_object_get", 0, []  # pos: where t starts in the one
     for name, t in targets.items():
-        mv, path = as_bytes(t), f"{prefix}/all" if one else f"{prefix}/{name}"
+        mv, path = h.as_bytes(t), f"{prefix}/all" if one else f"{prefix}/{name}"
         for a in range(0, len(mv), RANGE_BYTES):
             b = min(a + RANGE_BYTES, len(mv))
             ranges.append((path, a + pos * one, b + pos * one, mv[a:b]))
@@ -379,9 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.gib, args.tensor_mib, args.reps = 0.125, 16, 1
-    parts = {x.strip() for x in args.parts.split(",") if x.strip()}
-    if not parts <= {"local", "s3"}:
-        p.error(f"unknown part(s) {sorted(parts - {'local', 's3'})}")
+    parts = h.words(p, "--parts", args.parts, ("local", "s3"))
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     load, records = h.RunLoad(), h.Records(args.jsonl, "storage")
     state = make_state(args.gib, args.tensor_mib)

@@ -407,6 +407,30 @@ def add_output_args(p: argparse.ArgumentParser, records: bool = True) -> None:
     p.add_argument("--jsonl", default=None, help="also write one JSON line per measurement here")
 
 
+def words(p: argparse.ArgumentParser, flag: str, text: str, allowed=None) -> list[str]:
+    """The comma-separated words of a flag's ``text``; ``p.error`` where there is none, or one
+    not in ``allowed``."""
+    got = [w.strip() for w in text.split(",") if w.strip()]
+    if not got or (allowed is not None and not set(got) <= set(allowed)):
+        p.error(f"{flag}: one or more of {','.join(allowed or ['...'])}, not {text!r}")
+    return got
+
+
+def as_bytes(t: Any) -> memoryview:
+    """A contiguous tensor's bytes, writable through the view."""
+    import torch
+
+    flat = t.reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B") if flat.numel() else memoryview(b"")
+
+
+def du(path: str) -> int:
+    """Bytes of the file at ``path``, or of all the files under it."""
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
 def dump_json(path: str | None, obj: Any) -> None:
     """Write ``obj`` to ``path`` as JSON (nothing without a path: ``--json`` not given)."""
     if path:
