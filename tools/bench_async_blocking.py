@@ -14,7 +14,6 @@ step x steps over the run's training time; every run's losses equal the checkpoi
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import statistics
@@ -57,13 +56,12 @@ def run(args, root: str, mode: str, rep: int, tmp: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = h.parser(__doc__)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--every", type=int, default=3, help="save every this many steps")
     ap.add_argument("--roots", default="tmpfs,disk", help="comma-separated: tmpfs, disk (/tmp)")
     ap.add_argument("--reps", type=int, default=1, help="runs per storage and save mode")
     ap.add_argument("--seed", type=int, default=0, help="the trainer's seed (initialisation, data)")
-    h.add_output_args(ap)
     args, args.trainer = ap.parse_known_args(argv)
     roots = h.words(ap, "--roots", args.roots)
     systems = [("-", "no checkpoints"), *((r, m) for r in roots for m in MODES)]

@@ -20,7 +20,6 @@ starts new ranks before the next, less the rank it killed.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -299,7 +298,7 @@ def heal_rates(args, records: h.Records) -> list[list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = h.parser(__doc__)
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--fault-every", type=int, default=50, help="a fault mid-way in every N steps")
     p.add_argument("--sync", dest="async_", action="store_false", help="synchronous checkpoints")
@@ -314,7 +313,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heal-reps", type=int, default=3, help="repetitions of the heal-rate run")
     p.add_argument("--reps", type=int, default=1, help="pairs (fault-free, faulty) of each mode")
     p.add_argument("--seed", type=int, default=0, help="the trainer's seed (initialisation, data)")
-    h.add_output_args(p)
     args, args.trainer = p.parse_known_args(argv)
     modes = [m for m in h.words(p, "--modes", args.modes, [*MODES, "none"]) if m != "none"]
     args.trainer += ["--checkpoint.every_steps", str(args.every), "--train.seed", str(args.seed)]

@@ -15,7 +15,6 @@ checked bit-exact (``--cold``: page cache dropped before disk loads). Disk: ``an
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import sys
@@ -119,7 +118,7 @@ def loads(runs: dict, where: str, args, records: h.Records) -> dict[str, list[di
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = h.parser(__doc__)
     ap.add_argument("--roots", default="tmpfs,disk", help="comma-separated: tmpfs, disk (/tmp)")
     ap.add_argument("--checkpoints", type=int, default=10)
     ap.add_argument("--rank", type=int, default=8, help="LoRA rank")
@@ -130,7 +129,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loads", type=int, default=10, help="loads of each kind (median shown)")
     ap.add_argument("--cold", action="store_true", help="drop the page cache before disk loads")
     ap.add_argument("--seed", type=int, default=0, help="seeds the model, adapters and data")
-    h.add_output_args(ap)
     args = ap.parse_args(argv)
     if args.checkpoints < 2:
         ap.error("--checkpoints: at least 2 (the first save is shown apart)")

@@ -9,7 +9,6 @@ pooled: FT-HSDP groups of different layouts step at the pace of the slowest.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -20,12 +19,11 @@ from bench_goodput import step_times, train
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = h.parser(__doc__)
     p.add_argument("--layouts", default="dp_shard,cp,pp,tp", help="comma-separated mesh dims")
     p.add_argument("--steps", type=int, default=10, help="steps per run (at least 3)")
     p.add_argument("--reps", type=int, default=1, help="runs of each layout (1)")
     p.add_argument("--seed", type=int, default=0, help="the trainer's seed (initialisation, data)")
-    h.add_output_args(p)
     args, extra = p.parse_known_args(argv)
     if args.steps < 3:
         p.error("--steps: at least 3 (the first step is left out)")

@@ -16,7 +16,6 @@ front of it that all requests go through.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import multiprocessing as mp
 import os
@@ -106,12 +105,10 @@ def _rank(rank: int, world: int, url: str, mib: int, reps: int, seed: int, sent)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = h.parser(__doc__, reps=3)
     ap.add_argument("--ranks", default="4,8", help="comma-separated world sizes")
     ap.add_argument("--mib", type=int, default=256, help="state size, MiB")
-    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0, help="seeds the state's values")
-    h.add_output_args(ap)
     args = ap.parse_args(argv)
     records, load, rows = h.Records(args.jsonl, "read_once"), h.RunLoad(), []
     with h.s3_server("seaweedfs") as (server, _):

@@ -15,28 +15,19 @@ checked bit-exact outside it; bytes received set against the minimum from global
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import shutil
 import sys
 import tempfile
-import zlib
 
 import benchkit as h
-from bench_reshard import digest, model_spec, placements_for
+from bench_reshard import digest, full_tensor, model_spec, placements_for
 
 OURS = ("redistribute", "redistribute, new plan")
 SYSTEMS = (*OURS, "anyshard-tmpfs", "dcp-tmpfs", "DTensor.redistribute", "floor", "floor+local")
 CASES = ("dtensor->tp4", "dtensor->dp4", "megatron tp2xpp2->tp4")
 MEGA = CASES[2]
-
-
-def full_tensor(name: str, shape: tuple[int, ...], seed: int):
-    import torch
-
-    g = torch.Generator().manual_seed(zlib.crc32(name.encode()) + seed)
-    return torch.randn(shape, generator=g, dtype=torch.float32)
 
 
 def megatron_cfg(gib: float) -> dict:
@@ -271,13 +262,10 @@ def summary(data: dict, inflight: int) -> tuple[list[list], list[tuple]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = h.parser(__doc__, reps=3, quick="--gib 0.1 --reps 1")
     p.add_argument("--gib", type=float, default=1.0, help="state size (1 GiB)")
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--quick", action="store_true", help="0.1 GiB, 1 repetition")
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
     p.add_argument("--seed", type=int, default=0, help="seeds the state's values")
-    h.add_output_args(p)
     args = p.parse_args(argv)
     if args.quick:
         args.gib, args.reps = 0.1, 1

@@ -92,10 +92,10 @@ def digest(t) -> bytes:
     return hashlib.blake2b(h.as_bytes(t.detach().contiguous()), digest_size=20).digest()
 
 
-def full_tensor(name: str, shape: tuple[int, ...]):
+def full_tensor(name: str, shape: tuple[int, ...], seed: int = 0):
     import torch
 
-    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()) + seed)
     return torch.randn(shape, generator=g, dtype=torch.float32)
 
 
