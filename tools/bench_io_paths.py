@@ -170,9 +170,8 @@ def s3_part(tensors: dict, reps: int, records: h.Records) -> dict:
         kv = ts.KvStore.open(_kvstore("s3://bench-io/ckpt")).result()
         systems = readers(url, plan, kv, fs, merge=True)
         kw = {"before": lambda _: plan.reset(), "check": lambda _: plan.exact(), "op": "read"}
-        return {
-            "read": h.paired(systems, reps, other_pids=pids, records=records, regime="s3", **kw)
-        }
+        kw |= {"other_pids": pids, "records": records, "regime": "s3"}
+        return {"read": h.paired(systems, reps, **kw)}
 
 
 HEAD = ["regime", "operation", "system", "wall s", "CPU s", "MiB/s"]
@@ -186,18 +185,14 @@ def rows_of(results: dict, total: int) -> list[list[str]]:
             needed = total if op == "write" else total * 3 // 4
             for name, recs in systems.items():
                 m = {k: h.median_of(recs, k) for k in ("wall_s", "cpu_s", *h.IO_KEYS)}
-                moved = (
-                    f"w {m['wchar'] / h.MiB:.0f}" if op == "write" else f"{m['rchar'] / h.MiB:.0f}"
-                )
+                moved = f"{m['rchar'] / h.MiB:.0f}"
+                moved = f"w {m['wchar'] / h.MiB:.0f}" if op == "write" else moved
                 exact = {r.get("exact") for r in recs}
                 exact = "-" if None in exact else ("yes" if exact == {True} else "NO")
                 wall = h.fmt_spread([r["wall_s"] for r in recs], ".3f")
-                rows.append([regime, op, name, wall, f"{m['cpu_s']:.2f}"])
-                rows[-1] += [
-                    f"{needed / h.MiB / m['wall_s']:.0f}",
-                    "-" if regime == "s3" else moved,
-                ]
-                rows[-1] += [exact]
+                speed = f"{needed / h.MiB / m['wall_s']:.0f}"
+                rows.append([regime, op, name, wall, f"{m['cpu_s']:.2f}", speed])
+                rows[-1] += ["-" if regime == "s3" else moved, exact]
     return rows
 
 

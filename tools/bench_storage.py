@@ -63,11 +63,8 @@ def make_state(gib: float, tensor_mib: int, seed: int = 0) -> dict:
     for i, n in enumerate((1024, 4096, 65536)):  # norms, biases: small tensors
         model[f"norm{i}.weight"] = torch.rand(n, generator=g)
     lr_scale = torch.rand(17, dtype=torch.float64, generator=g)
-    return {
-        "model": model,
-        "optim": {"step": torch.tensor(1000), "lr_scale": lr_scale},
-        "step": 1000,
-    }
+    optim = {"step": torch.tensor(1000), "lr_scale": lr_scale}
+    return {"model": model, "optim": optim, "step": 1000}
 
 
 def tensors_of(state: dict) -> dict[str, torch.Tensor]:
@@ -380,10 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     state = make_state(args.gib, args.tensor_mib)
     ts, n_big = tensors_of(state), round(args.gib * 1024 / args.tensor_mib)
     total = sum(t.numel() * t.element_size() for t in ts.values())
-    shape = f"{n_big} x {args.tensor_mib} MiB fp32 + small ones"
-    print(
-        f"state: {total / h.GiB:.3f} GiB in {len(ts)} tensors ({shape}); {args.reps} repetition(s)"
-    )
+    shape = f"({n_big} x {args.tensor_mib} MiB fp32 + small ones); {args.reps} repetition(s)"
+    print(f"state: {total / h.GiB:.3f} GiB in {len(ts)} tensors {shape}")
     f = micro_floors(state)
     floors = (
         f"copying the state into new buffers {f['copy_first_s']:.3f} s (allocation and page "

@@ -38,28 +38,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=20240611, help="the kills' seed (the suite's)")
     args = p.parse_args(argv)
     print(f"seed {args.seed}, {args.kills} kills per mode", flush=True)
-    env = {
-        **os.environ,
-        "ANYSHARD_CRASH_KILLS": str(args.kills),
-        "ANYSHARD_CRASH_SEED": str(args.seed),
-    }
+    env = dict(os.environ, ANYSHARD_CRASH_KILLS=str(args.kills), ANYSHARD_CRASH_SEED=str(args.seed))
     load = h.RunLoad()
     cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", TEST]
     done = subprocess.run(cmd, cwd=h.ROOT, env=env, capture_output=True, text=True)
     runs = [m.groups() for m in map(LINE.match, done.stdout.splitlines()) if m]
     where = [ast.literal_eval(w) if w else None for *_, w in runs]
     places = sorted({k for w in where if w for k in w})
-    rows = [
-        [
-            "kills (seconds; newest commit at the end)",
-            *(f"{n} ({s} s; {c})" for _, n, s, c, _ in runs),
-        ]
-    ]
+    kills = [f"{n} ({s} s; {c})" for _, n, s, c, _ in runs]
+    rows = [["kills (seconds; newest commit at the end)", *kills]]
     rows += [[k, *("n/a" if w is None else w.get(k, "-") for w in where)] for k in places]
     table = h.table(["where the kill landed", *(r[0] for r in runs)], rows, markdown=True)
-    result = [
-        ln.strip("= ") for ln in done.stdout.splitlines() if " passed" in ln or " failed" in ln
-    ]
+    lines = done.stdout.splitlines()
+    result = [ln.strip("= ") for ln in lines if " passed" in ln or " failed" in ln]
     total = f"{sum(int(r[1]) for r in runs)} kills; pytest: {(result or ['no result'])[-1]}"
     print(f"{table}\n{total}\n{load.note()}")
     if done.returncode:

@@ -64,11 +64,9 @@ def main() -> int:
         os.waitpid(pid, 0)
         plain, copy = timed(update), timed(stage)
         rows.append((copy, fork, cow, plain))
-        print(
-            f"round {r + 1}: fork {fork * 1e3:.1f} ms; update while the child lives "
-            f"{cow * 1e3:.0f} ms; after {plain * 1e3:.0f} ms; staging copy after {copy * 1e3:.0f} ms",
-            flush=True,
-        )
+        line = f"round {r + 1}: fork {fork * 1e3:.1f} ms; update while the child lives "
+        line += f"{cow * 1e3:.0f} ms; after {plain * 1e3:.0f} ms; staging copy after "
+        print(f"{line}{copy * 1e3:.0f} ms", flush=True)
     med = [statistics.median(c) for c in zip(*rows, strict=True)]
     size, rest = sum(t.numel() * 4 for t in state) / (1 << 30), other.numel() * 4 / (1 << 30)
     print(

@@ -214,19 +214,13 @@ def simulate(name: str, model: list[Tensor], n: int, samples: int, build_dcp: bo
     commit_s = time.perf_counter() - t0
     entries, dcp_bytes = dcp_metadata(manifest, model, save, build_dcp)
     sample = random.Random(n).sample(range(load.world), min(samples, load.world))
-    stats = [
-        plan_rank(manifest, model, save, load, r, num_layers(model))
-        for r in sorted({0, load.world - 1, *sample})
-    ]
+    ranks = sorted({0, load.world - 1, *sample})
+    stats = [plan_rank(manifest, model, save, load, r, num_layers(model)) for r in ranks]
     worst = {k: max(getattr(s, k) for s in stats) for k in ("headers", "plan_s", "runs", "reads")}
     over = max(s.bytes_read / s.bytes_needed for s in stats if s.bytes_needed)
     cells = [name, f"{n:,}", *LAYOUTS[n], len(model), _mib(len(manifest.dumps())), f"{entries:,}"]
-    cells += [
-        worst["headers"],
-        f"{worst['plan_s']:.3f}",
-        f"{worst['runs']:,} -> {worst['reads']:,}",
-    ]
-    cells += [f"{over:.3f}", f"{commit_s:.3f}"]
+    runs = f"{worst['runs']:,} -> {worst['reads']:,}"
+    cells += [worst["headers"], f"{worst['plan_s']:.3f}", runs, f"{over:.3f}", f"{commit_s:.3f}"]
     return {"model": name, "cells": cells, "dcp_entries": entries, "dcp_bytes": dcp_bytes}
 
 
@@ -278,10 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, model in chosen:
         for n in (int(x) for x in args.n.split(",")):
             rows.append(simulate(name, model, n, args.samples, n <= args.dcp_max_n))
-            print(
-                ", ".join(f"{k} {v}" for k, v in zip(HEAD, table_rows(rows)[-1], strict=True)),
-                flush=True,
-            )
+            cells = zip(HEAD, table_rows(rows)[-1], strict=True)
+            print(", ".join(f"{k} {v}" for k, v in cells), flush=True)
     table = h.table(HEAD, table_rows(rows), markdown=True)
     print("\n" + table)
     if args.write_docs:
