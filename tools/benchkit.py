@@ -339,12 +339,12 @@ def table(head: Sequence[str], rows: Sequence[Sequence[Any]], markdown: bool) ->
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in lines)
 
 
-def replace_section(
-    path: str, begin: str, end: str, lines: list[str], *, heading: str | None = None
-) -> None:
-    """Write ``lines`` between the markers ``begin`` and ``end`` into the markdown file ``path``:
-    in place of the existing section; else right under ``heading`` where the file has it, else
-    at the end (after ``heading`` when given). A missing file starts as ``# Benchmarks``."""
+def write_section(path: str, name: str, lines: list[str], *, heading: str | None = None) -> None:
+    """Write ``lines`` between ``<!-- name:begin -->`` and ``<!-- name:end -->`` into the markdown
+    file ``path``: in place of the existing section; else right under ``heading`` where the file
+    has it, else at the end (after ``heading`` when given). A missing file starts as
+    ``# Benchmarks``."""
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
     text = "\n".join([begin, *lines, end])
     old = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
     if begin in old and end in old:
@@ -358,11 +358,6 @@ def replace_section(
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         f.write(new)
-
-
-def write_section(path: str, name: str, lines: list[str], *, heading: str | None = None) -> None:
-    """`replace_section` between ``<!-- name:begin -->`` and ``<!-- name:end -->``."""
-    replace_section(path, f"<!-- {name}:begin -->", f"<!-- {name}:end -->", lines, heading=heading)
 
 
 def rerun_command(tool: str, argv: Sequence[str] | None = None) -> str:
@@ -541,12 +536,10 @@ class RunLoad:
         )
 
 
-def verdict(ok: bool | None) -> str:
-    return "INFO" if ok is None else "PASS" if ok else "FAIL"
-
-
 def check_lines(checks: Sequence[tuple[str, bool | None, str]], bullet: str = "- ") -> list[str]:
-    """One line per target check ``(name, ok, detail)``: ``- PASS name: detail``."""
+    """One line per target check ``(name, ok, detail)``: ``- PASS name: detail`` (or ``FAIL``;
+    ``INFO`` where ``ok`` is None)."""
+    verdict = lambda ok: "INFO" if ok is None else "PASS" if ok else "FAIL"  # noqa: E731
     return [f"{bullet}{verdict(ok)} {name}: {detail}" for name, ok, detail in checks]
 
 
