@@ -2,13 +2,11 @@
 once per job and forwarded between ranks, against every rank fetching what it needs, and
 against PyTorch DCP through fsspec.
 
-Per world size in ``--ranks``, N gloo ranks save a ``--mib`` MiB state (fp32 tensors of 32 MiB
-from ``--seed``, sharded on dim 0) to SeaweedFS on 127.0.0.1 with anyshard and with DCP's
-``FsspecWriter``, then load it replicated on every rank: anyshard reading once, anyshard with
-``read_once=False``, DCP's ``FsspecReader``; ``--reps`` times in rotated order, each checked
-bit-exact. Time: the slowest rank from a common barrier (`benchkit.measure_ranks`). Bytes: one
-counter for every system, what the server sent during the load, counted by a TCP relay in
-front of it that all requests go through.
+Per world size in ``--ranks``, N gloo ranks save a ``--mib`` MiB state (32 MiB fp32 tensors from
+``--seed``, sharded on dim 0) to SeaweedFS on 127.0.0.1 (anyshard; DCP's ``FsspecWriter``) and
+load it replicated, ``--reps`` times in rotated order, each checked bit-exact. Time: the slowest
+rank from a common barrier. Bytes: what the server sent during the load, counted by a TCP relay
+in front of it that all requests go through.
 
     python tools/bench_read_once.py --reps 2 --write-docs
     python tools/bench_read_once.py --ranks 2 --mib 32 --reps 1    # smoke test

@@ -1,13 +1,11 @@
 """Live resharding: anyshard.redistribute vs a storage round trip vs DTensor.redistribute vs the
 network floor.
 
-4 gloo ranks move the state of tools/bench_reshard.py (``--gib`` GiB fp32 from ``--seed``) from a
-(dp_shard=2, tp=2) mesh to tp=4 and dp_shard=4, and a ``megatron_gpt`` model from tp=2 x pp=2 to
-tp=4: ``redistribute`` (reused plan, or a new one), save + load through /dev/shm (anyshard, DCP),
-``DTensor.redistribute``, and the floor (the bytes each rank pair exchanges, prepacked, posted at
-once; ``floor+local`` adds a copy of what a rank keeps). After a warm-up, ``--reps`` rounds in
-rotated order, each operation measured from a common barrier (benchkit.measure on every rank),
-checked bit-exact outside it; bytes received set against the minimum from global offsets.
+4 gloo ranks move bench_reshard's state (``--gib`` GiB fp32 from ``--seed``) from (dp_shard=2,
+tp=2) to tp=4 and dp_shard=4, and a ``megatron_gpt`` model from tp=2 x pp=2 to tp=4, by each of
+`SYSTEMS` (the floor: the bytes each rank pair exchanges, prepacked, posted at once). After a
+warm-up, ``--reps`` rounds in rotated order, measured from a common barrier, checked bit-exact
+outside it; bytes received set against the minimum from global offsets.
 
     python tools/bench_redistribute.py --gib 1 --reps 3 --write-docs
     python tools/bench_redistribute.py --quick                 # smoke test: 0.1 GiB, 1 rep
