@@ -49,7 +49,7 @@ def spec_locals(cfg: dict, sizes: dict, rank: int, seed: int) -> dict:
     lay = layout_for(spec, {**sizes, **cfg})
     if rank >= lay.world_size:
         return {}
-    out = {}
+    out, box = {}, lambda bounds: tuple(slice(*b) for b in bounds)
     for name, t in sorted(compile(spec, lay, coords_of_rank(lay.sizes, rank)).items()):
         out[name] = local = torch.zeros(t.stored_shape)
         for part in t.parts:
@@ -57,9 +57,7 @@ def spec_locals(cfg: dict, sizes: dict, rank: int, seed: int) -> dict:
             for p in part.shard.pieces:
                 n = int(torch.Size(p.array_shape).numel())
                 arr = local.view(-1)[p.base : p.base + n].view(p.array_shape)
-                arr[tuple(slice(*b) for b in p.array_box)] = logical[
-                    tuple(slice(*b) for b in p.logical_box)
-                ]
+                arr[box(p.array_box)] = logical[box(p.logical_box)]
     return out
 
 
@@ -160,9 +158,8 @@ def worker(rank: int, world: int, cfg: dict) -> dict | None:
         for (s, d), msgs in plan.messages.items():
             if rank in (s, d):
                 buf = torch.empty(sum(m.nbytes for g in msgs for m in g), dtype=torch.uint8)
-                ops.append(
-                    dist.P2POp(dist.isend, buf, d) if s == rank else dist.P2POp(dist.irecv, buf, s)
-                )
+                op = dist.P2POp(dist.isend, buf, d) if s == rank else dist.P2POp(dist.irecv, buf, s)
+                ops.append(op)
         held = sum(m.nbytes for m in plan.local) if system == "floor+local" else 0
         here, there = torch.ones(held, dtype=torch.uint8), torch.zeros(held, dtype=torch.uint8)
 
