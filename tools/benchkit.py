@@ -1,15 +1,11 @@
 """What the benchmarks in tools/ share: measuring, spawning ranks, repeating, reporting.
 
 A tool imports it as ``import benchkit``. `Meter`/`measure` take the same counters for every
-system: wall and CPU seconds (user + sys of this process, all threads, and its waited children;
-optionally of other processes, e.g. a server), the /proc/self/io counters `IO_KEYS` and the peak
-RSS (VmHWM after a reset through /proc/self/clear_refs; a 2 ms VmRSS sampler thread where the
-reset is refused, its own reads taken out of ``rchar``); `run_process` the same of a command.
-`run_ranks` spawns gloo ranks, `measure_ranks` measures on each from a common barrier.
-`rotations`/`paired` alternate systems (A B, B A, ...) so that each pair sees the same machine
-state; `spread`/`fmt_spread`: median with min/max. `Records`: one JSON line per measurement;
-`table`, `write_section` (``<!-- name:begin -->``/``<!-- name:end -->``), `machine_lines`,
-`RunLoad`, `check_lines`, `report`: the report.
+system (wall and CPU seconds, the /proc/self/io counters `IO_KEYS`, the peak RSS: VmHWM after a
+reset through /proc/self/clear_refs, else a 2 ms VmRSS sampler thread); `run_process` the same of
+a command. `run_ranks` spawns gloo ranks; `rotations`/`paired` alternate systems (A B, B A, ...)
+so that each pair sees the same machine state; `Records`, `table`, `write_section`, `report`:
+the results.
 """
 
 from __future__ import annotations
