@@ -302,7 +302,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_docs:
         section = docs_section(argv, results, dims, largest, args.dir, note)
         h.write_section(args.write_docs, "convert_memory", section, heading=HEADING)
-        print(f"\nwrote {args.write_docs}")
     return 1 if any(not r["verified"] for i in results.values() for r in i["tools"].values()) else 0
 
 

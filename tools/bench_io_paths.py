@@ -237,7 +237,6 @@ def main(argv: list[str] | None = None) -> int:
         section = [HEADING, "", *h.docs_header(__file__, argv, run, dirs, load.note()), versions]
         section += ["", METHOD, "", h.table(HEAD, rows, markdown=True)]
         h.write_section(args.write_docs, "io_paths", section)
-        print(f"\nwrote {args.write_docs}")
     return 1 if any(r[-1] == "NO" for r in rows) else 0
 
 

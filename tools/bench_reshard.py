@@ -480,7 +480,6 @@ def main(argv: list[str] | None = None) -> int:
         section += ["", METHOD, "", table(rows, markdown=True), "", cpu_line(rows) + "."]
         section += ["", "Targets:", "", *h.check_lines(checks)]
         h.write_section(args.write_docs, "bench_reshard", section)
-        print(f"\nwrote {args.write_docs}")
     return 1 if any(r[s]["bad"] for r in rows for s in SYSTEMS) else 0
 
 

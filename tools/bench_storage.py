@@ -460,7 +460,6 @@ def main(argv: list[str] | None = None) -> int:
             section += ["", md[1], "", f"Every variant ({cpu}):", "", md[2]]
         section += ["", "Targets:", "", *h.check_lines(checks)]
         h.write_section(args.write_docs, "storage", section, heading=HEADING)
-        print(f"\nwrote {args.write_docs}")
     raw_ok = s3 is None or all(s3["bit_exact"] + s3["raw_bit_exact"])
     return 0 if raw_ok and all(r["bit_exact"] is not False for r in summary["local"]) else 1
 

@@ -339,7 +339,7 @@ def write_section(path: str, name: str, lines: list[str], *, heading: str | None
     """Write ``lines`` between ``<!-- name:begin -->`` and ``<!-- name:end -->`` into the markdown
     file ``path``: in place of the existing section; else right under ``heading`` where the file
     has it, else at the end (after ``heading`` when given). A missing file starts as
-    ``# Benchmarks``."""
+    ``# Benchmarks``. Prints ``wrote PATH``."""
     begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
     text = "\n".join([begin, *lines, end])
     old = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
@@ -354,6 +354,7 @@ def write_section(path: str, name: str, lines: list[str], *, heading: str | None
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         f.write(new)
+    print(f"\nwrote {path}")
 
 
 def rerun_command(tool: str, argv: Sequence[str] | None = None) -> str:
@@ -451,7 +452,6 @@ def report(args, argv, tool: str, name: str, run: str, blocks: list, load: RunLo
             section += docs_header(tool, argv, run, dirs, load.note())
             section += ["", *"\n\n".join(text).split("\n")]
             write_section(args.write_docs, name, section, heading=under)
-            print(f"\nwrote {args.write_docs}")
     dump_json(args.json, data)
 
 

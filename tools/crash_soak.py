@@ -60,7 +60,6 @@ def main(argv: list[str] | None = None) -> int:
         command = f"Command: `{again}` ({h.today()}); seed {args.seed}."
         section = [HEADING, "", INTRO, "", command, "", *h.machine_lines(), f"- {load.note()}"]
         h.write_section(args.write_docs, "crash_soak", [*section, "", table, "", total])
-        print(f"wrote {args.write_docs}")
     return done.returncode
 
 

@@ -577,7 +577,6 @@ def main(argv: list[str] | None = None) -> int:
         section = [HEADING, "", INTRO, "", command, "", *h.machine_lines(), f"- {load.note()}"]
         section += ["", table, *lines]
         h.write_section(args.write_docs, "fuzz", section)
-        print(f"wrote {args.write_docs}")
     return 1 if f.internal or f.slow or f.rss or f.flips_undetected_full else 0
 
 

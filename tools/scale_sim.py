@@ -280,7 +280,6 @@ def main(argv: list[str] | None = None) -> int:
         command = f"Command: `{h.rerun_command(__file__, argv)}` ({h.today()}); {load.note()}."
         section = [HEADING, "", INTRO, "", command, "", *h.machine_lines(), "", NOTES, "", table]
         h.write_section(args.write_docs, "scale_sim", section)
-        print(f"wrote {args.write_docs}")
     return 0
 
 
