@@ -418,28 +418,25 @@ def _pool_state(corpus: str, pristine: dict, rank: int, world: int):
     return state, anyshard.load
 
 
-def _local(v: torch.Tensor) -> torch.Tensor:
-    return v.to_local() if hasattr(v, "to_local") else v
-
-
 def _pool_worker(rank: int, inbox, outbox, world: int, store_path: str, corpora: dict) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
     signal.signal(signal.SIGALRM, _alarm)
+    local_of = lambda v: v.to_local() if hasattr(v, "to_local") else v  # noqa: E731
     pristine, expected = {k: snapshot(p) for k, p in corpora.items()}, {}
     for name, path in corpora.items():  # the pristine values, laid out as this rank holds them
         st, load = _pool_state(name, pristine[name], rank, world)
         load(path, st)
         tensors = {k: v for k, v in st.items() if isinstance(v, torch.Tensor)}
-        expected[name] = {k: _local(v).clone() for k, v in tensors.items()}
+        expected[name] = {k: local_of(v).clone() for k, v in tensors.items()}
     outbox.put(rank)
     while (job := inbox.get()) is not None:
         corpus, path = job
         state, load = _pool_state(corpus, pristine[corpus], rank, world)
         outcome, value, took = attempt(lambda: load(path, state))  # noqa: B023
-        got = [_local(state[k]) for k in expected[corpus]] if outcome == "ok" else []
+        got = [local_of(state[k]) for k in expected[corpus]] if outcome == "ok" else []
         want = list(expected[corpus].values())[: len(got)]
         wrong = sum(not _same_bytes(a, b) for a, b in zip(got, want, strict=True))
         outbox.put((rank, outcome, value, took, len(got), wrong))
@@ -543,10 +540,6 @@ def summary(f: Findings) -> tuple[list[tuple], list[str]]:
     return list(zip(ROWS, counts, strict=True)), lines
 
 
-def _stop(signum, frame):
-    raise KeyboardInterrupt
-
-
 def main(argv: list[str] | None = None) -> int:
     import benchkit as h
 
@@ -560,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)  # an absurd allocation: a MemoryError
     if hard == resource.RLIM_INFINITY or hard > MEMORY_CAP:  # recorded, not the OOM killer
         resource.setrlimit(resource.RLIMIT_AS, (MEMORY_CAP, hard))
-    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # raises KeyboardInterrupt
     print(f"seed {args.seed}", flush=True)
     load = h.RunLoad()
     with tempfile.TemporaryDirectory(prefix="anyshard-fuzz-") as work:
