@@ -227,13 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + h.table(HEAD, rows, markdown=False))
     h.dump_json(args.json, {"total_bytes": total, "results": results})
     if args.write_docs:
-        import fsspec
-        import safetensors
-
         run = f"data file {total / h.MiB:.0f} MiB; median [min-max] of {args.reps} repetition(s)"
-        versions = f"- tensorstore {h.version('tensorstore')}, fsspec {fsspec.__version__}, "
-        versions += f"safetensors {safetensors.__version__}"
-        versions += f", moto {h.version('moto')}" if "s3" in results else ""
+        names = ["tensorstore", "fsspec", "safetensors", *(["moto"] if "s3" in results else [])]
+        versions = "- " + ", ".join(f"{x} {h.version(x)}" for x in names)
         section = [HEADING, "", *h.docs_header(__file__, argv, run, dirs, load.note()), versions]
         section += ["", METHOD, "", h.table(HEAD, rows, markdown=True)]
         h.write_section(args.write_docs, "io_paths", section)
