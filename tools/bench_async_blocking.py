@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     heading = "## Async saves that do not stall a step (`tools/bench_async_blocking.py`)"
     dirs = {r: BASES[r] for r in roots if r in BASES}
     h.report(args, argv, __file__, "async_blocking", text, [(head, rows)], load, heading=heading,
-           dirs=dirs, data=records.rows)  # fmt: skip
+             dirs=dirs, data=records.rows)  # fmt: skip
     return 0
 
 

@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     blocks += [(["step", "state", "owns MiB", "references MiB"], disk)]
     heading = "## Incremental checkpoints in LoRA fine-tuning (`tools/bench_incremental.py`)"
     h.report(args, argv, __file__, "incremental", run, blocks, load, heading=heading,
-           dirs={r: BASES[r] for r in roots}, data=records.rows)  # fmt: skip
+             dirs={r: BASES[r] for r in roots}, data=records.rows)  # fmt: skip
     return 0
 
 

@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     heading = "## Read once per job: a replicated load from an object store "
     heading += "(`tools/bench_read_once.py`)"
     h.report(args, argv, __file__, "read_once", run, [(head, rows)], load, heading=heading,
-           data=records.rows)  # fmt: skip
+             data=records.rows)  # fmt: skip
     return 0
 
 

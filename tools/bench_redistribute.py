@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     heading = "## Live resharding: redistribute vs storage round trips "
     heading += "(`tools/bench_redistribute.py`)"
     h.report(args, argv, __file__, "bench_redistribute", run, blocks, load, heading=heading,
-           data=data)  # fmt: skip
+             data=data)  # fmt: skip
     return 1 if any("MISMATCH" in r[2] for r in rows) else 0
 
 
