@@ -258,12 +258,9 @@ def worker(rank: int, world: int, cfg: dict) -> dict | None:
             floor = partial(floor_load, floor_file, [v.to_local() for v in state.values()])
             ours = partial(anyshard.load, verify=cfg["verify"])
         op = "save" if t is None else "load"
-        return {
-            "floor": floor,
-            "anyshard": partial(ours, path["anyshard"], state),
-            "dcp": partial(_dcp, op, "dcp", state, path["dcp"]),
-            "dcp_any": partial(_dcp, op, "anyshard", state, path["dcp_any"]),
-        }
+        both = (("dcp", "dcp"), ("dcp_any", "anyshard"))  # DCP with its own backend, with ours
+        dcps = {s: partial(_dcp, op, backend, state, path[s]) for s, backend in both}
+        return {"floor": floor, "anyshard": partial(ours, path["anyshard"], state), **dcps}
 
     def remove(path: str) -> None:
         dist.barrier()
