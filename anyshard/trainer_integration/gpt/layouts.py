@@ -24,6 +24,7 @@ import dataclasses
 import itertools
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from anyshard.trainer_integration.gpt.config import (
@@ -34,7 +35,15 @@ from anyshard.trainer_integration.gpt.config import (
     _split_problems,
 )
 
-__all__ = ["Choice", "choose_layout", "layout_text", "parameter_count"]
+__all__ = [
+    "Choice",
+    "candidate_layouts",
+    "choose_layout",
+    "default_budget",
+    "layout_text",
+    "parameter_count",
+    "state_bytes",
+]
 
 # fp32 parameter, gradient and AdamW's two moments
 BYTES_PER_PARAMETER = 16
@@ -66,7 +75,7 @@ def parameter_count(cfg: Config) -> int:
     return m.n_layers * layer + embed + m.dim
 
 
-def _default_budget() -> int:
+def default_budget() -> int:
     """Memory one rank may use: the accelerator's, else this host's memory shared by its ranks."""
     import torch
 
@@ -80,6 +89,11 @@ def _default_budget() -> int:
     return int(total * 0.8 / max(1, local))
 
 
+def state_bytes(cfg: Config, p: ParallelConfig) -> int:
+    """Parameters, gradients and AdamW's two moments per rank, sharded as ``p`` shards them."""
+    return parameter_count(cfg) * BYTES_PER_PARAMETER // (p.pp * p.tp * p.dp_shard * p.ep * p.cp)
+
+
 def _candidates(world: int):
     """Every assignment of degrees to the six mesh dims that multiplies to ``world``."""
     divisors = [d for d in range(1, world + 1) if world % d == 0]
@@ -88,34 +102,48 @@ def _candidates(world: int):
             yield dict(zip(MESH_ORDER, degrees, strict=True))
 
 
+def candidate_layouts(
+    cfg: Config,
+    world: int,
+    budget: int,
+    *,
+    memory: Callable[[Config, ParallelConfig], int] = state_bytes,
+) -> tuple[list[tuple[ParallelConfig, int]], list[tuple[str, str]]]:
+    """The layouts of ``world`` ranks the model splits over evenly, the batch divides over and
+    whose ``memory`` per rank fits ``budget``, each with that memory; and the others, each with
+    its first problem. The configured schedule and microbatches are kept."""
+    fits, rejected = [], []
+    for sizes in _candidates(world):
+        p = dataclasses.replace(cfg.parallel, **sizes, relayout_at=None)
+        problems = _split_problems(cfg.model, p) + _batch_problems(cfg.model, p, cfg.train)
+        if p.cp > 1 and cfg.model.n_experts:
+            problems.append("context parallelism is not combined with experts here")
+        need = memory(cfg, p)
+        if need > budget:
+            problems.append(
+                f"{need / 2**20:.0f} MiB per rank exceeds the {budget / 2**20:.0f} MiB budget"
+            )
+        if problems:
+            rejected.append((layout_text(p), problems[0]))
+        else:
+            fits.append((p, need))
+    return fits, rejected
+
+
 def choose_layout(cfg: Config, world: int, *, memory_bytes: int | None = None) -> Choice:
     """The layout for ``world`` ranks (see the module docstring); `ValueError` when none fits,
     naming why the closest ones do not."""
     want = cfg.parallel
-    budget = memory_bytes if memory_bytes is not None else _default_budget()
-    params = parameter_count(cfg)
+    budget = memory_bytes if memory_bytes is not None else default_budget()
     if want.world_size == world:
         situation = f"the configured layout {layout_text(want)} fits {world} ranks"
     else:
         situation = (
             f"the configured layout {layout_text(want)} needs {want.world_size} ranks, {world} run"
         )
-    rejected: list[str] = []
+    fits, rejected = candidate_layouts(cfg, world, budget)
     scored = []
-    for sizes in _candidates(world):
-        p = dataclasses.replace(want, **sizes, relayout_at=None)
-        problems = _split_problems(cfg.model, p) + _batch_problems(cfg.model, p, cfg.train)
-        if p.cp > 1 and cfg.model.n_experts:
-            problems.append("context parallelism is not combined with experts here")
-        shards = p.pp * p.tp * p.dp_shard * p.ep * p.cp
-        need = params * BYTES_PER_PARAMETER // shards
-        if need > budget:
-            problems.append(
-                f"{need / 2**20:.0f} MiB per rank exceeds the {budget / 2**20:.0f} MiB budget"
-            )
-        if problems:
-            rejected.append(f"{layout_text(p)}: {problems[0]}")
-            continue
+    for p, need in fits:
         keeps = sum(getattr(p, d) == getattr(want, d) for d in ("pp", "tp", "ep", "cp"))
         score = (
             p == dataclasses.replace(want, relayout_at=None),
@@ -130,7 +158,7 @@ def choose_layout(cfg: Config, world: int, *, memory_bytes: int | None = None) -
     if not scored:
         raise ValueError(
             f"no layout of {world} ranks fits the model and batch ({situation}):\n  "
-            + "\n  ".join(rejected[:8])
+            + "\n  ".join(f"{name}: {why}" for name, why in rejected[:8])
         )
     scored.sort(key=lambda x: x[0], reverse=True)
     _, best, need = scored[0]

@@ -1,0 +1,509 @@
+"""Predict the reference trainer's step time under every layout of a world, from measured rates.
+
+A layout's step is counted, not guessed: `workload` lists what one rank does in one step under a
+layout (every matrix multiply with its shape, the bytes element-wise kernels stream, the ops it
+dispatches, and each collective with its group size and bytes: FSDP's all-gathers and
+reduce-scatters, the replicate all-reduce, tensor and context parallel activations, pipeline
+sends, expert all-to-alls), then `predict` divides each by a `Rates` measured on the job's own
+ranks (`calibrate`): matrix-multiply throughput at several sizes with every rank busy, streaming
+bandwidth, the cost of dispatching an op and a DTensor op, and each collective's latency and
+bandwidth for every group size, over the job's backend. Nothing in it is fitted to a model or a
+machine; `Refiner` then scales the three terms (compute, communication, dispatch) to the step
+times the job measures, so layouts not run yet are predicted from those that were.
+
+`rank_layouts` gives the ranked table (`anyshard layouts` prints it)::
+
+    >>> from anyshard.trainer_integration.gpt.config import Config
+    >>> rates = Rates.nominal()
+    >>> table = rank_layouts(Config(), 2, rates, memory_bytes=1 << 34)
+    >>> [r.layout for r in table.rows][:1] != []
+    True
+
+What it does not see: the network beyond one collective's measured group (topology, several
+jobs sharing links), overlap of communication with compute beyond what the measured steps fold
+into the refined scales, and kernels that are faster or slower than a square matrix multiply of
+the same size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from anyshard.trainer_integration.gpt.config import Config, ParallelConfig
+from anyshard.trainer_integration.gpt.layouts import (
+    BYTES_PER_PARAMETER,
+    candidate_layouts,
+    default_budget,
+    layout_text,
+    parameter_count,
+)
+
+__all__ = [
+    "Collective",
+    "Prediction",
+    "Rates",
+    "Refiner",
+    "Table",
+    "Workload",
+    "calibrate",
+    "predict",
+    "rank_layouts",
+    "workload",
+]
+
+FLOAT = 4  # the trainer computes and communicates in fp32
+# how many times each collective's ring moves its message per rank, over (g - 1) / g
+_RING = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0, "all_reduce": 2.0}
+
+
+@dataclass(frozen=True)
+class Collective:
+    """``count`` collectives of ``kind`` per step over groups of ``group`` ranks, each on a
+    ``bytes`` message (the whole gathered or reduced tensor); ``dim`` names the mesh dim."""
+
+    dim: str
+    kind: str  # all_gather, reduce_scatter, all_reduce, all_to_all, send
+    group: int
+    bytes: int
+    count: int
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one rank does in one step under a layout (the busiest pipeline stage's rank)."""
+
+    gemms: tuple[tuple[float, int], ...]  # (flops of one multiply, how many) per step
+    stream_bytes: float  # bytes element-wise kernels read and write
+    ops: int  # ops dispatched
+    dtensor_ops: int  # of which on DTensors (tensor parallel)
+    collectives: tuple[Collective, ...]
+    bubble: float  # the pipeline's idle fraction over its work: (pp - 1) / microbatches
+    memory_bytes: int  # parameters, gradients, AdamW state and activations per rank
+
+    @property
+    def flops(self) -> float:
+        return sum(f * n for f, n in self.gemms)
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Measured rates the predictions divide by.
+
+    ``gemm``: (flops of one square multiply, flops per second) with every rank multiplying at
+    once, by size; ``collectives``: per (kind, group size), (latency s, seconds per byte moved
+    per rank); the rest per rank with every rank busy."""
+
+    gemm: tuple[tuple[float, float], ...]
+    stream_bytes_per_s: float
+    op_s: float
+    dtensor_op_s: float
+    collectives: dict[str, tuple[float, float]]  # "kind/group" -> (alpha, beta)
+    source: str = "measured"
+
+    @classmethod
+    def nominal(cls) -> Rates:
+        """Round figures of one CPU core (for examples and tests; never for a decision)."""
+        coll = {
+            f"{k}/{g}": (1e-4 * g, 1e-9) for k in (*_RING, "send") for g in (2, 4, 8, 16, 32, 64)
+        }
+        gemm = ((1e5, 5e9), (1e7, 2e10), (1e9, 4e10))
+        return cls(gemm, 5e9, 5e-6, 5e-5, coll, source="nominal")
+
+    def gemm_rate(self, flops: float) -> float:
+        """Flops per second of one multiply of ``flops``: interpolated in log size."""
+        pts = sorted(self.gemm)
+        if flops <= pts[0][0]:
+            return pts[0][1] * max(flops / pts[0][0], 0.05)  # small multiplies are overhead
+        for (f0, r0), (f1, r1) in zip(pts, pts[1:], strict=False):
+            if flops <= f1:
+                w = math.log(flops / f0) / math.log(f1 / f0)
+                return r0 + w * (r1 - r0)
+        return pts[-1][1]
+
+    def collective_s(self, c: Collective) -> float:
+        """Seconds for one collective, from the nearest measured group size at or above."""
+        key = f"{c.kind}/{c.group}"
+        if key not in self.collectives:
+            sizes = sorted(int(k.split("/")[1]) for k in self.collectives if k.startswith(c.kind))
+            if not sizes:
+                raise KeyError(f"no measured rate for {c.kind}; calibrate with this kind")
+            bigger = [g for g in sizes if g >= c.group]
+            key = f"{c.kind}/{bigger[0] if bigger else sizes[-1]}"
+        alpha, beta = self.collectives[key]
+        moved = c.bytes if c.kind == "send" else _RING[c.kind] * c.bytes * (c.group - 1) / c.group
+        return alpha + beta * moved
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Rates:
+        d = json.loads(text)
+        d["gemm"] = tuple(tuple(x) for x in d["gemm"])
+        d["collectives"] = {k: tuple(v) for k, v in d["collectives"].items()}
+        return cls(**d)
+
+
+def workload(cfg: Config, p: ParallelConfig) -> Workload:
+    """Count one rank's step under layout ``p`` (the trainer's model, batch and schedule)."""
+    m, t = cfg.model, cfg.train
+    hd = m.dim // m.n_heads
+    heads, kv = m.n_heads // p.tp, m.n_kv_heads * hd // p.tp
+    ffn = m.ffn_dim // p.tp
+    micro = p.microbatches if p.pp > 1 else 1
+    seqs = t.global_batch // p.dp_size // micro  # sequences per microbatch on this rank
+    s_q = t.seq_len // p.cp  # this rank's queries; keys span the whole sequence
+    tok = seqs * s_q  # rows of every multiply (tensor parallel ranks gather the sequence)
+    layers = m.n_layers // p.pp
+    # forward multiplies of one layer: (m, n, k) -> 2mnk flops; backward does two of each
+    mm = [(tok, m.dim, m.dim // p.tp), (tok, kv, m.dim), (tok, kv, m.dim), (tok, m.dim, heads * hd)]
+    attn = [(s_q, t.seq_len, hd), (s_q, hd, t.seq_len)]  # q k^T and p v, per head
+    per_layer = [(a, b, c, 1) for a, b, c in mm] + [(a, b, c, seqs * heads) for a, b, c in attn]
+    if m.n_experts:
+        local_experts = m.n_experts // p.ep
+        routed = tok * m.top_k * p.ep // max(1, m.n_experts)  # tokens each local expert gets
+        per_layer.append((tok, m.n_experts, m.dim, 1))  # router
+        per_layer += [(routed, ffn, m.dim, local_experts)] * 2 + [
+            (routed, m.dim, ffn, local_experts)
+        ]
+    else:
+        per_layer += [(tok, ffn, m.dim, 1)] * 2 + [(tok, m.dim, ffn, 1)]
+    counts: dict[float, int] = {}
+    for a, b, c, n in per_layer:
+        f = 2.0 * a * b * c
+        counts[f] = counts.get(f, 0) + 3 * n * layers * micro
+    head = 2.0 * tok * m.dim * (m.vocab_size // p.tp)  # output projection, on the last stage
+    counts[head] = counts.get(head, 0) + 3 * micro
+    # element-wise traffic per token and layer: norms, residuals, rotary, activations (x dim,
+    # x ffn) and the attention scores (x keys per head); backward twice the forward
+    per_token = 14 * m.dim + 6 * ffn * (m.top_k if m.n_experts else 1) + 4 * heads * t.seq_len
+    stream = 3.0 * FLOAT * tok * micro * (layers * per_token + 3 * m.vocab_size // p.tp)
+    ops_layer = 40 + (12 if m.n_experts else 0)
+    ops = 3 * micro * (ops_layer * layers + 12)
+    dtensor_ops = 3 * micro * (12 * layers + 6) if p.tp > 1 else 0
+    fsdp = p.dp_shard * p.ep * p.cp
+    params = parameter_count(cfg)
+    local_params = params / (p.pp * p.tp)
+    block = (local_params - _root_params(cfg) / p.tp) / max(1, layers)
+    act = tok * m.dim * FLOAT  # one activation of the residual stream, whole per tp group
+    coll: list[Collective] = []
+    if fsdp > 1:
+        gathers = 2 * micro  # forward, and backward after resharding
+        coll.append(Collective("fsdp", "all_gather", fsdp, int(block * FLOAT), gathers * layers))
+        coll.append(Collective("fsdp", "reduce_scatter", fsdp, int(block * FLOAT), layers))
+        root = int(_root_params(cfg) / p.tp * FLOAT)
+        coll += [Collective("fsdp", k, fsdp, root, 1) for k in ("all_gather", "reduce_scatter")]
+    if p.dp_replicate > 1:
+        grads = int(local_params / fsdp * FLOAT)
+        coll.append(Collective("dp_replicate", "all_reduce", p.dp_replicate, grads, 1))
+    if p.tp > 1:  # sequence parallel: gather before, scatter after, attention and mlp
+        for kind in ("all_gather", "reduce_scatter"):
+            coll.append(Collective("tp", kind, p.tp, act, 2 * 2 * layers * micro))
+        logits = tok * m.vocab_size * FLOAT
+        coll.append(Collective("tp", "all_gather", p.tp, logits, micro))  # replicated logits
+        coll.append(Collective("tp", "reduce_scatter", p.tp, act, 2 * micro))  # embedding
+    if p.cp > 1:  # keys and values gathered forward, their gradients scattered backward
+        kv_all = seqs * t.seq_len * kv * FLOAT
+        for kind in ("all_gather", "reduce_scatter"):
+            coll.append(Collective("cp", kind, p.cp, kv_all, 2 * layers * micro))
+    if p.ep > 1 and m.n_experts:  # tokens dispatched and combined, forward and backward
+        moved = tok * m.top_k * m.dim * FLOAT
+        coll.append(Collective("ep", "all_to_all", p.ep, moved, 4 * layers * micro))
+    if p.pp > 1:  # a middle stage receives and sends activations forward and gradients back
+        per = 4 if p.pp > 2 else 2
+        coll.append(Collective("pp", "send", 2, act // p.tp, per * micro))
+    coll.append(Collective("world", "all_reduce", p.world_size, FLOAT, 2))  # clip norm, loss
+    bubble = (p.pp - 1) / micro if p.pp > 1 else 0.0
+    return Workload(
+        gemms=tuple(sorted(counts.items())),
+        stream_bytes=stream,
+        ops=ops,
+        dtensor_ops=dtensor_ops,
+        collectives=tuple(coll),
+        bubble=bubble,
+        memory_bytes=memory_per_rank(cfg, p),
+    )
+
+
+def _root_params(cfg: Config) -> int:
+    """Parameters outside the blocks: embeddings, output projection, final norm."""
+    m = cfg.model
+    return m.vocab_size * m.dim * (1 if m.tie_embeddings else 2) + m.dim
+
+
+def memory_per_rank(cfg: Config, p: ParallelConfig) -> int:
+    """Bytes a rank holds: fp32 parameters, gradients and AdamW's two moments, sharded as the
+    layout shards them; the activations kept for backward (of the microbatches a pipeline
+    stage holds at once); the logits; one block gathered whole by FSDP."""
+    m, t = cfg.model, cfg.train
+    params = parameter_count(cfg)
+    state = params * BYTES_PER_PARAMETER // (p.pp * p.tp * p.dp_shard * p.ep * p.cp)
+    micro = p.microbatches if p.pp > 1 else 1
+    tok = t.global_batch // p.dp_size // micro * (t.seq_len // p.cp)
+    in_flight = min(micro, p.pp) if p.pp_schedule == "1F1B" and p.pp > 1 else micro
+    ffn = m.ffn_dim // p.tp * (m.top_k if m.n_experts else 1)
+    per_layer = tok * (10 * m.dim + 4 * ffn + 2 * (m.n_heads // p.tp) * t.seq_len) * FLOAT
+    activations = per_layer * (m.n_layers // p.pp) * in_flight
+    logits = 3 * tok * m.vocab_size * FLOAT
+    gathered = 0
+    if p.dp_shard * p.ep * p.cp > 1:
+        gathered = 2 * (params - _root_params(cfg)) // max(1, m.n_layers) // p.tp * FLOAT
+    return int(state + activations + logits + gathered)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A layout's predicted step, split into what makes it up."""
+
+    layout: str
+    parallel: ParallelConfig
+    step_s: float
+    compute_s: float
+    comm_s: float
+    dispatch_s: float
+    by_dim: dict[str, float]
+    memory_bytes: int
+
+    @property
+    def dominant(self) -> str:
+        """What most of the step is: compute, dispatch, or a mesh dim's communication."""
+        parts = {"compute": self.compute_s, "dispatch": self.dispatch_s, **self.by_dim}
+        name = max(parts, key=lambda k: parts[k])
+        what = name if name in ("compute", "dispatch") else f"{name} communication"
+        return f"{what} ({parts[name] / self.step_s:.0%})"
+
+
+def predict(
+    cfg: Config,
+    p: ParallelConfig,
+    rates: Rates,
+    scales: tuple[float, float, float] = (1.0, 1.0, 1.0),
+) -> Prediction:
+    """Step time of layout ``p``: (compute + dispatch) x (1 + pipeline bubble) + communication,
+    each term times its refined scale (compute, communication, dispatch)."""
+    w = workload(cfg, p)
+    compute = sum(f * n / rates.gemm_rate(f) for f, n in w.gemms)
+    compute += w.stream_bytes / rates.stream_bytes_per_s
+    dispatch = w.ops * rates.op_s + w.dtensor_ops * rates.dtensor_op_s
+    by_dim: dict[str, float] = {}
+    for c in w.collectives:
+        by_dim[c.dim] = by_dim.get(c.dim, 0.0) + c.count * rates.collective_s(c) * scales[1]
+    compute *= scales[0] * (1 + w.bubble)
+    dispatch *= scales[2] * (1 + w.bubble)
+    comm = sum(by_dim.values())
+    step = compute + dispatch + comm
+    return Prediction(layout_text(p), p, step, compute, comm, dispatch, by_dim, w.memory_bytes)
+
+
+def terms(cfg: Config, p: ParallelConfig, rates: Rates) -> tuple[float, float, float]:
+    """The unscaled (compute, communication, dispatch) seconds `predict` adds up."""
+    base = predict(cfg, p, rates)
+    return base.compute_s, base.comm_s, base.dispatch_s
+
+
+@dataclass
+class Refiner:
+    """Scales the model's three terms to measured step times: with one layout measured, one
+    scale for all; with more, a least-squares fit of each term's scale (kept within 0.2-5x, so a
+    few noisy steps cannot send a term to zero)."""
+
+    cfg: Config
+    rates: Rates
+    measured: dict[str, tuple[ParallelConfig, float]] = field(default_factory=dict)
+
+    def add(self, p: ParallelConfig, step_s: float) -> None:
+        self.measured[layout_text(p)] = (p, step_s)
+
+    def scales(self) -> tuple[float, float, float]:
+        if not self.measured:
+            return (1.0, 1.0, 1.0)
+        rows = [(terms(self.cfg, p, self.rates), s) for p, s in self.measured.values()]
+        if len(rows) < 3:
+            ratio = sum(s for _, s in rows) / sum(sum(x) for x, _ in rows)
+            return (ratio, ratio, ratio)
+        import numpy as np
+
+        a = np.array([x for x, _ in rows], dtype=float)
+        b = np.array([s for _, s in rows], dtype=float)
+        ratio = float(b.sum() / a.sum())
+        fit, *_ = np.linalg.lstsq(a / b[:, None], np.ones(len(b)), rcond=None)  # relative error
+        lo, hi = 0.2 * ratio, 5.0 * ratio
+        return tuple(float(min(hi, max(lo, x))) for x in fit)  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class Table:
+    """Every layout of a world ranked by predicted step time, and those rejected, with why."""
+
+    world: int
+    rows: tuple[Prediction, ...]
+    rejected: tuple[tuple[str, str], ...]
+    budget_bytes: int
+    rates_source: str
+
+    def text(self) -> str:
+        lines = [
+            f"{len(self.rows)} layouts of {self.world} ranks fit (budget "
+            f"{self.budget_bytes / 2**20:.0f} MiB per rank; rates: {self.rates_source})",
+            f"{'#':>3}  {'layout':<28} {'step ms':>9} {'memory MiB':>11}  dominated by",
+        ]
+        best = self.rows[0].step_s if self.rows else 1.0
+        for i, r in enumerate(self.rows, 1):
+            lines.append(
+                f"{i:>3}  {r.layout:<28} {r.step_s * 1e3:>9.1f} "
+                f"{r.memory_bytes / 2**20:>11.1f}  {r.dominant}"
+                + ("" if i == 1 else f"; {r.step_s / best:.2f}x the best")
+            )
+        if self.rejected:
+            lines.append(f"rejected ({len(self.rejected)}):")
+            lines += [f"     {name:<28} {why}" for name, why in self.rejected]
+        return "\n".join(lines)
+
+
+def rank_layouts(
+    cfg: Config,
+    world: int,
+    rates: Rates,
+    *,
+    memory_bytes: int | None = None,
+    scales: tuple[float, float, float] = (1.0, 1.0, 1.0),
+) -> Table:
+    """Predict every valid layout of ``world`` ranks (`layouts.candidate_layouts`, whose memory
+    filter here counts activations too) and rank them, fastest first."""
+    budget = memory_bytes if memory_bytes is not None else default_budget()
+    fits, rejected = candidate_layouts(cfg, world, budget, memory=memory_per_rank)
+    rows = sorted((predict(cfg, p, rates, scales) for p, _ in fits), key=lambda r: r.step_s)
+    return Table(world, tuple(rows), tuple(rejected), budget, rates.source)
+
+
+# --- calibration on the job's own ranks ------------------------------------------------------
+
+
+def _time(fn, reps: int) -> float:
+    fn()  # warm
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps
+
+
+def calibrate(
+    group_sizes: Iterable[int] | None = None,
+    *,
+    gemm_sizes: Sequence[int] = (32, 128, 384, 768),
+    message_bytes: Sequence[int] = (1 << 10, 1 << 20),
+    budget_s: float = 0.25,
+) -> Rates:
+    """Measure the rates on every rank of the default process group at once (call it on every
+    rank): square multiplies of ``gemm_sizes``, streaming adds, an op's and a DTensor op's
+    dispatch, and all_gather / reduce_scatter / all_reduce / all_to_all / send over subgroups of
+    each of ``group_sizes`` consecutive ranks (every size dividing the world when None), at each
+    of ``message_bytes``. The subgroups are destroyed before it returns. All ranks get rank 0's
+    figures (the slowest rank's for the multiplies), so every rank ranks layouts alike."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    sizes = sorted(set(group_sizes or [g for g in range(2, world + 1) if world % g == 0]))
+
+    def barrier() -> None:
+        if world > 1:
+            dist.barrier()
+
+    gemm = []
+    for n in gemm_sizes:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        barrier()
+
+        def mm(a=a, b=b):
+            return a @ b
+
+        reps = max(2, int(budget_s / 4 / max(1e-6, _time(mm, 1))))
+        s = _time(mm, reps)
+        gemm.append((2.0 * n**3, 2.0 * n**3 / s))
+    big = torch.randn(1 << 22)
+    out = torch.empty_like(big)
+    barrier()
+    stream = 3 * big.numel() * FLOAT / _time(lambda: torch.add(big, big, out=out), 5)
+    tiny = torch.ones(4)
+    op_s = _time(lambda: tiny.add(1.0), 500)
+    dtensor_op_s = op_s * 10
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (world,))
+        dt = distribute_tensor(torch.ones(world * 4), mesh, [Shard(0)])
+        dtensor_op_s = max(op_s, _time(lambda: dt.add(1.0), 100))
+    coll: dict[str, tuple[float, float]] = {}
+    made = []
+    for g in sizes:
+        groups = [dist.new_group(list(range(i, i + g))) for i in range(0, world, g)]
+        made += groups
+        mine = groups[rank // g]
+        for kind in (*_RING, "send"):
+            points = []
+            for nbytes in message_bytes:
+                n = max(g, nbytes // FLOAT // g * g)
+                points.append((nbytes, _collective_s(kind, n, g, rank % g, mine)))
+            (b0, t0), (b1, t1) = points[0], points[-1]
+            ring = 1.0 if kind == "send" else _RING[kind] * (g - 1) / g
+            beta = max(0.0, (t1 - t0) / (ring * (b1 - b0)))
+            coll[f"{kind}/{g}"] = (max(0.0, t0 - beta * ring * b0), beta)
+    figures = [gemm, stream, op_s, dtensor_op_s, coll]
+    if world > 1:
+        mine_gemm = torch.tensor([r for _, r in gemm], dtype=torch.float64)
+        dist.all_reduce(mine_gemm, op=dist.ReduceOp.MIN)  # the slowest rank paces the step
+        gemm = [(f, float(r)) for (f, _), r in zip(gemm, mine_gemm.tolist(), strict=True)]
+        figures[0] = gemm
+        box = [figures]
+        dist.broadcast_object_list(box, src=0)
+        gemm, stream, op_s, dtensor_op_s, coll = box[0]
+        for group in made:
+            dist.destroy_process_group(group)
+    return Rates(tuple(map(tuple, gemm)), stream, op_s, dtensor_op_s, coll)
+
+
+def _collective_s(kind: str, n: int, g: int, me: int, group) -> float:
+    """Seconds for one ``kind`` collective on ``n`` floats (the whole message) in ``group``."""
+    import torch
+    import torch.distributed as dist
+
+    whole, part = torch.ones(n), torch.ones(n // g)
+    if kind == "all_gather":
+
+        def fn():
+            dist.all_gather_into_tensor(whole, part, group=group)
+    elif kind == "reduce_scatter":
+
+        def fn():
+            dist.reduce_scatter_tensor(part, whole, group=group)
+    elif kind == "all_reduce":
+
+        def fn():
+            dist.all_reduce(whole, group=group)
+    elif kind == "all_to_all":
+        out = torch.empty_like(whole)
+
+        def fn():
+            dist.all_to_all_single(out, whole, group=group)
+    else:  # a pipeline's neighbour exchange: pairs 0 -> 1, 2 -> 3, ... within the group
+        peer = me ^ 1
+        ranks = dist.get_process_group_ranks(group)
+
+        def fn():
+            if peer >= g:
+                return
+            if me % 2 == 0:
+                dist.send(whole, ranks[peer], group=group)
+            else:
+                dist.recv(whole, ranks[peer], group=group)
+
+    dist.barrier(group=group)
+    return _time(fn, 5)
