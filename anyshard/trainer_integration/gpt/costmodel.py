@@ -408,8 +408,11 @@ def calibrate(
     import torch
     import torch.distributed as dist
 
+    from anyshard._compat import process_groups
+
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
+    before = process_groups()
     sizes = sorted(set(group_sizes or [g for g in range(2, world + 1) if world % g == 0]))
 
     def barrier() -> None:
@@ -442,10 +445,8 @@ def calibrate(
         dt = distribute_tensor(torch.ones(world * 4), mesh, [Shard(0)])
         dtensor_op_s = max(op_s, _time(lambda: dt.add(1.0), 100))
     coll: dict[str, tuple[float, float]] = {}
-    made = []
     for g in sizes:
         groups = [dist.new_group(list(range(i, i + g))) for i in range(0, world, g)]
-        made += groups
         mine = groups[rank // g]
         for kind in (*_RING, "send"):
             points = []
@@ -465,7 +466,7 @@ def calibrate(
         box = [figures]
         dist.broadcast_object_list(box, src=0)
         gemm, stream, op_s, dtensor_op_s, coll = box[0]
-        for group in made:
+        for group in process_groups() - before:  # the DTensor mesh's and the subgroups
             dist.destroy_process_group(group)
     return Rates(tuple(map(tuple, gemm)), stream, op_s, dtensor_op_s, coll)
 
