@@ -463,9 +463,10 @@ def calibrate(
         dist.all_reduce(mine_gemm, op=dist.ReduceOp.MIN)  # the slowest rank paces the step
         gemm = [(f, float(r)) for (f, _), r in zip(gemm, mine_gemm.tolist(), strict=True)]
         figures[0] = gemm
-        box = [figures]
-        dist.broadcast_object_list(box, src=0)
-        gemm, stream, op_s, dtensor_op_s, coll = box[0]
+        from anyshard.api.collectives import broadcast_json
+
+        gemm, stream, op_s, dtensor_op_s, coll = broadcast_json(figures)  # rank 0's for all
+        coll = {k: (float(a), float(b)) for k, (a, b) in coll.items()}
         for group in process_groups() - before:  # the DTensor mesh's and the subgroups
             dist.destroy_process_group(group)
     return Rates(tuple(map(tuple, gemm)), stream, op_s, dtensor_op_s, coll)
