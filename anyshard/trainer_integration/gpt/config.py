@@ -5,7 +5,8 @@ with 2 to 4 ranks), the TOML file (tables ``[model]``, ``[parallel]``, ``[train]
 ``[checkpoint]``, ``[fault]``, ``[ft]`` and the top-level key ``run_dir``), the overrides
 (``--train.steps 10`` or ``--train.steps=10``), and last the environment variable
 ``ANYSHARD_FAULT="rank:step[:mode]"`` (e.g. ``1:7:sigkill``), which sets the fault to inject
-without editing the config, so a test or a shell can crash one run of an unchanged command.
+without editing the config, so a test or a shell can crash one run of an unchanged command, and
+``ANYSHARD_SLOW="rank:factor[:from_step]"`` (e.g. ``1:2:50``), which makes one rank a straggler.
 `Config.validate` checks that the sizes fit the parallel layout, all problems at once.
 
 Run the examples: ``python -m pytest --doctest-modules anyshard/trainer_integration/gpt/config.py``
@@ -51,6 +52,7 @@ __all__ = [
 ]
 
 FAULT_ENV = "ANYSHARD_FAULT"
+SLOW_ENV = "ANYSHARD_SLOW"
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
 _FAULT_MODES = ("sigkill", "raise")
 
@@ -95,9 +97,21 @@ class ParallelConfig:
     # "STEP:dim=n,dim=n": after STEP steps, switch the running job to that layout over the same
     # ranks (dims left out are 1), moving its state over the network (anyshard.redistribute)
     relayout_at: str | None = None
-    # when the job runs on another number of ranks than these degrees multiply to (an elastic
-    # job that lost or regained a node), choose a layout for it (`layouts.choose_layout`)
-    auto: bool = False
+    # "off": train under these degrees (on another number of ranks, an elastic job's, refuse);
+    # "start": measure, trial the layouts the cost model predicts faster, switch to the fastest
+    # if it pays (`autolayout.Scheduler`), also when the job runs on another number of ranks
+    # than these degrees multiply to (it then starts from the model's best); "online": that,
+    # then re-plan when step times drift and give a slow data rank a smaller share.
+    # true and false (older configs) read as "start" and "off".
+    auto: str = "off"
+    auto_trials: int = 2  # layouts trialled besides the running one
+    auto_trial_steps: int = 3  # steps measured per layout (plus one that warms it up)
+    auto_margin: float = 0.25  # a switch must pay back its measured cost x (1 + margin)
+
+    def __post_init__(self) -> None:
+        legacy = {"true": "start", "false": "off", "yes": "start", "no": "off"}
+        mode = str(self.auto).lower()
+        object.__setattr__(self, "auto", legacy.get(mode, mode))
 
     def relayout(self) -> tuple[int, ParallelConfig] | None:
         """The step and layout of ``relayout_at``; `ConfigError` when it does not parse.
@@ -190,6 +204,11 @@ class FaultConfig:
     kill_step: int | None = None  # it fails at the start of this step
     mode: str = "sigkill"  # "sigkill" (the process dies at once) or "raise" (an exception)
     only_first_attempt: bool = True  # fail only in the first attempt, not after a restart
+    # a straggler (ANYSHARD_SLOW="rank:factor[:from_step]"): from step slow_from on, global rank
+    # slow_rank's steps take slow_factor times its compute time; it sleeps the difference
+    slow_rank: int | None = None
+    slow_factor: float = 1.0
+    slow_from: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -256,7 +275,11 @@ _RANGES = {
         **dict.fromkeys(("norm_eps", "rope_theta", "init_std"), "(0, inf)"),
         "n_experts": "[0, inf)",
     },
-    "parallel": dict.fromkeys((*MESH_ORDER, "microbatches"), "[1, inf)"),
+    "parallel": {
+        **dict.fromkeys((*MESH_ORDER, "microbatches", "auto_trial_steps"), "[1, inf)"),
+        "auto_trials": "[0, inf)",
+        "auto_margin": "[0, inf)",
+    },
     "train": {
         **dict.fromkeys(("steps", "seq_len", "global_batch", "log_every"), "[1, inf)"),
         **dict.fromkeys(("warmup_steps", "weight_decay", "grad_clip", "seed"), "[0, inf)"),
@@ -266,7 +289,11 @@ _RANGES = {
         "lr": "(0, inf)",
     },
     "checkpoint": dict.fromkeys(("every_steps", "keep_last"), "[1, inf)"),
-    "fault": {"kill_rank": "[0, inf)", "kill_step": "[1, inf)"},  # None: no fault
+    "fault": {  # None: no fault
+        **dict.fromkeys(("kill_rank", "slow_rank", "slow_from"), "[0, inf)"),
+        "kill_step": "[1, inf)",
+        "slow_factor": "[1, inf)",
+    },
     "ft": {
         "replicas": "[1, inf)",
         "replica": "[0, inf)",
@@ -276,6 +303,7 @@ _RANGES = {
 }
 _CHOICES = [
     ("parallel", "pp_schedule", ("1F1B", "GPipe")),
+    ("parallel", "auto", ("off", "start", "online")),
     ("checkpoint", "storage", ("local", "s3")),
     ("fault", "mode", _FAULT_MODES),
 ]
@@ -407,6 +435,11 @@ def _fault_problems(f: FaultConfig, p: ParallelConfig, t: TrainConfig) -> list[s
             f"together; set both (or {FAULT_ENV}=rank:step) or neither"
         ]
     problems = []
+    if f.slow_rank is not None and f.slow_rank >= p.world_size:
+        problems.append(
+            f"fault.slow_rank ({f.slow_rank}) is not a rank of the world of {p.world_size}; "
+            f"set it below {p.world_size} ({SLOW_ENV}=rank:factor[:from_step])"
+        )
     if f.kill_rank is not None and f.kill_rank >= p.world_size:
         problems.append(
             f"fault.kill_rank ({f.kill_rank}) is not a rank of the world of {p.world_size}; "
@@ -503,6 +536,11 @@ def _relayout_problems(cfg: Config) -> list[str]:
     step, p = found
     where = f"parallel.relayout_at ({cfg.parallel.relayout_at})"
     problems = []
+    if cfg.parallel.auto in ("start", "online") and cfg.ft.replicas == 1:
+        problems.append(
+            f"{where} and parallel.auto = {cfg.parallel.auto!r} both switch the layout; set "
+            "parallel.auto = 'off' to switch at a fixed step, or drop relayout_at"
+        )
     if p.world_size != cfg.parallel.world_size:
         problems.append(
             f"{where} has {p.world_size} ranks, the job {cfg.parallel.world_size}: a relayout "
@@ -571,6 +609,8 @@ def _check_toml(value: Any, tp: Any) -> Any:
     scalar, _ = _scalar(tp)
     if scalar is float and type(value) in (int, float):
         return float(value)
+    if scalar is str and type(value) is bool:  # `auto = true` (validation checks the word)
+        return "true" if value else "false"
     if type(value) is not scalar:
         raise ValueError(value)
     return value
@@ -693,6 +733,32 @@ def parse_fault_env(text: str) -> dict[str, Any]:
     return fault | ({"mode": parts[2]} if len(parts) == 3 else {})
 
 
+def parse_slow_env(text: str) -> dict[str, Any]:
+    """The `FaultConfig` fields that ANYSHARD_SLOW="rank:factor[:from_step]" sets; {} when empty.
+
+    >>> parse_slow_env("1:2.5:40")
+    {'slow_rank': 1, 'slow_factor': 2.5, 'slow_from': 40}
+    >>> parse_slow_env("0:2")
+    {'slow_rank': 0, 'slow_factor': 2.0}
+    """
+    text = text.strip()
+    if not text:
+        return {}
+    parts = text.split(":")
+    try:
+        if len(parts) not in (2, 3):
+            raise ValueError(text)
+        slow: dict[str, Any] = {"slow_rank": int(parts[0]), "slow_factor": float(parts[1])}
+        if len(parts) == 3:
+            slow["slow_from"] = int(parts[2])
+    except ValueError:
+        raise ConfigError(
+            f"{SLOW_ENV}={text!r}: expected rank:factor[:from_step] (a global rank, a factor "
+            f">= 1, the first slow step), e.g. {SLOW_ENV}=1:2:50"
+        ) from None
+    return slow
+
+
 def _build(values: dict) -> Config:
     sections = {name: _types(Config)[name](**values.pop(name, {})) for name in _SECTIONS}
     return Config(**sections, **values)
@@ -719,6 +785,7 @@ def loads_config(
     _apply_overrides(values, overrides)
     environ = os.environ if environ is None else environ
     values.setdefault("fault", {}).update(parse_fault_env(environ.get(FAULT_ENV, "")))
+    values["fault"].update(parse_slow_env(environ.get(SLOW_ENV, "")))
     cfg = _build(values)
     cfg.validate()
     return cfg

@@ -53,6 +53,7 @@ __all__ = [
     "calibrate",
     "predict",
     "rank_layouts",
+    "rates_from_timings",
     "workload",
 ]
 
@@ -428,12 +429,11 @@ def calibrate(
             return a @ b
 
         reps = max(2, int(budget_s / 4 / max(1e-6, _time(mm, 1))))
-        s = _time(mm, reps)
-        gemm.append((2.0 * n**3, 2.0 * n**3 / s))
+        gemm.append((n, _time(mm, reps)))
     big = torch.randn(1 << 22)
     out = torch.empty_like(big)
     barrier()
-    stream = 3 * big.numel() * FLOAT / _time(lambda: torch.add(big, big, out=out), 5)
+    stream = (3 * big.numel() * FLOAT, _time(lambda: torch.add(big, big, out=out), 5))
     tiny = torch.ones(4)
     op_s = _time(lambda: tiny.add(1.0), 500)
     dtensor_op_s = op_s * 10
@@ -444,32 +444,48 @@ def calibrate(
         mesh = init_device_mesh("cpu", (world,))
         dt = distribute_tensor(torch.ones(world * 4), mesh, [Shard(0)])
         dtensor_op_s = max(op_s, _time(lambda: dt.add(1.0), 100))
-    coll: dict[str, tuple[float, float]] = {}
+    coll: dict[str, list[tuple[int, float]]] = {}
     for g in sizes:
         groups = [dist.new_group(list(range(i, i + g))) for i in range(0, world, g)]
         mine = groups[rank // g]
         for kind in (*_RING, "send"):
-            points = []
-            for nbytes in message_bytes:
-                n = max(g, nbytes // FLOAT // g * g)
-                points.append((nbytes, _collective_s(kind, n, g, rank % g, mine)))
-            (b0, t0), (b1, t1) = points[0], points[-1]
-            ring = 1.0 if kind == "send" else _RING[kind] * (g - 1) / g
-            beta = max(0.0, (t1 - t0) / (ring * (b1 - b0)))
-            coll[f"{kind}/{g}"] = (max(0.0, t0 - beta * ring * b0), beta)
-    figures = [gemm, stream, op_s, dtensor_op_s, coll]
+            coll[f"{kind}/{g}"] = [
+                (nbytes, _collective_s(kind, max(g, nbytes // FLOAT // g * g), g, rank % g, mine))
+                for nbytes in message_bytes
+            ]
     if world > 1:
-        mine_gemm = torch.tensor([r for _, r in gemm], dtype=torch.float64)
-        dist.all_reduce(mine_gemm, op=dist.ReduceOp.MIN)  # the slowest rank paces the step
-        gemm = [(f, float(r)) for (f, _), r in zip(gemm, mine_gemm.tolist(), strict=True)]
-        figures[0] = gemm
+        mine_gemm = torch.tensor([t for _, t in gemm], dtype=torch.float64)
+        dist.all_reduce(mine_gemm, op=dist.ReduceOp.MAX)  # the slowest rank paces the step
+        gemm = [(n, float(t)) for (n, _), t in zip(gemm, mine_gemm.tolist(), strict=True)]
         from anyshard.api.collectives import broadcast_json
 
-        gemm, stream, op_s, dtensor_op_s, coll = broadcast_json(figures)  # rank 0's for all
-        coll = {k: (float(a), float(b)) for k, (a, b) in coll.items()}
+        figures = broadcast_json([gemm, stream, op_s, dtensor_op_s, coll])  # rank 0's for all
+        gemm, stream, op_s, dtensor_op_s, coll = figures
         for group in process_groups() - before:  # the DTensor mesh's and the subgroups
             dist.destroy_process_group(group)
-    return Rates(tuple(map(tuple, gemm)), stream, op_s, dtensor_op_s, coll)
+    return rates_from_timings(gemm, stream, op_s, dtensor_op_s, coll)
+
+
+def rates_from_timings(
+    gemm: Sequence[tuple[int, float]],
+    stream: tuple[float, float],
+    op_s: float,
+    dtensor_op_s: float,
+    collectives: dict[str, Sequence[tuple[int, float]]],
+) -> Rates:
+    """The rates of measured timings: ``gemm`` (n, seconds of an n x n multiply), ``stream``
+    (bytes, seconds), an op's and a DTensor op's seconds, and per "kind/group" the seconds of a
+    collective at two or more message sizes (bytes, seconds): its latency and seconds per byte
+    moved are the line through the smallest and the largest."""
+    coll: dict[str, tuple[float, float]] = {}
+    for key, points in collectives.items():
+        kind, g = key.split("/")[0], int(key.split("/")[1])
+        (b0, t0), (b1, t1) = min(points), max(points)
+        ring = 1.0 if kind == "send" else _RING[kind] * (g - 1) / g
+        beta = max(0.0, (t1 - t0) / (ring * (b1 - b0)))
+        coll[key] = (max(0.0, t0 - beta * ring * b0), beta)
+    rates = tuple((2.0 * n**3, 2.0 * n**3 / t) for n, t in gemm)
+    return Rates(rates, stream[0] / stream[1], op_s, dtensor_op_s, coll)
 
 
 def _collective_s(kind: str, n: int, g: int, me: int, group) -> float:

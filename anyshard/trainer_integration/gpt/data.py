@@ -122,12 +122,37 @@ class DataLoader:
         self.dp_size = dp_size
         self.seed = seed
         self.samples_consumed = 0  # global samples consumed by all ranks together
+        # uneven data shares (the layout scheduler's, for a slow data rank): samples of each
+        # data rank in rank order, adding up to global_batch; None splits evenly
+        self.shares: tuple[int, ...] | None = None
         self._orders: dict[int, list[int]] = {}  # window order per epoch, the last few only
 
     @property
     def local_batch(self) -> int:
-        """Sequences per step on this rank: ``global_batch // dp_size``."""
+        """Sequences per step on this rank: ``global_batch // dp_size``, or its share."""
+        if self.shares is not None:
+            return self.shares[self.dp_rank]
         return self.global_batch // self.dp_size
+
+    def set_shares(self, shares: tuple[int, ...] | None) -> None:
+        """Give each data rank its own number of samples of every global batch (``None``: even
+        shares); the order of the samples and the global batch stay the same.
+
+        >>> loader = DataLoader(torch.arange(100), seq_len=4, global_batch=4, dp_rank=1,
+        ...                     dp_size=2, seed=0)
+        >>> whole = loader.peek_global_batch(0)[:, :-1]
+        >>> loader.set_shares((1, 3))
+        >>> bool((loader.next_batch()[0] == whole[1:]).all())
+        True
+        """
+        if shares is not None and (
+            len(shares) != self.dp_size or sum(shares) != self.global_batch or min(shares) < 1
+        ):
+            raise ValueError(
+                f"shares {shares} must give each of {self.dp_size} data ranks at least one "
+                f"sample and add up to the global batch of {self.global_batch}"
+            )
+        self.shares = None if shares is None else tuple(shares)
 
     def _order(self, epoch: int) -> list[int]:
         if epoch not in self._orders:
@@ -154,7 +179,12 @@ class DataLoader:
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's (inputs, targets) of the next step, int64 ``[local_batch, seq_len]``
         each, targets being inputs shifted by one token; advances the position by one step."""
-        batch = self.batch_at(self.samples_consumed, self.dp_rank, self.dp_size)
+        if self.shares is not None:
+            first = self.samples_consumed + sum(self.shares[: self.dp_rank])
+            rows = self._samples(first, self.shares[self.dp_rank])
+            batch = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+        else:
+            batch = self.batch_at(self.samples_consumed, self.dp_rank, self.dp_size)
         self.samples_consumed += self.global_batch
         return batch
 

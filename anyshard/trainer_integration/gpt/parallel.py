@@ -294,6 +294,10 @@ class TrainStep:
         # apply the step (FT-HSDP sets it: the cross-group gradient average and commit vote)
         self.replica_sync: Callable[[nn.Module], bool] | None = None
         self.committed = True  # whether the last call applied its optimizer step
+        # this data rank's share of the global batch over an even share (uneven shares, set by
+        # the layout scheduler): its loss, and so its gradients, weigh that much more in the
+        # average over data ranks, which stays the mean over the global batch
+        self.weight = 1.0
         # FT-HSDP: keep the gradients of a step the quorum did not commit, so that the next
         # quorum can save it (`resume`) instead of redoing it; the next plain call drops them
         self.keep_uncommitted = False
@@ -440,6 +444,8 @@ class TrainStep:
         local = torch.zeros((), dtype=torch.float64)
         if self.schedule is None:
             loss = _cross_entropy(self.model(inputs), targets)
+            if self.weight != 1.0:
+                loss = loss * self.weight
             loss.backward()
             local += loss.detach().double()
         else:

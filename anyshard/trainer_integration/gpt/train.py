@@ -369,6 +369,93 @@ def relayout(cfg: Config, state: TrainState, parallel) -> tuple[Config, TrainSta
     return new_cfg, new, step_fn, cost
 
 
+class _Layouts:
+    """The layout changes of a run: the configured switch (``parallel.relayout_at``) and the
+    scheduler's answers (``parallel.auto``, `autolayout.Scheduler`), each carried out through
+    `relayout`; the process groups of a layout the job leaves are destroyed as it leaves it."""
+
+    def __init__(self, cfg: Config, rates, groups: set, *, end: int, step: int, rank: int):
+        self.pending = cfg.parallel.relayout()
+        self.groups = groups  # the running layout's process groups
+        self.rank = rank
+        self.scheduler = None
+        self.decision = None
+        if rates is not None:
+            from anyshard.trainer_integration.gpt.autolayout import Policy, Scheduler
+
+            p = cfg.parallel
+            policy = Policy(
+                trials=p.auto_trials, trial_steps=p.auto_trial_steps, margin=p.auto_margin
+            )
+            self.scheduler = Scheduler(
+                cfg,
+                p,
+                rates,
+                total_steps=end,
+                start_step=step,
+                online=p.auto == "online",
+                policy=policy,
+            )
+
+    def target(self, state: TrainState):
+        """The layout to switch to before this step, or None."""
+        if self.pending is not None and state.step >= self.pending[0]:
+            target, self.pending = self.pending[1], None
+            return target
+        if self.scheduler is None:
+            return None
+        self.decision = self.scheduler.decide(state.step)
+        return self.decision.parallel
+
+    def switch(self, cfg: Config, state: TrainState, parallel) -> tuple[Config, TrainState, Any]:
+        """Move the job into ``parallel`` (collective); log it; leave the old layout's groups."""
+        old = _layout_name(cfg)
+        before = _process_groups()
+        cfg, state, step_fn, cost = relayout(cfg, state, parallel)
+        for group in self.groups:
+            dist.destroy_process_group(group)
+        self.groups = _process_groups() - before
+        forget_cached_placements()  # its entries may name the destroyed meshes
+        seconds = torch.tensor([cost["build_s"] + cost["redistribute_s"]], dtype=torch.float64)
+        if dist.is_initialized():
+            on = "cuda" if dist.get_backend() == "nccl" else "cpu"
+            seconds = seconds.to(on)
+            dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # every rank decides alike
+        if self.scheduler is not None:
+            self.scheduler.switched(float(seconds))
+        if self.rank == 0:
+            event = {"event": "relayout", "step": state.step, "from": old, "to": _layout_name(cfg)}
+            _append(os.path.join(cfg.run_dir, "events.jsonl"), {**event, **cost})
+        return cfg, state, step_fn
+
+    def apply_shares(self, cfg: Config, state: TrainState, step_fn) -> None:
+        """Carry out the scheduler's data shares (a switch starts even) and log its decision."""
+        d, self.decision = self.decision, None
+        if d is None or (d.action == "keep" and not d.reason):
+            return
+        shares, par = self.scheduler.shares, step_fn.par
+        state.loader.set_shares(shares)
+        even = cfg.train.global_batch / par.data_size
+        step_fn.weight = 1.0 if shares is None else shares[par.data_rank] / even
+        if self.rank == 0:
+            record = self.scheduler.decisions[-1] if d.action != "keep" else d.event(state.step)
+            _append(os.path.join(cfg.run_dir, "events.jsonl"), {**record, "time": time.time()})
+
+    def measured(self, busy_s: float, par) -> None:
+        """Tell the scheduler what this step cost: every rank's busy time and data rank."""
+        if self.scheduler is None:
+            return
+        mine = torch.tensor([busy_s, float(par.data_rank)], dtype=torch.float64)
+        rows = [mine]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            on = "cuda" if dist.get_backend() == "nccl" else "cpu"
+            out = torch.empty(dist.get_world_size() * 2, dtype=torch.float64, device=on)
+            dist.all_gather_into_tensor(out, mine.to(on))
+            rows = list(out.cpu().view(-1, 2))
+        busy = [float(r[0]) for r in rows]
+        self.scheduler.observe(max(busy), busy, [int(r[1]) for r in rows])
+
+
 def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None) -> list[float]:
     """Train (restoring first) until ``cfg.train.steps`` (or step ``stop_at``, for a job that is
     to be relaunched: the LR schedule still spans ``cfg.train.steps``), for at most ``max_steps``
@@ -387,10 +474,16 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
             cfg = dataclasses.replace(cfg, parallel=heal)
     chosen = None
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if cfg.parallel.auto and cfg.parallel.world_size != world:
+    rates = None
+    if cfg.parallel.auto != "off" and cfg.ft.replicas == 1:  # the scheduler's measured rates
+        from anyshard.trainer_integration.gpt.costmodel import calibrate
+
+        rates = calibrate()
+    if cfg.parallel.auto != "off" and cfg.parallel.world_size != world:
+        from anyshard.trainer_integration.gpt.autolayout import first_layout
         from anyshard.trainer_integration.gpt.layouts import choose_layout, layout_text
 
-        chosen = choose_layout(cfg, world)
+        chosen = choose_layout(cfg, world) if rates is None else first_layout(cfg, world, rates)
         cfg = dataclasses.replace(cfg, parallel=chosen.parallel)
         if rank == 0:
             print(
@@ -401,6 +494,7 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
             )
     torch.manual_seed(cfg.train.seed)
     par, model, optimizer, step_fn = build_training(cfg)
+    layout_groups = _process_groups() - groups_before
     built = time.time()
     t = cfg.train
     state = TrainState(model, optimizer, _loader(cfg, par))
@@ -436,27 +530,25 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
         start = time.perf_counter()
         ckpt.prepare({"train": state})
         ckpt.blocked_s += time.perf_counter() - start
+    end = t.steps if stop_at is None else min(t.steps, stop_at)
+    layouts = _Layouts(cfg, rates, layout_groups, end=end, step=state.step, rank=rank)
     kill_rank, kill_step, mode, armed = _fault(cfg)
     fault_file = os.path.join(cfg.run_dir, "fault.json")
     losses: list[float] = []
     first = True
     joined = False  # FT-HSDP: whether this group has been through its first quorum
     saves = 0
-    end = t.steps if stop_at is None else min(t.steps, stop_at)
-    switch = cfg.parallel.relayout()
     while state.step < end and (max_steps is None or len(losses) < max_steps):
-        if switch is not None and state.step >= switch[0]:
+        target = layouts.target(state)
+        if target is not None:
             ckpt.wait()  # a save in flight still reads the old layout's tensors
-            old = layout
-            cfg, state, step_fn, cost = relayout(cfg, state, switch[1])
-            layout, switch, par = _layout_name(cfg), None, step_fn.par
+            cfg, state, step_fn = layouts.switch(cfg, state, target)
+            layout, par = _layout_name(cfg), step_fn.par
             if guarded:
                 ckpt.guard(state.optimizer)
             if replicas is not None:  # this group alone changes layout; the quorum goes on
                 replicas.rebind(state, layout, step_fn)
-            if rank == 0:
-                event = {"event": "relayout", "step": state.step, "from": old, "to": layout}
-                _append(os.path.join(cfg.run_dir, "events.jsonl"), {**event, **cost})
+        layouts.apply_shares(cfg, state, step_fn)
         if replicas is not None:
             # a step that lost the other group: train its share while the lighthouse notices
             replicas.train_ahead(step_fn, state.loader, par.data_rank, par.data_size)
@@ -496,8 +588,12 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
         # FT-HSDP: the quorum may save the last step, which lost a group, instead of redoing it
         rescue = None if replicas is None else replicas.rescue(loader, par.data_rank, par.data_size)
         loss = step_fn(inputs, targets) if rescue is None else step_fn.resume(*rescue)
+        f = cfg.fault
+        if f.slow_rank == rank and state.step >= f.slow_from:  # a straggler: sleeps, not spins
+            time.sleep((f.slow_factor - 1) * (time.perf_counter() - step_began))
         if t.min_step_s > 0:  # a larger model's step time: faults land mid-run
             time.sleep(max(0.0, t.min_step_s - (time.perf_counter() - step_began)))
+        layouts.measured(time.perf_counter() - step_began, par)
         if rescue is not None and step_fn.committed and rank == 0:
             event = {"event": "rescued", "step": state.step, **replicas.rescue_info}
             _append(os.path.join(cfg.run_dir, "events.jsonl"), {**event, "time": time.time()})

@@ -1,0 +1,383 @@
+"""The layout scheduler: which layout the running job should train under, and which data share
+each data-parallel rank should take, from the cost model and the steps the job measures.
+
+The training loop asks `Scheduler.decide` one question before every step and carries out the
+answer: **keep** the layout, **trial** a candidate or **switch** to one (both through the live
+relayout path, `train.relayout`: training steps go on, nothing is written or read), or
+**rebalance** the data-parallel shares. After every step it reports what the step cost
+(`Scheduler.observe`: the slowest rank's wall time, and each rank's busy time and data rank).
+
+The plan, with ``parallel.auto`` = ``start`` or ``online``:
+
+1. measure the running layout for `Policy.trial_steps` steps (the first step under a layout warms
+   it up and is not counted);
+2. trial the top `Policy.trials` layouts the cost model, refined by what was measured so far,
+   predicts faster than the running one by `Policy.min_gain`, while the steps left can pay a
+   switch there and back;
+3. settle on the fastest measured layout, switching only when the saving per step times the
+   steps left exceeds the measured switch cost by `Policy.margin` (and the saving is at least
+   `Policy.min_gain` of a step: a layout never flips back and forth on noise);
+4. ``online`` only: every `Policy.window` steps compare the median step with the settled one;
+   a drift of `Policy.drift` in two windows in a row re-plans (the old measurements describe
+   another machine state and are dropped), and a data-parallel rank busier than the mean by `Policy.imbalance` gets a
+   smaller share of the same global batch (`shares_for`).
+
+Every decision is identical on every rank: the inputs are the same gathered figures.
+
+    >>> from anyshard.trainer_integration.gpt.config import Config, ParallelConfig
+    >>> from anyshard.trainer_integration.gpt.costmodel import Rates
+    >>> cfg = Config()
+    >>> s = Scheduler(cfg, ParallelConfig(tp=2), Rates.nominal(), total_steps=100, start_step=0)
+    >>> s.decide(0).action
+    'keep'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from anyshard.trainer_integration.gpt.config import Config, ParallelConfig
+from anyshard.trainer_integration.gpt.costmodel import Rates, Refiner, Table, predict, rank_layouts
+from anyshard.trainer_integration.gpt.layouts import Choice, layout_text
+
+__all__ = ["Decision", "Policy", "Scheduler", "first_layout", "shares_for"]
+
+
+def first_layout(
+    cfg: Config, world: int, rates: Rates, *, memory_bytes: int | None = None
+) -> Choice:
+    """The layout a job starts under on ``world`` ranks when its configured degrees do not
+    multiply to it: the one the cost model predicts fastest (trials follow)."""
+    table = rank_layouts(cfg, world, rates, memory_bytes=memory_bytes)
+    if not table.rows:
+        raise ValueError(
+            f"no layout of {world} ranks fits the model and batch:\n  "
+            + "\n  ".join(f"{name}: {why}" for name, why in table.rejected[:8])
+        )
+    best = table.rows[0]
+    want = cfg.parallel
+    reasons = (
+        f"the configured layout {layout_text(want)} needs {want.world_size} ranks, {world} run",
+        f"the cost model predicts {best.layout} fastest of {len(table.rows)} "
+        f"({best.step_s * 1e3:.1f} ms a step, {best.dominant})",
+    )
+    return Choice(best.parallel, reasons, best.memory_bytes)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The scheduler's settings (``parallel.auto_*`` in the trainer's config)."""
+
+    trials: int = 2  # candidates trialled besides the running layout (K)
+    trial_steps: int = 3  # steps measured per layout; the first step after a switch is extra
+    margin: float = 0.25  # a switch must pay back its measured cost x (1 + margin)
+    min_gain: float = 0.05  # and save at least this fraction of a step (hysteresis)
+    drift: float = 0.25  # online: re-plan when the median step drifts this much
+    window: int = 5  # online: steps per drift and balance check
+    imbalance: float = 0.15  # online: rebalance when a data rank is this much busier
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the loop does before a step: keep, trial, switch or rebalance."""
+
+    action: str
+    parallel: ParallelConfig | None = None
+    shares: tuple[int, ...] | None = None
+    reason: str = ""
+
+    def event(self, step: int) -> dict:
+        """The decision as an events.jsonl record."""
+        out: dict = {"event": f"auto_{self.action}", "step": step, "reason": self.reason}
+        if self.parallel is not None:
+            out["to"] = layout_text(self.parallel)
+        if self.shares is not None:
+            out["shares"] = list(self.shares)
+        return out
+
+
+def shares_for(busy: Sequence[float], shares: Sequence[int], global_batch: int) -> list[int]:
+    """New data shares of ``global_batch``, proportional to each data rank's measured speed
+    (``shares[i]`` samples in ``busy[i]`` seconds); every rank keeps at least one sample and the
+    shares add up to the global batch (largest remainders get the leftover samples).
+
+    >>> shares_for([2.0, 1.0], [4, 4], 8)  # rank 0 took twice as long for the same share
+    [3, 5]
+    >>> shares_for([1.0, 1.0, 1.0], [2, 3, 3], 8)
+    [2, 3, 3]
+    """
+    if len(busy) != len(shares) or sum(shares) != global_batch:
+        raise ValueError(f"{len(busy)} busy times for {len(shares)} shares of {global_batch}")
+    speed = [n / max(b, 1e-9) for n, b in zip(shares, busy, strict=True)]
+    spare = global_batch - len(speed)  # one sample each first
+    if spare < 0:
+        raise ValueError(f"a global batch of {global_batch} has no sample for each of {len(speed)}")
+    ideal = [spare * s / sum(speed) for s in speed]
+    out = [1 + int(x) for x in ideal]
+    order = sorted(range(len(ideal)), key=lambda i: (int(ideal[i]) - ideal[i], i))
+    for i in order[: global_batch - sum(out)]:
+        out[i] += 1
+    return out
+
+
+@dataclass
+class _Layout:
+    parallel: ParallelConfig
+    steps: list[float] = field(default_factory=list)  # measured, warm-up step left out
+    warm: bool = False
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.steps)
+
+
+class Scheduler:
+    """Decides, before each step, whether the job keeps its layout, trials or switches to another,
+    or rebalances its data shares (see the module's description)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        current: ParallelConfig,
+        rates: Rates,
+        *,
+        total_steps: int,
+        start_step: int,
+        online: bool = False,
+        policy: Policy | None = None,
+        memory_bytes: int | None = None,
+    ):
+        self.cfg = cfg
+        self.rates = rates
+        self.policy = policy or Policy()
+        self.online = online
+        self.total_steps = total_steps
+        self.memory_bytes = memory_bytes
+        self.world = current.world_size
+        self.refiner = Refiner(cfg, rates)
+        self.table: Table = rank_layouts(cfg, self.world, rates, memory_bytes=memory_bytes)
+        self.initial_table = self.table
+        self.current = self._plain(current)
+        self.layouts: dict[str, _Layout] = {}
+        self.trialled: set[str] = set()
+        self.switch_costs: list[float] = []
+        self.phase = "measure"  # measure -> trial -> settled (-> measure after a drift)
+        self.reference: float | None = None  # the settled median step
+        self.drifted = 0  # windows in a row whose median drifted from the reference
+        self.recent: list[float] = []  # online: steps since the last check
+        self.busy: list[tuple[float, ...]] = []  # per data rank, since the last check
+        self.shares: tuple[int, ...] | None = None
+        self.decisions: list[dict] = []
+        self._step = start_step
+
+    @staticmethod
+    def _plain(p: ParallelConfig) -> ParallelConfig:
+        return dataclasses.replace(p, relayout_at=None)
+
+    def _entry(self, p: ParallelConfig) -> _Layout:
+        return self.layouts.setdefault(layout_text(p), _Layout(self._plain(p)))
+
+    @property
+    def switch_s(self) -> float:
+        """The switch cost: the median measured one; before any, five predicted steps."""
+        if self.switch_costs:
+            return statistics.median(self.switch_costs)
+        return 5 * predict(self.cfg, self.current, self.rates, self.refiner.scales()).step_s
+
+    def predicted(self, p: ParallelConfig) -> float:
+        """``p``'s step, refined by the steps measured so far."""
+        return predict(self.cfg, p, self.rates, self.refiner.scales()).step_s
+
+    # -- what the loop reports -------------------------------------------------------------
+
+    def observe(
+        self,
+        step_s: float,
+        busy: Sequence[float] | None = None,
+        data_ranks: Sequence[int] | None = None,
+    ) -> None:
+        """One step done under the current layout: ``step_s`` the slowest rank's wall time;
+        ``busy`` each rank's time before it waited for the others, and ``data_ranks`` each
+        rank's data-parallel rank (both by global rank; for the balance check)."""
+        self._step += 1
+        entry = self._entry(self.current)
+        if not entry.warm:  # the first step under a layout builds and warms it
+            entry.warm = True
+            return
+        if self.phase != "settled":
+            entry.steps.append(step_s)
+            if len(entry.steps) == self.policy.trial_steps:
+                self.refiner.add(self.current, entry.median)
+            return
+        self.recent.append(step_s)
+        if busy is not None and data_ranks is not None:
+            per_data: dict[int, float] = {}
+            for b, d in zip(busy, data_ranks, strict=True):
+                per_data[d] = max(per_data.get(d, 0.0), b)  # a data rank's slowest member
+            self.busy.append(tuple(per_data[d] for d in sorted(per_data)))
+
+    def switched(self, cost_s: float) -> None:
+        """A switch (or trial) the loop carried out took ``cost_s`` seconds."""
+        self.switch_costs.append(cost_s)
+
+    # -- the question ------------------------------------------------------------------------
+
+    def decide(self, step: int) -> Decision:
+        """What to do before step ``step`` (the loop's step counter)."""
+        self._step = step
+        d = self._decide(step)
+        if d.action != "keep":
+            if d.parallel is not None:  # a new layout starts with even shares
+                self.current, self.shares = self._plain(d.parallel), None
+            if d.shares is not None:
+                self.shares = d.shares
+            self.decisions.append(self._record(step, d))
+        return d
+
+    def _record(self, step: int, d: Decision) -> dict:
+        out = d.event(step)
+        out["candidates"] = [
+            {
+                "layout": name,
+                "predicted_s": self.predicted(e.parallel),
+                "measured_s": e.median if e.steps else None,
+            }
+            for name, e in self.layouts.items()
+        ]
+        return out
+
+    def _remaining(self, step: int) -> int:
+        return max(0, self.total_steps - step)
+
+    def _measured(self, p: ParallelConfig) -> float | None:
+        e = self.layouts.get(layout_text(p))
+        return e.median if e is not None and len(e.steps) >= self.policy.trial_steps else None
+
+    def _decide(self, step: int) -> Decision:
+        pol = self.policy
+        here = self._measured(self.current)
+        if self.phase in ("measure", "trial"):
+            if here is None:  # measuring the running layout
+                return Decision("keep")
+            self.phase = "trial"
+            candidate = self._next_trial(step)
+            if candidate is not None:
+                self.trialled.add(layout_text(candidate))
+                return Decision(
+                    "trial",
+                    candidate,
+                    reason=f"predicted {self.predicted(candidate) * 1e3:.1f} ms a step against "
+                    f"{here * 1e3:.1f} ms measured",
+                )
+            return self._settle(step)
+        if not self.online:
+            return Decision("keep")
+        if len(self.recent) < pol.window:
+            return Decision("keep")
+        recent, self.recent = statistics.median(self.recent), []
+        busy, self.busy = self.busy, []
+        rebalance = self._rebalance(busy)
+        if rebalance is not None:
+            self.reference = None  # measured afresh under the new shares
+            return rebalance
+        if self.reference is None:
+            self.reference = recent
+            return Decision("keep")
+        if abs(recent - self.reference) <= pol.drift * self.reference:
+            self.drifted = 0
+            return Decision("keep")
+        self.drifted += 1
+        if self.drifted < 2:  # one window off may be a save or a neighbour's burst: wait one more
+            return Decision("keep")
+        self.drifted = 0
+        # the machine changed under the job: what was measured before no longer holds
+        was = self.reference
+        again = _Layout(self.current, [recent] * pol.trial_steps, warm=True)
+        self.layouts = {layout_text(self.current): again}
+        self.refiner = Refiner(self.cfg, self.rates)
+        self.refiner.add(self.current, recent)
+        self.trialled = set()
+        self.reference = None
+        self.phase = "trial"
+        return Decision(
+            "keep",
+            reason=f"re-plan: the step drifted from {was * 1e3:.1f} ms to {recent * 1e3:.1f} ms",
+        )
+
+    def _next_trial(self, step: int) -> ParallelConfig | None:
+        """The next layout worth a trial: predicted faster than the best measured by the
+        margin of hysteresis, and the steps left pay a switch there and back."""
+        pol = self.policy
+        if len(self.trialled) >= pol.trials:
+            return None
+        best = min(e.median for e in self.layouts.values() if len(e.steps) >= pol.trial_steps)
+        left = self._remaining(step) - pol.trial_steps - 1
+        for row in self.table.rows:
+            name = row.layout
+            if name in self.trialled or name in self.layouts:
+                continue
+            gain = best - self.predicted(row.parallel)
+            if gain < pol.min_gain * best:
+                continue
+            if gain * left > 2 * self.switch_s * (1 + pol.margin):
+                return row.parallel
+        return None
+
+    def _settle(self, step: int) -> Decision:
+        """Switch to the fastest measured layout if it pays; then watch (online)."""
+        pol = self.policy
+        measured = {n: e for n, e in self.layouts.items() if len(e.steps) >= pol.trial_steps}
+        best_name = min(measured, key=lambda n: measured[n].median)
+        best, here = measured[best_name], measured[layout_text(self.current)]
+        self.phase = "settled"
+        self.recent, self.busy = [], []
+        if best_name == layout_text(self.current):
+            return Decision("keep", reason="the running layout is the fastest measured")
+        saving = here.median - best.median
+        pays = saving * self._remaining(step) > self.switch_s * (1 + pol.margin)
+        if saving >= pol.min_gain * here.median and pays:
+            return Decision(
+                "switch",
+                best.parallel,
+                reason=f"{best.median * 1e3:.1f} ms a step measured against "
+                f"{here.median * 1e3:.1f} ms; {self._remaining(step)} steps left pay the "
+                f"{self.switch_s:.2f} s switch",
+            )
+        return Decision("keep", reason=f"{best_name} is faster but does not pay its switch")
+
+    def _rebalance(self, busy: list[tuple[float, ...]]) -> Decision | None:
+        """Uneven data shares when one data rank is busier than the rest (pipelines keep even
+        shares: their microbatches split each rank's share; so do experts, whose ranks route
+        tokens to each other)."""
+        p = self.current
+        if (
+            not busy
+            or p.pp > 1
+            or p.ep > 1
+            or len(busy[0]) < 2
+            or any(len(b) != len(busy[0]) for b in busy)
+        ):
+            return None
+        med = [statistics.median(col) for col in zip(*busy, strict=True)]
+        n = len(med)
+        gb = self.cfg.train.global_batch
+        shares = self.shares or tuple([gb // n] * n)
+        per_sample = [b / s for b, s in zip(med, shares, strict=True)]
+        mean = sum(per_sample) / n
+        if (
+            max(per_sample) <= (1 + self.policy.imbalance) * mean
+            and min(per_sample) >= (1 - self.policy.imbalance) * mean
+        ):
+            return None
+        new = tuple(shares_for(med, shares, gb))
+        if new == shares:
+            return None
+        slow = max(range(n), key=lambda i: per_sample[i])
+        return Decision(
+            "rebalance",
+            shares=new,
+            reason=f"data rank {slow} takes {per_sample[slow] / mean:.2f}x the mean time per sample",
+        )

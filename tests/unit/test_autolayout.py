@@ -1,0 +1,159 @@
+"""The layout scheduler on synthetic step times, and calibration from synthetic timings: the
+switch policy's break-even and hysteresis, trials limited to what can pay, the drift re-plan,
+and uneven data shares that keep the global batch."""
+
+import dataclasses
+
+import pytest
+
+from anyshard.trainer_integration.gpt.autolayout import Policy, Scheduler, shares_for
+from anyshard.trainer_integration.gpt.config import Config, ParallelConfig
+from anyshard.trainer_integration.gpt.costmodel import (
+    Collective,
+    Rates,
+    rank_layouts,
+    rates_from_timings,
+)
+from anyshard.trainer_integration.gpt.layouts import layout_text
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send")
+
+
+def _timings(truth: Rates, groups=(2, 4)):
+    """What calibrate would measure on a machine whose rates are ``truth``."""
+    gemm = [(n, 2.0 * n**3 / truth.gemm_rate(2.0 * n**3)) for n in (32, 128, 384, 768)]
+    stream = (1 << 24, (1 << 24) / truth.stream_bytes_per_s)
+    coll = {
+        f"{k}/{g}": [
+            (b, truth.collective_s(Collective("x", k, g, b, 1))) for b in (1 << 10, 1 << 20)
+        ]
+        for k in KINDS
+        for g in groups
+    }
+    return gemm, stream, truth.op_s, truth.dtensor_op_s, coll
+
+
+def _machine(latency: float, s_per_byte: float, gemm_rate: float) -> Rates:
+    coll = {f"{k}/{g}": (latency * g, s_per_byte) for k in KINDS for g in (2, 4)}
+    gemm = ((2.0 * 32**3, gemm_rate / 8), (2.0 * 128**3, gemm_rate / 2), (2.0 * 768**3, gemm_rate))
+    return Rates(gemm, 4e9, 4e-6, 6e-5, coll)
+
+
+@pytest.mark.parametrize("name", ["fast network", "slow network"])
+def test_calibration_from_synthetic_timings_recovers_their_ranking(name):
+    truth = {
+        "fast network": _machine(2e-5, 1e-10, 5e10),
+        "slow network": _machine(2e-3, 5e-8, 5e10),
+    }[name]
+    cfg = Config()
+    fitted = rates_from_timings(*_timings(truth))
+    for key, (alpha, beta) in truth.collectives.items():
+        assert fitted.collectives[key] == pytest.approx((alpha, beta), rel=1e-6)
+    want = [r.layout for r in rank_layouts(cfg, 4, truth, memory_bytes=1 << 34).rows]
+    got = [r.layout for r in rank_layouts(cfg, 4, fitted, memory_bytes=1 << 34).rows]
+    assert got == want
+    # the ranking follows the machine: the slow network puts the no-communication end first
+    other = _machine(2e-3, 5e-8, 5e10) if name == "fast network" else _machine(2e-5, 1e-10, 5e10)
+    assert [r.layout for r in rank_layouts(cfg, 4, other, memory_bytes=1 << 34).rows] != want
+
+
+class _Job:
+    """Drives a scheduler the way the training loop does, with step times from ``truth``."""
+
+    def __init__(self, scheduler: Scheduler, truth, switch_s=0.5):
+        self.s, self.truth, self.switch_s = scheduler, truth, switch_s
+        self.layout = layout_text(scheduler.current)
+        self.trace: list[tuple[str, str]] = []
+
+    def run(self, first: int, last: int, busy=None) -> None:
+        for step in range(first, last):
+            d = self.s.decide(step)
+            if d.action != "keep":
+                self.trace.append((d.action, layout_text(d.parallel) if d.parallel else ""))
+            if d.parallel is not None:
+                self.layout = layout_text(d.parallel)
+                self.s.switched(self.switch_s)
+            t = self.truth(self.layout, step)
+            shares = self.s.shares
+            self.s.observe(t, *(busy(step, shares) if busy else (None, None)))
+
+
+def _scheduler(steps, current=None, online=False, policy=None):
+    current = current or ParallelConfig(tp=2)
+    cfg = dataclasses.replace(Config(), parallel=current)
+    return Scheduler(
+        cfg,
+        current,
+        Rates.nominal(),
+        total_steps=steps,
+        start_step=0,
+        online=online,
+        policy=policy or Policy(trials=2, trial_steps=3),
+    )
+
+
+def test_a_switch_that_pays_is_made_once_and_never_undone():
+    # nominal rates predict dp_replicate=2, then dp_shard=2, faster than tp=2: both are trialled
+    fast = {"dp_replicate=2": 0.10, "dp_shard=2": 0.12}
+    job = _Job(_scheduler(200), lambda name, step: fast.get(name, 0.20))
+    job.run(0, 200)
+    switches = [t for t in job.trace if t[0] in ("trial", "switch")]
+    assert switches[0] == ("trial", "dp_replicate=2")  # the trial is where the job stays
+    assert job.layout == "dp_replicate=2"
+    assert len(switches) <= 3  # at most two trials and a switch back: no oscillation
+    assert all(layout for _, layout in switches)
+
+
+def test_no_switch_when_the_steps_left_cannot_pay_it():
+    # the faster layout saves 5 ms a step; 30 steps left save 0.15 s, less than a 2 s switch
+    job = _Job(_scheduler(30), lambda name, step: 0.100 if name == "tp=2" else 0.095, switch_s=2.0)
+    job.s.switch_costs.append(2.0)
+    job.run(0, 30)
+    assert job.trace == [] and job.layout == "tp=2"
+
+
+def test_noise_within_the_margin_never_switches():
+    # every layout measures the same within 2%: hysteresis keeps the running one
+    import random
+
+    rng = random.Random(0)
+    job = _Job(_scheduler(300), lambda name, step: 0.1 * (1 + 0.02 * rng.random()))
+    job.run(0, 300)
+    assert [t for t in job.trace if t[0] == "switch"] == []
+
+
+def test_a_trial_that_measures_slower_is_left_for_the_best_measured():
+    # the model predicts others faster than tp=2 here; they all measure slower: back to tp=2
+    s = _scheduler(300)
+    job = _Job(s, lambda name, step: 0.10 if name == "tp=2" else 0.15)
+    job.run(0, 300)
+    assert job.layout == "tp=2"
+    assert [a for a, _ in job.trace].count("trial") <= s.policy.trials
+
+
+def test_online_a_drift_re_plans_and_a_slow_data_rank_gets_a_smaller_share():
+    p = ParallelConfig(dp_shard=2)
+    s = _scheduler(400, current=p, online=True, policy=Policy(trials=0, trial_steps=3))
+    slow_from = 100
+
+    def busy(step, shares):
+        shares = shares or (24, 24)
+        per = [0.004, 0.004 * (2.0 if step >= slow_from else 1.0)]  # rank 1 halves its speed
+        b = [n * t for n, t in zip(shares, per, strict=True)]
+        return b, [0, 1]
+
+    job = _Job(s, lambda name, step: max(busy(step, s.shares)[0]))
+    job.run(0, 400, busy=busy)
+    rebalances = [d for d in s.decisions if d["event"] == "auto_rebalance"]
+    assert rebalances, s.decisions
+    assert rebalances[0]["step"] >= slow_from
+    final = s.shares
+    assert sum(final) == 48 and final[1] < final[0]
+    assert abs(final[0] / final[1] - 2.0) < 0.3  # shares follow the measured speeds
+
+
+def test_shares_keep_the_global_batch_and_one_sample_each():
+    assert shares_for([1.0, 100.0], [4, 4], 8) == [7, 1]
+    assert sum(shares_for([0.3, 0.2, 0.9, 0.1], [3, 3, 3, 3], 12)) == 12
+    with pytest.raises(ValueError, match="no sample for each"):
+        shares_for([1.0] * 3, [1, 0, 1], 2)
