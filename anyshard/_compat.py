@@ -127,7 +127,7 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def clear_dtensor_sharding_cache() -> None:
-    """Empty DTensor's cache of each op's output placements: the C++ cache,
+    """Empty DTensor's caches of each op's output placements and redistribution: the C++ cache,
     ``torch._C._clear_DTensor_sharding_propagator_cache`` (torch 2.13-2.14), and the Python
     one, ``DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding``: its
     ``cache_clear()`` (torch 2.13-2.14) or its ``cache.cache_clear()`` (torch 2.6); each is
@@ -146,6 +146,27 @@ def clear_dtensor_sharding_cache() -> None:
     )
     if clear is not None:
         clear()
+    # caches keyed by meshes: each keeps the meshes, and through them their process groups
+    # (and each gloo group's threads), alive after the groups are destroyed (torch 2.13)
+    meta = getattr(propagator, "_propagate_tensor_meta_cached", None)
+    for fn in (getattr(meta, "cache_clear", None), *_redistribute_caches()):
+        if fn is not None:
+            fn()
+
+
+def _redistribute_caches() -> list:
+    """The clear functions of DTensor's redistribution caches: its planners
+    (``clear_redistribute_planner_cache``, torch 2.13-2.14) and transform infos
+    (``_gen_transform_infos.cache_clear``, torch 2.6-2.14); absent ones are left out."""
+    try:
+        from torch.distributed.tensor import _redistribute
+    except ImportError:
+        return []
+    infos = getattr(_redistribute, "_gen_transform_infos", None)
+    return [
+        getattr(_redistribute, "clear_redistribute_planner_cache", None),
+        getattr(infos, "cache_clear", None),
+    ]
 
 
 REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"

@@ -45,7 +45,12 @@ def _mesh_facts() -> dict:
         place = [strided(0, split_factor=2), Shard(0)] if strided else None
         dt = DTensor.from_local(torch.arange(4.0), mesh["tp"], [Replicate()], run_check=False)
         _ = dt + 1  # an op: fills DTensor's placement cache
+        _ = dt.redistribute(mesh["tp"], [Shard(0)])  # fills its redistribution caches
         _compat.clear_dtensor_sharding_cache()
+        from torch.distributed.tensor import _redistribute
+
+        planners = getattr(_redistribute, "_planner_cache", None)
+        infos = getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_info", None)
         cached = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding
         info = getattr(cached, "cache_info", None)
         before = _compat.process_groups()
@@ -63,6 +68,10 @@ def _mesh_facts() -> dict:
                 _compat.local_tensor(dt).data_ptr() == dt.to_local().data_ptr(),
             ],
             "cache_left": info().currsize if info is not None else None,
+            "redistribute_left": [
+                None if planners is None else len(planners),
+                None if infos is None else infos().currsize,
+            ],
             "groups": [
                 dist.group.WORLD in before,
                 group in _compat.process_groups(),
@@ -162,6 +171,19 @@ def test_clear_dtensor_sharding_cache_finds_a_cache_and_empties_it(facts):
     assert native is not None or clear is not None, "no placement cache to clear"
     for rank in (1, 2):
         assert facts[str(rank)]["cache_left"] in (None, 0)
+
+
+def test_clear_dtensor_sharding_cache_empties_the_redistribution_caches(facts):
+    # they hold meshes, and the meshes their process groups: a destroyed group's gloo threads
+    # lived on while any entry named its mesh
+    from torch.distributed.tensor import _redistribute
+
+    assert _compat._redistribute_caches() != [None, None], "no redistribution cache found"
+    assert hasattr(_redistribute, "_planner_cache") or hasattr(
+        _redistribute, "_gen_transform_infos"
+    )
+    for rank in (1, 2):
+        assert all(n in (None, 0) for n in facts[str(rank)]["redistribute_left"])
 
 
 def test_process_groups_lists_the_default_group_and_new_ones(facts):
