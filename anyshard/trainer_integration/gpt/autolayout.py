@@ -12,8 +12,8 @@ The plan, with ``parallel.auto`` = ``start`` or ``online``:
 1. measure the running layout for `Policy.trial_steps` steps (the first step under a layout warms
    it up and is not counted);
 2. trial the top `Policy.trials` layouts the cost model, refined by what was measured so far,
-   predicts faster than the running one by `Policy.min_gain`, while the steps left can pay a
-   switch there and back;
+   predicts faster than the running one by `Policy.min_gain`, while the saving it predicts over
+   the steps left pays the switch;
 3. settle on the fastest measured layout, switching only when the saving per step times the
    steps left exceeds the measured switch cost by `Policy.margin` (and the saving is at least
    `Policy.min_gain` of a step: a layout never flips back and forth on noise);
@@ -229,7 +229,7 @@ class Scheduler:
         """What to do before step ``step`` (the loop's step counter)."""
         self._step = step
         d = self._decide(step)
-        if d.action != "keep":
+        if d.action != "keep" or d.reason:  # a decision, not a step of measuring or watching
             if d.parallel is not None:  # a new layout starts with even shares
                 self.current, self.shares = self._plain(d.parallel), None
             if d.shares is not None:
@@ -309,7 +309,8 @@ class Scheduler:
 
     def _next_trial(self, step: int) -> ParallelConfig | None:
         """The next layout worth a trial: predicted faster than the best measured by the
-        margin of hysteresis, and the steps left pay a switch there and back."""
+        margin of hysteresis, and the saving it predicts over the steps left pays the switch
+        (a trial that measures slower costs a switch back, paid only if the steps left pay it)."""
         pol = self.policy
         if len(self.trialled) >= pol.trials:
             return None
@@ -322,7 +323,7 @@ class Scheduler:
             gain = best - self.predicted(row.parallel)
             if gain < pol.min_gain * best:
                 continue
-            if gain * left > 2 * self.switch_s * (1 + pol.margin):
+            if gain * left > self.switch_s * (1 + pol.margin):
                 return row.parallel
         return None
 

@@ -525,3 +525,77 @@ def _collective_s(kind: str, n: int, g: int, me: int, group) -> float:
 
     dist.barrier(group=group)
     return _time(fn, 5)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``anyshard layouts``: the ranked table of every layout of a world for the trainer's model."""
+    import argparse
+
+    from anyshard.trainer_integration.gpt.config import ConfigError, load_config
+
+    p = argparse.ArgumentParser(
+        prog="anyshard layouts",
+        description="Rank every valid layout of a world for the reference trainer's model by "
+        "predicted step time: what dominates each, its memory per rank, and why the others "
+        "are rejected. Rates come from a job's calibration (RUN_DIR/rates.json, written by a "
+        "job with parallel.auto start or online) or, without --rates, nominal round figures.",
+        epilog="examples:\n  anyshard layouts --world 4\n"
+        "  anyshard layouts --world 8 --rates runs/demo/rates.json --memory-gib 2\n"
+        "  anyshard layouts --world 4 --config my.toml --model.n_layers 8 --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--world", type=int, required=True, help="the number of ranks")
+    p.add_argument("--config", metavar="TOML", help="the trainer configuration (default.toml)")
+    p.add_argument("--rates", metavar="JSON", help="measured rates (a job's RUN_DIR/rates.json)")
+    p.add_argument("--memory-gib", type=float, help="memory budget per rank (default: this host)")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    args, overrides = p.parse_known_args(argv)
+    if args.world < 1:
+        p.error(f"--world {args.world}: must be at least 1")
+    try:
+        cfg = load_config(args.config, overrides, environ={})
+    except (ConfigError, OSError) as e:
+        p.error(str(e))
+    if args.rates:
+        try:
+            with open(args.rates) as f:
+                rates = Rates.from_json(f.read())
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            p.error(
+                f"--rates {args.rates}: not a rates file ({e}); a job with parallel.auto "
+                "start or online writes one to RUN_DIR/rates.json"
+            )
+    else:
+        rates = Rates.nominal()
+    budget = None if args.memory_gib is None else int(args.memory_gib * 2**30)
+    table = rank_layouts(cfg, args.world, rates, memory_bytes=budget)
+    if args.json:
+        rows = [
+            {
+                "layout": r.layout,
+                "step_s": r.step_s,
+                "compute_s": r.compute_s,
+                "comm_s": r.comm_s,
+                "dispatch_s": r.dispatch_s,
+                "comm_by_dim_s": r.by_dim,
+                "memory_bytes": r.memory_bytes,
+                "dominated_by": r.dominant,
+            }
+            for r in table.rows
+        ]
+        rejected = [{"layout": n, "why": w} for n, w in table.rejected]
+        print(
+            json.dumps(
+                {
+                    "world": args.world,
+                    "rates": rates.source,
+                    "layouts": rows,
+                    "rejected": rejected,
+                    "budget_bytes": table.budget_bytes,
+                },
+                indent=1,
+            )
+        )
+    else:
+        print(table.text())
+    return 0 if table.rows else 1

@@ -1,4 +1,8 @@
-"""``anyshard demo``: training through faults, in three scenarios (``--scenario``, default all).
+"""``anyshard demo``: training through faults and a straggler, in four scenarios (``--scenario``,
+default all).
+
+**autolayout** (`anyshard.trainer_integration.gpt.auto_demo`): the job starts under a poor
+layout, measures, trials and switches to the fastest live, then rebalances around a straggler.
 
 **ft-hsdp** (`anyshard.trainer_integration.gpt.ft_demo`): two replica groups on torchft; one
 loses a rank, restarts alone under another layout and heals from the other over the network.
@@ -50,6 +54,7 @@ class Phase:
     layout: tuple[str, ...]
     stop_at: int
     fault: str | None  # ANYSHARD_FAULT for this launch
+    slow: str | None = None  # ANYSHARD_SLOW for this launch
 
 
 def _phases(steps_a: int, steps_b: int, kill_step: int) -> list[Phase]:
@@ -91,8 +96,11 @@ def _launch(phase: Phase, total: int, run_dir: str, extra: list[str], log) -> in
     ]  # fmt: skip
     env = dict(os.environ)
     env.pop("ANYSHARD_FAULT", None)
+    env.pop("ANYSHARD_SLOW", None)
     if phase.fault:
         env["ANYSHARD_FAULT"] = phase.fault
+    if phase.slow:
+        env["ANYSHARD_SLOW"] = phase.slow
     env.setdefault("OMP_NUM_THREADS", "1")
     with open(os.path.join(run_dir, f"phase-{phase.name}.log"), "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -351,8 +359,36 @@ def _elastic(args, run_dir: str, log) -> dict | None:
     return summary
 
 
-SCENARIOS = ("restart", "ft-hsdp", "elastic")
-RUNNERS = {"restart": _restart, "ft-hsdp": _ft_hsdp, "elastic": _elastic}
+def _autolayout(args, run_dir: str, log) -> dict | None:
+    from anyshard.trainer_integration.gpt import auto_demo
+
+    steps, slow_from, factor = args.auto_steps, args.slow_step, args.slow_factor
+    log(
+        f"autolayout: 2 ranks configured tp=2 with parallel.auto=online, to step {steps}; the "
+        f"job measures, trials and switches layout live; rank 1 slows {factor:g}x from step "
+        f"{slow_from} and the job rebalances the data shares"
+    )
+    layout = ("--parallel.tp", "2", "--parallel.auto", "online")
+    phase = Phase("auto", 2, layout, steps, None, slow=f"1:{factor:g}:{slow_from}")
+    storage = ["--checkpoint.root", os.path.join(run_dir, "ckpt"), "--checkpoint.every_steps"]
+    rc = _launch(phase, steps, run_dir, [*_config_args(args), *storage, "10"], log)
+    if rc != 0:
+        log(f"autolayout failed (exit {rc}); see {run_dir}/phase-auto.log")
+        return None
+    summary = auto_demo.summarize(run_dir, "tp=2", slow_from, factor)
+    auto_demo.print_summary(summary, log)
+    png = auto_demo.plot(run_dir, summary)
+    log(f"step times: {png}" if png else "step times: install matplotlib for step_time.png")
+    return summary
+
+
+SCENARIOS = ("restart", "ft-hsdp", "elastic", "autolayout")
+RUNNERS = {
+    "restart": _restart,
+    "ft-hsdp": _ft_hsdp,
+    "elastic": _elastic,
+    "autolayout": _autolayout,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -364,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
         "rank, restarts alone under another layout and heals from the other over the network "
         "while it keeps training. elastic: a node (one of two) is lost and comes back; the job "
         "goes on at half its size and grows back, healing the returning node from memory. "
+        "autolayout: the job starts under a poor layout, measures, trials and switches to the "
+        "fastest live, then gives a straggler a smaller share of each batch. "
         "Each writes RUN_DIR/summary.json and RUN_DIR/loss.png.",
     )
     p.add_argument(
@@ -390,6 +428,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--back-s", type=float, default=5.0, help="elastic: seconds until the lost node returns"
+    )
+    p.add_argument("--auto-steps", type=int, default=40, help="autolayout: steps of the run")
+    p.add_argument(
+        "--slow-step", type=int, default=24, help="autolayout: step rank 1 becomes a straggler at"
+    )
+    p.add_argument(
+        "--slow-factor", type=float, default=2.0, help="autolayout: how much slower rank 1 gets"
     )
     p.add_argument(
         "--config",

@@ -383,6 +383,9 @@ class _Layouts:
         if rates is not None:
             from anyshard.trainer_integration.gpt.autolayout import Policy, Scheduler
 
+            if rank == 0:  # for `anyshard layouts --rates`
+                with open(os.path.join(cfg.run_dir, "rates.json"), "w") as f:
+                    f.write(rates.to_json())
             p = cfg.parallel
             policy = Policy(
                 trials=p.auto_trials, trial_steps=p.auto_trial_steps, margin=p.auto_margin
@@ -438,8 +441,8 @@ class _Layouts:
         even = cfg.train.global_batch / par.data_size
         step_fn.weight = 1.0 if shares is None else shares[par.data_rank] / even
         if self.rank == 0:
-            record = self.scheduler.decisions[-1] if d.action != "keep" else d.event(state.step)
-            _append(os.path.join(cfg.run_dir, "events.jsonl"), {**record, "time": time.time()})
+            record = {**self.scheduler.decisions[-1], "time": time.time()}
+            _append(os.path.join(cfg.run_dir, "events.jsonl"), record)
 
     def measured(self, busy_s: float, par) -> None:
         """Tell the scheduler what this step cost: every rank's busy time and data rank."""

@@ -1,0 +1,198 @@
+"""The layout scheduler end to end (``parallel.auto = online``) against fixed layouts, on one
+world size, each pair alternating in one run: a poor configured layout fixed vs online from it;
+the oracle (every valid layout run fixed: the best is the target); the best layout configured,
+fixed vs online; a straggler (rank 1 ``--slow-factor`` x from mid-run) on the best layout, fixed
+vs online; and the cost model's accuracy: Spearman rank correlation and mean absolute percentage
+error of the step times predicted from the start-up calibration alone against the oracle's
+measured ones. End to end is the trainer's run from its start (calibration, trials and
+switches included) to its last step.
+
+    python tools/bench_autolayout.py --world 2 --steps 100 --reps 3
+    python tools/bench_autolayout.py --world 4 --poor pp=2,tp=2 --steps 100 --reps 3
+    python tools/bench_autolayout.py --world 2 --steps 12 --reps 1 --config \\
+        anyshard/trainer_integration/gpt/tiny.toml   # smoke test; other words: the trainer's
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+
+import benchkit as h
+from bench_goodput import step_times, train
+
+POOR = {2: "tp=2", 4: "pp=2,tp=2"}
+
+
+def _dims(layout: str) -> list[str]:
+    """``tp=2,dp_shard=2`` (or ``tp=2 x dp_shard=2``) as trainer options."""
+    items = [x.strip() for x in layout.replace(" x ", ",").split(",") if x.strip()]
+    return [w for x in items for w in (f"--parallel.{x.split('=')[0]}", x.split("=")[1])]
+
+
+def end_to_end_s(run: dict) -> float:
+    """From the trainer's start (before calibration) to its last step."""
+    start = next(e for e in run["events"] if e["event"] == "start")
+    return run["losses"][-1]["time"] - (start["time"] - start["startup_to_first_step_s"])
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Rank correlation of two equally long lists (average ranks for ties)."""
+
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(v):
+            j = i
+            while j + 1 < len(v) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    a, b = ranks(xs), ranks(ys)
+    ma, mb = statistics.mean(a), statistics.mean(b)
+    num = sum((x - ma) * (y - mb) for x, y in zip(a, b, strict=True))
+    den = (sum((x - ma) ** 2 for x in a) * sum((y - mb) ** 2 for y in b)) ** 0.5
+    return num / den if den else float("nan")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = h.parser(__doc__, reps=3)
+    p.add_argument("--world", type=int, default=2, choices=(2, 4), help="ranks (2)")
+    p.add_argument("--steps", type=int, default=100, help="steps per run (100)")
+    p.add_argument("--poor", help="the poor configured layout (tp=2 on 2 ranks, pp=2,tp=2 on 4)")
+    p.add_argument("--slow-factor", type=float, default=2.0, help="the straggler's factor (2)")
+    p.add_argument("--oracle-reps", type=int, default=1, help="fixed runs of each layout (1)")
+    args, extra = p.parse_known_args(argv)
+    if args.steps < 12:
+        p.error("--steps: at least 12 (measure, two trials, settle)")
+    poor = args.poor or POOR[args.world]
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from anyshard.trainer_integration.gpt.config import load_config
+    from anyshard.trainer_integration.gpt.costmodel import Rates, rank_layouts
+
+    conf = next((extra[i + 1] for i, w in enumerate(extra[:-1]) if w == "--config"), None)
+    rest = [
+        w for i, w in enumerate(extra) if w != "--config" and (i == 0 or extra[i - 1] != "--config")
+    ]
+    cfg = load_config(conf, rest, environ={})
+    records, load = h.Records(args.jsonl, "autolayout"), h.RunLoad()
+    opts = ["--train.steps", str(args.steps), "--checkpoint.every_steps", str(10**6), *extra]
+    online = ["--parallel.auto", "online"]
+    slow_from = args.steps // 2
+    slow = f"1:{args.slow_factor:g}:{slow_from}"
+    runs: dict[str, list[dict]] = {}
+
+    def job(tmp: str, name: str, rep: int, layout: str, more: list[str], env: str = "") -> dict:
+        run_dir = os.path.join(tmp, f"{name}-{rep}".replace("=", "").replace(",", "-"))
+        if env:
+            os.environ["ANYSHARD_SLOW"] = env
+        try:
+            run = train(run_dir, [*_dims(layout), *opts, *more], nproc=args.world)
+        finally:
+            os.environ.pop("ANYSHARD_SLOW", None)
+        rec = {
+            "e2e_s": end_to_end_s(run),
+            "step_ms": statistics.median(step_times(run["losses"])[1:]) * 1e3,
+            "final_loss": run["losses"][-1]["loss"],
+            "final_layout": run["losses"][-1]["layout"],
+            "decisions": [e for e in run["events"] if e["event"].startswith("auto_")],
+        }
+        rates = os.path.join(run_dir, "rates.json")
+        if os.path.exists(rates):
+            rec["rates"] = open(rates).read()
+        runs.setdefault(name, []).append(records.add(rec, system=name, rep=rep, layout=layout))
+        return rec
+
+    with tempfile.TemporaryDirectory(prefix="bench-autolayout-") as tmp:
+        table = rank_layouts(cfg, args.world, Rates.nominal())
+        candidates = [r.layout.replace(" x ", ",") for r in table.rows]
+        for rep, order in h.rotations(candidates, args.oracle_reps):  # the oracle
+            for layout in order:
+                job(tmp, f"fixed {layout}", rep, layout, [])
+        oracle = {c: statistics.median(r["e2e_s"] for r in runs[f"fixed {c}"]) for c in candidates}
+        best = min(oracle, key=lambda c: oracle[c])
+        systems = {
+            "poor fixed": (poor, [], ""),
+            "poor online": (poor, online, ""),
+            "best fixed": (best, [], ""),
+            "best online": (best, online, ""),
+            "straggler fixed": (best, [], slow),
+            "straggler online": (best, online, slow),
+        }
+        for rep, order in h.rotations(list(systems), args.reps):
+            for name in order:
+                layout, more, env = systems[name]
+                job(tmp, name, rep, layout, more, env)
+
+    def med(name: str, key: str = "e2e_s") -> float:
+        return statistics.median(r[key] for r in runs[name])
+
+    def spr(name: str) -> str:
+        return h.fmt_spread([r["e2e_s"] for r in runs[name]], ".1f")
+
+    # accuracy: the start-up calibration's predictions (no trial refined them) against the
+    # oracle's measured median steps
+    rates = Rates.from_json(runs["poor online"][0]["rates"])
+    predicted = {
+        r.layout.replace(" x ", ","): r.step_s for r in rank_layouts(cfg, args.world, rates).rows
+    }
+    measured = {
+        c: statistics.median(r["step_ms"] for r in runs[f"fixed {c}"]) / 1e3 for c in candidates
+    }
+    both = [c for c in candidates if c in predicted]
+    rho = spearman([predicted[c] for c in both], [measured[c] for c in both])
+    mape = statistics.mean(abs(predicted[c] - measured[c]) / measured[c] for c in both)
+    speedup = med("poor fixed") / med("poor online")
+    vs_oracle = med("poor online") / oracle[best]
+    best_cost = med("best online") / med("best fixed")
+    lost = med("straggler fixed") - med("best fixed")
+    recovered = (
+        (med("straggler fixed") - med("straggler online")) / lost if lost > 0 else float("nan")
+    )
+    loss_gap = abs(med("poor online", "final_loss") - med("best fixed", "final_loss")) / med(
+        "best fixed", "final_loss"
+    )
+    head = ["run", "end to end s (median, min-max)", "median step ms", "final layout", "final loss"]
+    rows = [
+        [n, spr(n), f"{med(n, 'step_ms'):.0f}", runs[n][-1]["final_layout"],
+         f"{med(n, 'final_loss'):.4f}"]
+        for n in systems
+    ]  # fmt: skip
+    oracle_head = ["layout (fixed)", "end to end s", "measured step ms", "predicted step ms"]
+    oracle_rows = [
+        [c, f"{oracle[c]:.1f}", f"{measured[c] * 1e3:.0f}",
+         f"{predicted[c] * 1e3:.0f}" if c in predicted else "-"]
+        for c in sorted(candidates, key=lambda c: oracle[c])
+    ]  # fmt: skip
+    checks = h.check_lines([
+        ("online from the poor layout >= 1.18x its fixed run", speedup >= 1.18, f"{speedup:.2f}x"),
+        ("within 10% of the oracle's best fixed layout", vs_oracle <= 1.10,
+         f"{vs_oracle:.2f}x the oracle ({best}, {oracle[best]:.1f} s)"),
+        ("<= 5% slower than fixed when configured best", best_cost <= 1.05, f"{best_cost:.2f}x"),
+        ("rank correlation >= 0.8 (start-up calibration alone)", rho >= 0.8,
+         f"Spearman {rho:.2f} over {len(both)} layouts"),
+        ("mean absolute percentage error <= 15%", mape <= 0.15, f"{mape:.0%}"),
+        ("a 2x straggler: online recovers >= 25% of what fixed loses", recovered >= 0.25,
+         f"{recovered:.0%} of {lost:.1f} s"),
+        ("final loss within 1% of the fixed run's", loss_gap <= 0.01, f"{loss_gap:.2%}"),
+    ])  # fmt: skip
+    run = (
+        f"{args.world} ranks, {args.steps} steps a run, {args.reps} alternating repetitions, "
+        f"oracle {args.oracle_reps} run(s) per layout, straggler rank 1 x{args.slow_factor:g} "
+        f"from step {slow_from}, trainer options {' '.join(extra) or '-'}"
+    )
+    under = "## Autolayout: the job picks its layout (`tools/bench_autolayout.py`)"
+    blocks = [(head, rows), (oracle_head, oracle_rows), "\n".join(checks)]
+    name = f"autolayout_{args.world}"
+    h.report(args, argv, __file__, name, run, blocks, load, under=under, data=records.rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
