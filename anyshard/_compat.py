@@ -156,16 +156,19 @@ def clear_dtensor_sharding_cache() -> None:
 
 def _redistribute_caches() -> list:
     """The clear functions of DTensor's redistribution caches: its planners
-    (``clear_redistribute_planner_cache``, torch 2.13-2.14) and transform infos
-    (``_gen_transform_infos.cache_clear``, torch 2.6-2.14); absent ones are left out."""
+    (``clear_redistribute_planner_cache``, torch 2.13-2.14), transform infos
+    (``_gen_transform_infos.cache_clear``, torch 2.6-2.14) and mesh topologies
+    (``MeshTopoInfo.build_from_mesh.cache_clear``, torch 2.6-2.14); absent ones are left out."""
     try:
-        from torch.distributed.tensor import _redistribute
+        from torch.distributed.tensor import _collective_utils, _redistribute
     except ImportError:
         return []
     infos = getattr(_redistribute, "_gen_transform_infos", None)
+    topology = getattr(getattr(_collective_utils, "MeshTopoInfo", None), "build_from_mesh", None)
     return [
         getattr(_redistribute, "clear_redistribute_planner_cache", None),
         getattr(infos, "cache_clear", None),
+        getattr(topology, "cache_clear", None),
     ]
 
 

@@ -47,10 +47,11 @@ def _release_groups_since(before: set) -> None:
     new = [g for g in process_groups() - before if g is not dist.GroupMember.WORLD]
     for group in new:
         dist.destroy_process_group(group)
-    if new:
-        clear_dtensor_sharding_cache()
-        del group, new
-        gc.collect()
+    new = group = None  # no reference left here
+    # also where the task destroyed its groups itself (the trainer does): DTensor's caches and
+    # reference cycles may still hold their meshes, and the meshes the groups
+    clear_dtensor_sharding_cache()
+    gc.collect()
 
 
 def _worker(rank: int, world: int, store_path: str | None, tasks, results) -> None:

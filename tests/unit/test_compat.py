@@ -178,7 +178,7 @@ def test_clear_dtensor_sharding_cache_empties_the_redistribution_caches(facts):
     # lived on while any entry named its mesh
     from torch.distributed.tensor import _redistribute
 
-    assert _compat._redistribute_caches() != [None, None], "no redistribution cache found"
+    assert any(_compat._redistribute_caches()), "no redistribution cache found"
     assert hasattr(_redistribute, "_planner_cache") or hasattr(
         _redistribute, "_gen_transform_infos"
     )

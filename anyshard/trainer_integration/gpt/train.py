@@ -19,6 +19,7 @@ STEP steps, moving its state over the network with no checkpoint round trip.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import signal
@@ -419,6 +420,7 @@ class _Layouts:
             dist.destroy_process_group(group)
         self.groups = _process_groups() - before
         forget_cached_placements()  # its entries may name the destroyed meshes
+        gc.collect()  # the old model's cycles hold the old meshes, and they the groups' threads
         seconds = torch.tensor([cost["build_s"] + cost["redistribute_s"]], dtype=torch.float64)
         if dist.is_initialized():
             on = "cuda" if dist.get_backend() == "nccl" else "cpu"
@@ -680,6 +682,7 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
         if group is not dist.GroupMember.WORLD:  # one the run initialised stays, as before
             dist.destroy_process_group(group)
     forget_cached_placements()  # DTensor's cache may hand out tensors on the destroyed meshes
+    gc.collect()  # cycles may hold the meshes, and they the destroyed groups' threads
     return losses
 
 
