@@ -129,6 +129,36 @@ def test_demo_ft_hsdp_heals_a_group_from_its_peer_into_tp2(tmp_path):
     check_peer_heal(run_dir, steps=30, kill_step=4, layout="tp=2")
 
 
+def test_demo_autolayout_leaves_the_poor_layout_and_rebalances_a_straggler(tmp_path):
+    """The autolayout scenario on the tiny model: from tp=2 the job trials and switches live,
+    and once rank 1 slows 3x it ends where data shares move, rank 1 taking fewer samples."""
+    run_dir = str(tmp_path / "demo")
+    args = ["--scenario", "autolayout", "--auto-steps", "60", "--slow-step", "24"]
+    out = subprocess.run(
+        ["anyshard", "demo", "--run-dir", run_dir, *args, "--slow-factor", "3", "--config", TINY],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        summary = json.load(f)
+    assert summary["configured_layout"] == "tp=2" and summary["steps"] == 60
+    kinds = [d["event"] for d in summary["decisions"]]
+    assert "auto_trial" in kinds, kinds
+    assert [s["from"] for s in summary["switches"]][0] == "tp=2"
+    assert all(s["switch_s"] > 0 for s in summary["switches"])
+    rebalanced = [d for d in summary["decisions"] if d["event"] == "auto_rebalance"]
+    assert rebalanced and rebalanced[-1]["shares"][1] < rebalanced[-1]["shares"][0], kinds
+    assert rebalanced[-1]["step"] >= 24
+    assert all(c["predicted_s"] > 0 for d in summary["decisions"] for c in d["candidates"])
+    recs = losses(run_dir)
+    assert [r["step"] for r in recs] == list(range(1, 61))
+    assert recs[-1]["loss"] < recs[0]["loss"]
+    assert os.path.getsize(os.path.join(run_dir, "step_time.png")) > 1000
+    assert "rebalance" in out.stdout and "median step" in out.stdout
+
+
 def test_a_missing_config_is_a_usage_error_before_any_launch(tmp_path, capsys):
     from anyshard.trainer_integration.gpt.demo import main
 

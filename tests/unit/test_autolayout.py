@@ -157,3 +157,28 @@ def test_shares_keep_the_global_batch_and_one_sample_each():
     assert sum(shares_for([0.3, 0.2, 0.9, 0.1], [3, 3, 3, 3], 12)) == 12
     with pytest.raises(ValueError, match="no sample for each"):
         shares_for([1.0] * 3, [1, 0, 1], 2)
+
+
+def test_a_straggler_in_a_pipeline_moves_the_job_where_shares_can_move():
+    # pp=2 measures fastest until rank 1 slows 3x; a data-parallel layout whose shares follow
+    # the speeds is then faster: the job re-plans, trials it rebalanced, and stays there
+    base = {"pp=2": 0.10, "dp_shard=2": 0.11, "dp_replicate=2": 0.11}
+    slow_from = 80
+
+    def busy(step, shares):
+        factor = 3.0 if step >= slow_from else 1.0
+        b = base.get(job.layout, 0.2)
+        if job.layout.startswith("dp_"):
+            n = shares or (24, 24)
+            return [n[0] * b / 24, n[1] * b / 24 * factor], [0, 1]
+        return [b, b * factor], [0, 0]
+
+    s = _scheduler(400, current=ParallelConfig(pp=2), online=True)
+    job = _Job(s, lambda name, step: max(busy(step, s.shares)[0]))
+    job.run(0, slow_from, busy=busy)
+    assert job.layout == "pp=2"  # the trials measured slower: back to pp
+    job.run(slow_from, 400, busy=busy)
+    assert job.layout.startswith("dp_"), s.decisions[-3:]
+    assert s.shares is not None and s.shares[1] < s.shares[0]
+    replans = [d for d in s.decisions if "re-plan" in d["reason"]]
+    assert replans and "skew" in replans[0]["reason"]

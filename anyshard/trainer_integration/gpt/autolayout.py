@@ -167,6 +167,10 @@ class Scheduler:
         self.phase = "measure"  # measure -> trial -> settled (-> measure after a drift)
         self.reference: float | None = None  # the settled median step
         self.drifted = 0  # windows in a row whose median drifted from the reference
+        self.skews: list[float] = []  # online: busiest rank over the median rank, per step
+        self.skew_ref: float | None = None  # their median when the reference was taken
+        self.slow = 1.0  # a straggler's slowdown, seen at the last re-plan (1: none)
+        self.known: dict[str, float] = {}  # median steps measured before it appeared
         self.recent: list[float] = []  # online: steps since the last check
         self.busy: list[tuple[float, ...]] = []  # per data rank, since the last check
         self.shares: tuple[int, ...] | None = None
@@ -188,8 +192,28 @@ class Scheduler:
         return 5 * predict(self.cfg, self.current, self.rates, self.refiner.scales()).step_s
 
     def predicted(self, p: ParallelConfig) -> float:
-        """``p``'s step, refined by the steps measured so far."""
-        return predict(self.cfg, p, self.rates, self.refiner.scales()).step_s
+        """``p``'s step, refined by the steps measured so far, under the straggler seen (if
+        any): a layout whose data shares can move spreads the slow rank's lost speed over all
+        data ranks, any other runs at the slow rank's pace."""
+        known = self.known.get(layout_text(p))  # measured before the straggler appeared
+        step = known or predict(self.cfg, p, self.rates, self.refiner.scales()).step_s
+        return step * self.straggler_factor(p)
+
+    def straggler_factor(self, p: ParallelConfig) -> float:
+        """How much longer ``p``'s step gets under the straggler seen (1 without one).
+
+        >>> from anyshard.trainer_integration.gpt.config import Config, ParallelConfig
+        >>> from anyshard.trainer_integration.gpt.costmodel import Rates
+        >>> s = Scheduler(Config(), ParallelConfig(pp=2), Rates.nominal(), total_steps=9,
+        ...               start_step=0)
+        >>> s.slow = 2.0
+        >>> s.straggler_factor(ParallelConfig(pp=2)), s.straggler_factor(ParallelConfig(dp_shard=2))
+        (2.0, 1.3333333333333333)
+        """
+        n = p.dp_replicate * p.dp_shard
+        if self.slow <= 1.0 or not _shares_move(p) or n < 2:
+            return self.slow
+        return n / ((n - 1) + 1 / self.slow)
 
     # -- what the loop reports -------------------------------------------------------------
 
@@ -207,17 +231,20 @@ class Scheduler:
         if not entry.warm:  # the first step under a layout builds and warms it
             entry.warm = True
             return
+        if busy:  # how much the busiest rank outweighs the typical one of the others
+            rest = sorted(busy)[:-1] or list(busy)
+            self.skews.append(max(busy) / max(statistics.median(rest), 1e-9))
+        if busy is not None and data_ranks is not None:
+            per_data: dict[int, float] = {}
+            for b, d in zip(busy, data_ranks, strict=True):
+                per_data[d] = max(per_data.get(d, 0.0), b)  # a data rank's slowest member
+            self.busy.append(tuple(per_data[d] for d in sorted(per_data)))
         if self.phase != "settled":
             entry.steps.append(step_s)
             if len(entry.steps) == self.policy.trial_steps:
                 self.refiner.add(self.current, entry.median)
             return
         self.recent.append(step_s)
-        if busy is not None and data_ranks is not None:
-            per_data: dict[int, float] = {}
-            for b, d in zip(busy, data_ranks, strict=True):
-                per_data[d] = max(per_data.get(d, 0.0), b)  # a data rank's slowest member
-            self.busy.append(tuple(per_data[d] for d in sorted(per_data)))
 
     def switched(self, cost_s: float) -> None:
         """A switch (or trial) the loop carried out took ``cost_s`` seconds."""
@@ -232,6 +259,7 @@ class Scheduler:
         if d.action != "keep" or d.reason:  # a decision, not a step of measuring or watching
             if d.parallel is not None:  # a new layout starts with even shares
                 self.current, self.shares = self._plain(d.parallel), None
+                self.busy, self.skews = [], []
             if d.shares is not None:
                 self.shares = d.shares
             self.decisions.append(self._record(step, d))
@@ -260,6 +288,13 @@ class Scheduler:
         pol = self.policy
         here = self._measured(self.current)
         if self.phase in ("measure", "trial"):
+            entry = self._entry(self.current)
+            if self.slow > 1 and self.shares is None and self.busy and len(entry.steps) == 1:
+                # a layout trialled under a straggler is measured with its shares rebalanced
+                rebalance, self.busy = self._rebalance(self.busy), []
+                if rebalance is not None:
+                    entry.steps, entry.warm = [], False  # the next step warms the shares up
+                    return rebalance
             if here is None:  # measuring the running layout
                 return Decision("keep")
             self.phase = "trial"
@@ -283,8 +318,9 @@ class Scheduler:
         if rebalance is not None:
             self.reference = None  # measured afresh under the new shares
             return rebalance
+        skew, self.skews = (statistics.median(self.skews) if self.skews else 1.0), []
         if self.reference is None:
-            self.reference = recent
+            self.reference, self.skew_ref = recent, skew
             return Decision("keep")
         if abs(recent - self.reference) <= pol.drift * self.reference:
             self.drifted = 0
@@ -295,16 +331,25 @@ class Scheduler:
         self.drifted = 0
         # the machine changed under the job: what was measured before no longer holds
         was = self.reference
+        slow = skew / (self.skew_ref or 1.0)
         again = _Layout(self.current, [recent] * pol.trial_steps, warm=True)
+        before = {n: e.median for n, e in self.layouts.items() if len(e.steps) >= pol.trial_steps}
         self.layouts = {layout_text(self.current): again}
-        self.refiner = Refiner(self.cfg, self.rates)
-        self.refiner.add(self.current, recent)
+        if slow > 1 + pol.imbalance:  # one rank slowed: the model, refined so far, still holds
+            self.known = {**self.known, **before} if self.slow == 1.0 else self.known
+            self.slow = self.slow * slow
+            why = f"rank skew grew {slow:.2f}x"
+        else:  # the whole machine changed: refine from what the current layout measures now
+            self.refiner = Refiner(self.cfg, self.rates)
+            self.refiner.add(self.current, recent)
+            self.slow, self.known, why = 1.0, {}, "no one rank"
         self.trialled = set()
         self.reference = None
         self.phase = "trial"
         return Decision(
             "keep",
-            reason=f"re-plan: the step drifted from {was * 1e3:.1f} ms to {recent * 1e3:.1f} ms",
+            reason=f"re-plan: the step drifted from {was * 1e3:.1f} ms to {recent * 1e3:.1f} ms "
+            f"({why})",
         )
 
     def _next_trial(self, step: int) -> ParallelConfig | None:
@@ -334,7 +379,7 @@ class Scheduler:
         best_name = min(measured, key=lambda n: measured[n].median)
         best, here = measured[best_name], measured[layout_text(self.current)]
         self.phase = "settled"
-        self.recent, self.busy = [], []
+        self.recent, self.busy, self.skews = [], [], []
         if best_name == layout_text(self.current):
             return Decision("keep", reason="the running layout is the fastest measured")
         saving = here.median - best.median
@@ -356,8 +401,7 @@ class Scheduler:
         p = self.current
         if (
             not busy
-            or p.pp > 1
-            or p.ep > 1
+            or not _shares_move(p)
             or len(busy[0]) < 2
             or any(len(b) != len(busy[0]) for b in busy)
         ):
@@ -382,3 +426,9 @@ class Scheduler:
             shares=new,
             reason=f"data rank {slow} takes {per_sample[slow] / mean:.2f}x the mean time per sample",
         )
+
+
+def _shares_move(p: ParallelConfig) -> bool:
+    """Whether data ranks can take uneven shares under ``p``: not with pipeline stages (their
+    microbatches split each share) nor experts (their ranks route tokens to each other)."""
+    return p.pp == 1 and p.ep == 1

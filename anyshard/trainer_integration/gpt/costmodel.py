@@ -309,13 +309,15 @@ def terms(cfg: Config, p: ParallelConfig, rates: Rates) -> tuple[float, float, f
 
 @dataclass
 class Refiner:
-    """Scales the model's three terms to measured step times: with one layout measured, one
-    scale for all; with more, a least-squares fit of each term's scale (kept within 0.2-5x, so a
-    few noisy steps cannot send a term to zero)."""
+    """Scales the model's three terms to measured step times: with one or two layouts measured,
+    one scale for all; with more, a least-squares fit of each term's scale to the relative
+    errors, pulled towards that one scale (ridge) and kept within 0.2-5x of it, so that a few
+    noisy steps or nearly proportional layouts cannot send a term to zero."""
 
     cfg: Config
     rates: Rates
     measured: dict[str, tuple[ParallelConfig, float]] = field(default_factory=dict)
+    RIDGE = 0.05  # weight of the pull towards the global ratio, against a measured step's error
 
     def add(self, p: ParallelConfig, step_s: float) -> None:
         self.measured[layout_text(p)] = (p, step_s)
@@ -332,7 +334,12 @@ class Refiner:
         a = np.array([x for x, _ in rows], dtype=float)
         b = np.array([s for _, s in rows], dtype=float)
         ratio = float(b.sum() / a.sum())
-        fit, *_ = np.linalg.lstsq(a / b[:, None], np.ones(len(b)), rcond=None)  # relative error
+        # relative errors, and a pull of each scale towards the one global ratio: layouts whose
+        # terms are nearly proportional (all compute) would otherwise leave the fit free
+        pull = np.eye(3) * (self.RIDGE**0.5 / ratio)
+        lhs = np.vstack([a / b[:, None], pull])
+        rhs = np.concatenate([np.ones(len(b)), np.full(3, self.RIDGE**0.5)])
+        fit, *_ = np.linalg.lstsq(lhs, rhs, rcond=None)
         lo, hi = 0.2 * ratio, 5.0 * ratio
         return tuple(float(min(hi, max(lo, x))) for x in fit)  # type: ignore[return-value]
 

@@ -461,6 +461,29 @@ class _Layouts:
         self.scheduler.observe(max(busy), busy, [int(r[1]) for r in rows])
 
 
+def _starting_layout(cfg: Config, rank: int) -> tuple[Config, Any, Any]:
+    """The config to start under, the `layouts.Choice` that changed its layout (None when
+    kept) and the scheduler's measured rates (None unless ``parallel.auto`` is on for a job of
+    one replica group). On a world its degrees do not fit, ``auto`` chooses: the model's
+    fastest layout, or `layouts.choose_layout`'s rules for replica groups. Collective."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rates = chosen = None
+    if cfg.parallel.auto != "off" and cfg.ft.replicas == 1:
+        from anyshard.trainer_integration.gpt.costmodel import calibrate
+
+        rates = calibrate()
+    if cfg.parallel.auto != "off" and cfg.parallel.world_size != world:
+        from anyshard.trainer_integration.gpt.autolayout import first_layout
+        from anyshard.trainer_integration.gpt.layouts import choose_layout, layout_text
+
+        chosen = choose_layout(cfg, world) if rates is None else first_layout(cfg, world, rates)
+        cfg = dataclasses.replace(cfg, parallel=chosen.parallel)
+        if rank == 0:
+            why = "; ".join(chosen.reasons)
+            print(f"layout for {world} ranks: {layout_text(chosen.parallel)} ({why})", flush=True)
+    return cfg, chosen, rates
+
+
 def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None) -> list[float]:
     """Train (restoring first) until ``cfg.train.steps`` (or step ``stop_at``, for a job that is
     to be relaunched: the LR schedule still spans ``cfg.train.steps``), for at most ``max_steps``
@@ -477,26 +500,7 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
         heal = heal_parallel(cfg)
         if heal is not None and _attempt() > 0:
             cfg = dataclasses.replace(cfg, parallel=heal)
-    chosen = None
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rates = None
-    if cfg.parallel.auto != "off" and cfg.ft.replicas == 1:  # the scheduler's measured rates
-        from anyshard.trainer_integration.gpt.costmodel import calibrate
-
-        rates = calibrate()
-    if cfg.parallel.auto != "off" and cfg.parallel.world_size != world:
-        from anyshard.trainer_integration.gpt.autolayout import first_layout
-        from anyshard.trainer_integration.gpt.layouts import choose_layout, layout_text
-
-        chosen = choose_layout(cfg, world) if rates is None else first_layout(cfg, world, rates)
-        cfg = dataclasses.replace(cfg, parallel=chosen.parallel)
-        if rank == 0:
-            print(
-                f"layout for {world} ranks: {layout_text(chosen.parallel)} ("
-                + "; ".join(chosen.reasons)
-                + ")",
-                flush=True,
-            )
+    cfg, chosen, rates = _starting_layout(cfg, rank)
     torch.manual_seed(cfg.train.seed)
     par, model, optimizer, step_fn = build_training(cfg)
     layout_groups = _process_groups() - groups_before
