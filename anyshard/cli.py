@@ -569,7 +569,10 @@ def _add_convert(sub, fmt) -> None:
     s.set_defaults(run=_diff)
 
 
+@functools.lru_cache(maxsize=1)
 def _parser() -> argparse.ArgumentParser:
+    """The command line's parser, built once per process (argparse's gettext lookups make
+    building it cost more than most commands it runs)."""
     p = argparse.ArgumentParser(
         prog="anyshard",
         description="Inspect, verify, convert, compare, list and clean checkpoints.",

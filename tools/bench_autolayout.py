@@ -10,6 +10,9 @@ switches included) to its last step.
 
     python tools/bench_autolayout.py --world 2 --steps 100 --reps 3
     python tools/bench_autolayout.py --world 4 --poor pp=2,tp=2 --steps 100 --reps 3
+    python tools/bench_autolayout.py --world 2 --steps 30 --memory-gib 1 --model.dim 768 \\
+        --model.n_layers 8 --model.ffn_dim 3072 --model.n_heads 12 --model.n_kv_heads 4 \\
+        --train.global_batch 8 --train.seq_len 64   # the memory budget rules out replication
     python tools/bench_autolayout.py --world 2 --steps 12 --reps 1 --config \\
         anyshard/trainer_integration/gpt/tiny.toml   # smoke test; other words: the trainer's
 """
@@ -70,6 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slow-factor", type=float, default=2.0, help="the straggler's factor (2)")
     p.add_argument("--oracle-reps", type=int, default=1, help="fixed runs of each layout (1)")
     p.add_argument("--global-batch", type=int, help="the trainer's train.global_batch")
+    p.add_argument(
+        "--memory-gib",
+        type=float,
+        help="instead: the memory budget (GiB per rank, parallel.auto_memory_gib): every layout "
+        "run fixed for a few steps (its RSS growth against what the model counts), then online "
+        "from the poor layout under the budget",
+    )
     args, extra = p.parse_known_args(argv)
     if args.global_batch:
         extra += ["--train.global_batch", str(args.global_batch)]
@@ -91,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     slow_from = args.steps // 2
     slow = f"1:{args.slow_factor:g}:{slow_from}"
     runs: dict[str, list[dict]] = {}
+    if args.memory_gib is not None:
+        return _memory(args, argv, cfg, poor, opts, records, load)
 
     def job(tmp: str, name: str, rep: int, layout: str, more: list[str], env: str = "") -> dict:
         run_dir = os.path.join(tmp, f"{name}-{rep}".replace("=", "").replace(",", "-"))
@@ -197,6 +209,64 @@ def main(argv: list[str] | None = None) -> int:
     blocks = [(head, rows), (oracle_head, oracle_rows), "\n".join(checks)]
     name = f"autolayout_{args.world}"
     h.report(args, argv, __file__, name, run, blocks, load, under=under, data=records.rows)
+    return 0
+
+
+def _memory(args, argv, cfg, poor: str, opts: list[str], records, load) -> int:
+    """The memory budget: each layout (fitting or not) run fixed for the memory event's steps,
+    its ranks' RSS growth (peak over the first steps less the RSS before the model was built)
+    against `costmodel.memory_per_rank`; then ``auto = online`` from ``poor`` under the budget:
+    the layouts it ran and its ranks' largest RSS growth over the whole run."""
+    from anyshard.trainer_integration.gpt.costmodel import Rates, rank_layouts
+    from anyshard.trainer_integration.gpt.train import MEMORY_STEPS
+
+    budget = int(args.memory_gib * 2**30)
+    table = rank_layouts(cfg, args.world, Rates.nominal(), memory_bytes=budget)
+    fits = {r.layout.replace(" x ", ",") for r in table.rows}
+    everything = rank_layouts(cfg, args.world, Rates.nominal(), memory_bytes=1 << 50)
+    short = [*opts, "--train.steps", str(MEMORY_STEPS + 1)]  # the later --train.steps wins
+    rows, worst = [], 0.0
+    with tempfile.TemporaryDirectory(prefix="bench-autolayout-memory-") as tmp:
+        for r in everything.rows:
+            layout = r.layout.replace(" x ", ",")
+            run_dir = os.path.join(tmp, layout.replace("=", "").replace(",", "-"))
+            run = train(run_dir, [*_dims(layout), *short], nproc=args.world)
+            (ev,) = [e for e in run["events"] if e["event"] == "memory"]
+            growth = [p - s for p, s in zip(ev["rss_peak"], ev["rss_start"], strict=True)]
+            err = max(abs(ev["counted_bytes"] - g) / g for g in growth)
+            if layout in fits:
+                worst = max(worst, err)
+            rec = {"layout": layout, "counted": ev["counted_bytes"], "growth": growth, "err": err}
+            records.add(rec, system="fixed", fits=layout in fits)
+            rows.append([layout, "yes" if layout in fits else "no",
+                         f"{ev['counted_bytes'] / 2**20:.0f}",
+                         " / ".join(f"{g / 2**20:.0f}" for g in growth), f"{err:.0%}"])  # fmt: skip
+        run_dir = os.path.join(tmp, "online")
+        more = ["--parallel.auto", "online", "--parallel.auto_memory_gib", str(args.memory_gib)]
+        run = train(run_dir, [*_dims(poor), *opts, *more], nproc=args.world)
+    ran = [poor] + [e["to"].replace(" x ", ",") for e in run["events"] if e["event"] == "relayout"]
+    (end,) = [e for e in run["events"] if e["event"] == "end"]
+    records.add({"ran": ran, "rss_growth_max": end["rss_growth_max"]}, system="online")
+    outside = [x for x in ran if x not in fits]
+    head = ["layout", "fits the budget", "counted MiB", "RSS growth MiB (per rank)", "error"]
+    checks = h.check_lines([
+        ("no layout outside the budget is run", not outside,
+         f"online ran {', '.join(dict.fromkeys(ran))}" + (f"; outside: {outside}" if outside else "")),
+        ("no run exceeds the budget", end["rss_growth_max"] <= budget,
+         f"online: largest RSS growth of a rank {end['rss_growth_max'] / 2**30:.2f} GiB, budget "
+         f"{args.memory_gib:g} GiB"),
+        ("the count within 25% of the measured RSS growth (layouts that fit)", worst <= 0.25,
+         f"worst {worst:.0%}"),
+    ])  # fmt: skip
+    run_text = (
+        f"{args.world} ranks, budget {args.memory_gib:g} GiB per rank, each layout fixed for "
+        f"{MEMORY_STEPS + 1} steps (growth: peak RSS over {MEMORY_STEPS} steps less the RSS before "
+        f"the model was built), then online from {poor} for {args.steps} steps; trainer options "
+        f"{' '.join(opts[4:]) or '-'}"
+    )
+    under = "## Autolayout: the job picks its layout (`tools/bench_autolayout.py`)"
+    h.report(args, argv, __file__, f"autolayout_memory_{args.world}", run_text,
+             [(head, rows), "\n".join(checks)], load, under=under, data=records.rows)  # fmt: skip
     return 0
 
 

@@ -22,8 +22,14 @@ import traceback
 from typing import Any
 
 from anyshard._compat import clear_dtensor_sharding_cache, process_groups
+from anyshard.trainer_integration.gpt.launch import PRELOAD
 
-_CTX = mp.get_context("spawn")
+# Workers fork from one server process that imported torch, its distributed packages and
+# anyshard once (the warm launcher's list, `launch.PRELOAD`): a pool of 8 ranks starts in about
+# a second, where 8 interpreters importing torch each took 30 s on 2 cores. A forked worker
+# gets the server's environment, not the test's: tasks set what they need themselves.
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(["anyshard", "anyshard._compat", *PRELOAD])
 
 
 def _import(path: str):

@@ -182,3 +182,42 @@ def test_a_straggler_in_a_pipeline_moves_the_job_where_shares_can_move():
     assert s.shares is not None and s.shares[1] < s.shares[0]
     replans = [d for d in s.decisions if "re-plan" in d["reason"]]
     assert replans and "skew" in replans[0]["reason"]
+
+
+def test_a_memory_budget_that_rules_out_replication_keeps_the_scheduler_off_it():
+    # the nominal model's favourite from tp=2 is dp_replicate=2 (the first test); a budget
+    # between its count and the sharded layouts' leaves it out of every trial and switch
+    from anyshard.trainer_integration.gpt.costmodel import memory_per_rank
+
+    cfg = dataclasses.replace(Config(), parallel=ParallelConfig(tp=2))
+    need = {
+        layout_text(p): memory_per_rank(cfg, p)
+        for p in (ParallelConfig(dp_replicate=2), ParallelConfig(dp_shard=2))
+    }
+    assert need["dp_shard=2"] < need["dp_replicate=2"]
+    budget = (need["dp_shard=2"] + need["dp_replicate=2"]) // 2
+    s = Scheduler(
+        cfg, cfg.parallel, Rates.nominal(), total_steps=200, start_step=0,
+        policy=Policy(trials=4, trial_steps=3), memory_bytes=budget,
+    )  # fmt: skip
+    job = _Job(s, lambda name, step: 0.05 if name == "dp_replicate=2" else 0.2)
+    job.run(0, 200)
+    ran = {layout for _, layout in job.trace} | {job.layout}
+    assert "dp_replicate=2" not in ran and "dp_shard=2" in ran, job.trace
+    unbounded = Scheduler(
+        cfg, cfg.parallel, Rates.nominal(), total_steps=200, start_step=0,
+        policy=Policy(trials=4, trial_steps=3), memory_bytes=1 << 40,
+    )  # fmt: skip
+    job = _Job(unbounded, lambda name, step: 0.05 if name == "dp_replicate=2" else 0.2)
+    job.run(0, 200)
+    assert job.layout == "dp_replicate=2"  # the budget, not the model, kept it out above
+
+
+def test_the_memory_budget_setting_parses_and_refuses_nonsense():
+    from anyshard.trainer_integration.gpt.config import ConfigError, load_config
+
+    cfg = load_config(None, ["--parallel.auto_memory_gib", "1.5"], environ={})
+    assert cfg.parallel.auto_memory_gib == 1.5
+    assert load_config(None, [], environ={}).parallel.auto_memory_gib is None
+    with pytest.raises(ConfigError, match=r"parallel.auto_memory_gib must be in \(0, inf\)"):
+        load_config(None, ["--parallel.auto_memory_gib", "0"], environ={})

@@ -107,6 +107,10 @@ class ParallelConfig:
     auto_trials: int = 2  # layouts trialled besides the running one
     auto_trial_steps: int = 3  # steps measured per layout (plus one that warms it up)
     auto_margin: float = 0.25  # a switch must pay back its measured cost x (1 + margin)
+    # memory a rank may use (GiB): layouts whose counted parameters, gradients, optimizer state
+    # and activations exceed it are never chosen; None: the accelerator's, else this host's
+    # memory shared by its ranks
+    auto_memory_gib: float | None = None
 
     def __post_init__(self) -> None:
         legacy = {"true": "start", "false": "off", "yes": "start", "no": "off"}
@@ -279,6 +283,7 @@ _RANGES = {
         **dict.fromkeys((*MESH_ORDER, "microbatches", "auto_trial_steps"), "[1, inf)"),
         "auto_trials": "[0, inf)",
         "auto_margin": "[0, inf)",
+        "auto_memory_gib": "(0, inf)",
     },
     "train": {
         **dict.fromkeys(("steps", "seq_len", "global_batch", "log_every"), "[1, inf)"),

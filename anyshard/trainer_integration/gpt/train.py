@@ -375,10 +375,15 @@ class _Layouts:
     scheduler's answers (``parallel.auto``, `autolayout.Scheduler`), each carried out through
     `relayout`; the process groups of a layout the job leaves are destroyed as it leaves it."""
 
-    def __init__(self, cfg: Config, rates, groups: set, *, end: int, step: int, rank: int):
+    def __init__(
+        self, cfg: Config, rates, groups: set, *, end: int, step: int, rank: int, rss0: int = -1
+    ):
         self.pending = cfg.parallel.relayout()
         self.groups = groups  # the running layout's process groups
         self.rank = rank
+        self.cfg = cfg
+        self.rss0 = rss0 if cfg.ft.replicas == 1 else -1  # bytes before the model was built
+        self.steps = 0
         self.scheduler = None
         self.decision = None
         if rates is not None:
@@ -399,6 +404,7 @@ class _Layouts:
                 start_step=step,
                 online=p.auto == "online",
                 policy=policy,
+                memory_bytes=_budget(cfg),
             )
 
     def target(self, state: TrainState):
@@ -419,6 +425,7 @@ class _Layouts:
         for group in self.groups:
             dist.destroy_process_group(group)
         self.groups = _process_groups() - before
+        self.cfg = cfg
         forget_cached_placements()  # its entries may name the destroyed meshes
         gc.collect()  # the old model's cycles hold the old meshes, and they the groups' threads
         seconds = torch.tensor([cost["build_s"] + cost["redistribute_s"]], dtype=torch.float64)
@@ -448,6 +455,9 @@ class _Layouts:
 
     def measured(self, busy_s: float, par) -> None:
         """Tell the scheduler what this step cost: every rank's busy time and data rank."""
+        self.steps += 1
+        if self.steps == MEMORY_STEPS and self.rss0 >= 0:
+            self._log_memory()
         if self.scheduler is None:
             return
         mine = torch.tensor([busy_s, float(par.data_rank)], dtype=torch.float64)
@@ -459,6 +469,54 @@ class _Layouts:
             rows = list(out.cpu().view(-1, 2))
         busy = [float(r[0]) for r in rows]
         self.scheduler.observe(max(busy), busy, [int(r[1]) for r in rows])
+
+    def _log_memory(self) -> None:
+        """The ``memory`` event: each rank's RSS before the model was built and its peak over
+        the first steps, beside what the cost model counts for the layout (collective)."""
+        from anyshard.trainer_integration.gpt.costmodel import memory_per_rank
+
+        mine = torch.tensor([self.rss0, _status_bytes("VmHWM"), _status_bytes("VmRSS")])
+        rows = [mine]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            on = "cuda" if dist.get_backend() == "nccl" else "cpu"
+            out = torch.empty(dist.get_world_size() * 3, dtype=mine.dtype, device=on)
+            dist.all_gather_into_tensor(out, mine.to(on))
+            rows = list(out.cpu().view(-1, 3))
+        if self.rank == 0:
+            start, peak, now = ([int(r[i]) for r in rows] for i in range(3))
+            event = {"event": "memory", "steps": self.steps, "layout": _layout_name(self.cfg)}
+            event["counted_bytes"] = memory_per_rank(self.cfg, self.cfg.parallel)
+            event.update(rss_start=start, rss_peak=peak, rss_end=now, time=time.time())
+            _append(os.path.join(self.cfg.run_dir, "events.jsonl"), event)
+
+
+MEMORY_STEPS = 3  # the memory event's peak covers the first steps (a step builds AdamW's state)
+
+
+def _status_bytes(field: str) -> int:
+    """A /proc/self/status size (VmRSS, VmHWM) in bytes; -1 where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            return next((int(ln.split()[1]) * 1024 for ln in f if ln.startswith(field + ":")), -1)
+    except OSError:
+        return -1
+
+
+def _rss_mark() -> int:
+    """This process's RSS now, its peak reset to it (/proc/self/clear_refs); -1 where the
+    kernel keeps either from us, so that the memory event is not logged."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return -1
+    return _status_bytes("VmRSS")
+
+
+def _budget(cfg: Config) -> int | None:
+    """``parallel.auto_memory_gib`` in bytes (None: the host's or accelerator's default)."""
+    gib = cfg.parallel.auto_memory_gib
+    return None if gib is None else int(gib * 2**30)
 
 
 def _starting_layout(cfg: Config, rank: int) -> tuple[Config, Any, Any]:
@@ -476,7 +534,12 @@ def _starting_layout(cfg: Config, rank: int) -> tuple[Config, Any, Any]:
         from anyshard.trainer_integration.gpt.autolayout import first_layout
         from anyshard.trainer_integration.gpt.layouts import choose_layout, layout_text
 
-        chosen = choose_layout(cfg, world) if rates is None else first_layout(cfg, world, rates)
+        budget = _budget(cfg)
+        chosen = (
+            choose_layout(cfg, world, memory_bytes=budget)
+            if rates is None
+            else first_layout(cfg, world, rates, memory_bytes=budget)
+        )
         cfg = dataclasses.replace(cfg, parallel=chosen.parallel)
         if rank == 0:
             why = "; ".join(chosen.reasons)
@@ -501,6 +564,7 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
         if heal is not None and _attempt() > 0:
             cfg = dataclasses.replace(cfg, parallel=heal)
     cfg, chosen, rates = _starting_layout(cfg, rank)
+    rss0 = _rss_mark()
     torch.manual_seed(cfg.train.seed)
     par, model, optimizer, step_fn = build_training(cfg)
     layout_groups = _process_groups() - groups_before
@@ -540,7 +604,7 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
         ckpt.prepare({"train": state})
         ckpt.blocked_s += time.perf_counter() - start
     end = t.steps if stop_at is None else min(t.steps, stop_at)
-    layouts = _Layouts(cfg, rates, layout_groups, end=end, step=state.step, rank=rank)
+    layouts = _Layouts(cfg, rates, layout_groups, end=end, step=state.step, rank=rank, rss0=rss0)
     kill_rank, kill_step, mode, armed = _fault(cfg)
     fault_file = os.path.join(cfg.run_dir, "fault.json")
     losses: list[float] = []
@@ -669,12 +733,14 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
     # how long checkpointing held training up (the slowest rank): save calls (planning; a sync
     # save's whole write), optimizer steps waiting for a staging copy, faulting in the buffers
     on = "cuda" if dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
-    blocked = torch.tensor([ckpt.blocked_s], dtype=torch.float64, device=on)
+    # and the most any rank's RSS grew over the run (from before the model was built)
+    grown = _status_bytes("VmHWM") - rss0 if rss0 >= 0 else -1
+    blocked = torch.tensor([ckpt.blocked_s, grown], dtype=torch.float64, device=on)
     if dist.is_initialized():
         dist.all_reduce(blocked, op=dist.ReduceOp.MAX)
     if rank == 0 and losses:
         event = {"event": "end", "step": state.step, "attempt": _attempt(), "saves": saves}
-        event["ckpt_blocked_s"] = float(blocked)
+        event.update(ckpt_blocked_s=float(blocked[0]), rss_growth_max=int(blocked[1]))
         if replicas is not None:
             event["reduce_s"] = replicas.reduce_s
             event["digest"] = final_digest
