@@ -10,11 +10,10 @@ switches included) to its last step.
 
     python tools/bench_autolayout.py --world 2 --steps 100 --reps 3
     python tools/bench_autolayout.py --world 4 --poor pp=2,tp=2 --steps 100 --reps 3
-    python tools/bench_autolayout.py --world 2 --steps 30 --memory-gib 1 --model.dim 768 \\
-        --model.n_layers 8 --model.ffn_dim 3072 --model.n_heads 12 --model.n_kv_heads 4 \\
-        --train.global_batch 8 --train.seq_len 64   # the memory budget rules out replication
+    python tools/bench_autolayout.py --world 2 --steps 30 --poor pp=2 --memory-gib 1 \\
+        --config anyshard/trainer_integration/gpt/state_heavy.toml  # a budget against replication
     python tools/bench_autolayout.py --world 2 --steps 12 --reps 1 --config \\
-        anyshard/trainer_integration/gpt/tiny.toml   # smoke test; other words: the trainer's
+        anyshard/trainer_integration/gpt/tiny.toml   # smoke test
 """
 
 from __future__ import annotations
@@ -74,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--oracle-reps", type=int, default=1, help="fixed runs of each layout (1)")
     p.add_argument("--global-batch", type=int, help="the trainer's train.global_batch")
     p.add_argument(
+        "--config",
+        help="the trainer's TOML config (default: its defaults); options this tool does not "
+        "know go to the trainer as they are",
+    )
+    p.add_argument(
         "--memory-gib",
         type=float,
         help="instead: the memory budget (GiB per rank, parallel.auto_memory_gib): every layout "
@@ -90,11 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     from anyshard.trainer_integration.gpt.config import load_config
     from anyshard.trainer_integration.gpt.costmodel import Rates, rank_layouts
 
-    conf = next((extra[i + 1] for i, w in enumerate(extra[:-1]) if w == "--config"), None)
-    rest = [
-        w for i, w in enumerate(extra) if w != "--config" and (i == 0 or extra[i - 1] != "--config")
-    ]
-    cfg = load_config(conf, rest, environ={})
+    cfg = load_config(args.config, extra, environ={})
+    if args.config:
+        extra += ["--config", args.config]
     records, load = h.Records(args.jsonl, "autolayout"), h.RunLoad()
     opts = ["--train.steps", str(args.steps), "--checkpoint.every_steps", str(10**6), *extra]
     online = ["--parallel.auto", "online"]
