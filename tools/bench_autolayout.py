@@ -248,7 +248,16 @@ def _memory(args, argv, cfg, poor: str, opts: list[str], records, load) -> int:
         run = train(run_dir, [*_dims(poor), *opts, *more], nproc=args.world)
     ran = [poor] + [e["to"].replace(" x ", ",") for e in run["events"] if e["event"] == "relayout"]
     (end,) = [e for e in run["events"] if e["event"] == "end"]
-    records.add({"ran": ran, "rss_growth_max": end["rss_growth_max"]}, system="online")
+    decisions = [e for e in run["events"] if e["event"].startswith("auto_")]
+    records.add(
+        {"ran": ran, "rss_growth_max": end["rss_growth_max"], "decisions": decisions},
+        system="online",
+    )
+    said = "; ".join(
+        f"step {e['step']} {e['event'][5:]}" + (f" {e['to']}" if e.get("to") else "")
+        + f" ({e['reason']})"
+        for e in decisions
+    )  # fmt: skip
     outside = [x for x in ran if x not in fits]
     head = ["layout", "fits the budget", "counted MiB", "RSS growth MiB (per rank)", "error"]
     checks = h.check_lines([
@@ -259,6 +268,7 @@ def _memory(args, argv, cfg, poor: str, opts: list[str], records, load) -> int:
          f"{args.memory_gib:g} GiB"),
         ("the count within 25% of the measured RSS growth (layouts that fit)", worst <= 0.25,
          f"worst {worst:.0%}"),
+        ("the online run's decisions", None, said or "none"),
     ])  # fmt: skip
     run_text = (
         f"{args.world} ranks, budget {args.memory_gib:g} GiB per rank, each layout fixed for "
