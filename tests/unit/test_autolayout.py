@@ -221,3 +221,53 @@ def test_the_memory_budget_setting_parses_and_refuses_nonsense():
     assert load_config(None, [], environ={}).parallel.auto_memory_gib is None
     with pytest.raises(ConfigError, match=r"parallel.auto_memory_gib must be in \(0, inf\)"):
         load_config(None, ["--parallel.auto_memory_gib", "0"], environ={})
+
+
+@pytest.mark.parametrize("waits", [False, True])
+def test_rebalancing_settles_near_the_best_split_despite_fixed_costs_and_waits(waits):
+    # each step also has work no share changes (the optimizer), and a rank's busy time holds its
+    # wait for the others in the gradient exchange (``waits``): a small share then looks slow
+    # per sample; the shares must not keep draining the straggler until the fast rank paces
+    # the job (a rebalance that measures slower goes back)
+    p = ParallelConfig(dp_shard=2)
+    s = _scheduler(400, current=p, online=True, policy=Policy(trials=0, trial_steps=3))
+    fixed, per = 0.2, 0.01  # a 0.44 s step at 24 samples a rank, over half of it per sample
+
+    def compute(n):
+        return [fixed + per * n[0], 2.0 * (fixed + per * n[1])]  # rank 1: 2x slower
+
+    def busy(step, shares):
+        c = compute(shares or (24, 24))
+        w = 0.3 if waits else 0.0  # the part of its wait for the slowest a rank's time holds
+        return [x + w * (max(c) - x) for x in c], [0, 1]
+
+    def step_time(n):
+        return max(compute(n))
+
+    job = _Job(s, lambda name, step: step_time(s.shares or (24, 24)))
+    job.run(0, 400, busy=busy)
+    final = s.shares or (24, 24)
+    best = min(step_time((k, 48 - k)) for k in range(1, 48))
+    assert sum(final) == 48 and step_time(final) <= step_time((24, 24)), (final, s.decisions)
+    assert final[1] < 24 and step_time(final) <= 1.10 * best, (final, best)
+
+
+def test_a_rebalance_that_measures_slower_goes_back_and_stays_back():
+    # rank 1 looks twice as slow per sample (its busy time holds waits), but both ranks compute
+    # alike: moving samples to rank 0 makes the step slower, so the shares go back to even and
+    # the scheduler stops moving them (until a re-plan)
+    p = ParallelConfig(dp_shard=2)
+    s = _scheduler(200, current=p, online=True, policy=Policy(trials=0, trial_steps=3))
+
+    def compute(n):
+        return [0.2 + 0.01 * n[0], 0.2 + 0.01 * n[1]]
+
+    def busy(step, shares):
+        c = compute(shares or (24, 24))
+        return [c[0], 2 * max(c)], [0, 1]
+
+    job = _Job(s, lambda name, step: max(compute(s.shares or (24, 24))))
+    job.run(0, 200, busy=busy)
+    moves = [d for d in s.decisions if d["event"] == "auto_rebalance"]
+    assert len(moves) == 2 and "back" in moves[1]["reason"], moves
+    assert tuple(s.shares) == (24, 24)

@@ -35,6 +35,7 @@ Every decision is identical on every rank: the inputs are the same gathered figu
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -174,6 +175,10 @@ class Scheduler:
         self.recent: list[float] = []  # online: steps since the last check
         self.busy: list[tuple[float, ...]] = []  # per data rank, since the last check
         self.shares: tuple[int, ...] | None = None
+        # online: the shares before the last rebalance and the step they measured; whether a
+        # rebalance that did not pay stopped further ones (until a re-plan)
+        self.share_trial: tuple[tuple[int, ...] | None, float] | None = None
+        self.shares_settled = False
         self.decisions: list[dict] = []
         self._step = start_step
 
@@ -314,9 +319,13 @@ class Scheduler:
             return Decision("keep")
         recent, self.recent = statistics.median(self.recent), []
         busy, self.busy = self.busy, []
-        rebalance = self._rebalance(busy)
+        back = self._share_check(recent)
+        if back is not None:
+            return back
+        rebalance = None if self.shares_settled else self._rebalance(busy)
         if rebalance is not None:
             self.reference = None  # measured afresh under the new shares
+            self.share_trial = (self.shares, recent)
             return rebalance
         skew, self.skews = (statistics.median(self.skews) if self.skews else 1.0), []
         if self.reference is None:
@@ -345,6 +354,7 @@ class Scheduler:
             self.slow, self.known, why = 1.0, {}, "no one rank"
         self.trialled = set()
         self.reference = None
+        self.share_trial, self.shares_settled = None, False
         self.phase = "trial"
         return Decision(
             "keep",
@@ -394,6 +404,25 @@ class Scheduler:
             )
         return Decision("keep", reason=f"{best_name} is faster but does not pay its switch")
 
+    def _share_check(self, recent: float) -> Decision | None:
+        """After a rebalance, the window it measured: shares that did not make the step faster
+        go back to the ones before, and stay until a re-plan."""
+        if self.share_trial is None:
+            return None
+        (before, was), self.share_trial = self.share_trial, None
+        if recent < was:
+            return None
+        self.shares_settled = True
+        self.reference = None
+        n = len(self.shares or ())
+        even = tuple([self.cfg.train.global_batch // n] * n) if n else None
+        return Decision(
+            "rebalance",
+            shares=before or even,
+            reason=f"shares {list(self.shares or ())} measured {recent * 1e3:.1f} ms a step "
+            f"against {was * 1e3:.1f} ms before them: back",
+        )
+
     def _rebalance(self, busy: list[tuple[float, ...]]) -> Decision | None:
         """Uneven data shares when one data rank is busier than the rest (pipelines keep even
         shares: their microbatches split each rank's share; so do experts, whose ranks route
@@ -417,7 +446,11 @@ class Scheduler:
             and min(per_sample) >= (1 - self.policy.imbalance) * mean
         ):
             return None
-        new = tuple(shares_for(med, shares, gb))
+        # half-way to shares proportional to the measured speeds: a rank's busy time also holds
+        # work no share changes (the optimizer) and waits for the others in the gradient
+        # exchange, so a small share looks slower per sample than it is and the full move
+        # overshoots; the next window measures whether the move paid (`_share_check`)
+        new = _halfway(shares, shares_for(med, shares, gb))
         if new == shares:
             return None
         slow = max(range(n), key=lambda i: per_sample[i])
@@ -426,6 +459,26 @@ class Scheduler:
             shares=new,
             reason=f"data rank {slow} takes {per_sample[slow] / mean:.2f}x the mean time per sample",
         )
+
+
+def _halfway(shares: Sequence[int], target: Sequence[int]) -> tuple[int, ...]:
+    """Shares half-way from ``shares`` to ``target`` (same total), each moving at least one
+    sample towards its target where it differs.
+
+    >>> _halfway((8, 8), (12, 4))
+    (10, 6)
+    >>> _halfway((10, 6), (11, 5))
+    (11, 5)
+    """
+    out = []
+    for a, b in zip(shares, target, strict=True):
+        step = (b - a) / 2
+        out.append(a + (math.ceil(step) if step > 0 else math.floor(step)))
+    extra = sum(out) - sum(shares)  # rounding away from zero on both sides may add samples
+    order = sorted(range(len(out)), key=lambda i: out[i] - target[i], reverse=extra > 0)
+    for i in order[: abs(extra)]:
+        out[i] -= 1 if extra > 0 else -1
+    return tuple(out)
 
 
 def _shares_move(p: ParallelConfig) -> bool:
