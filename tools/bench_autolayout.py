@@ -73,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--oracle-reps", type=int, default=1, help="fixed runs of each layout (1)")
     p.add_argument("--global-batch", type=int, help="the trainer's train.global_batch")
     p.add_argument(
+        "--straggler-only",
+        metavar="LAYOUT",
+        help="instead: only the straggler pair on LAYOUT, beside the same layout fixed without it",
+    )
+    p.add_argument(
         "--config",
         help="the trainer's TOML config (default: its defaults); options this tool does not "
         "know go to the trainer as they are",
@@ -126,6 +131,37 @@ def main(argv: list[str] | None = None) -> int:
             rec["rates"] = open(rates).read()
         runs.setdefault(name, []).append(records.add(rec, system=name, rep=rep, layout=layout))
         return rec
+
+    if args.straggler_only:
+        lay = args.straggler_only
+        pair = {"fixed": (lay, [], ""), "straggler fixed": (lay, [], slow),
+                "straggler online": (lay, online, slow)}  # fmt: skip
+        with tempfile.TemporaryDirectory(prefix="bench-autolayout-") as tmp:
+            for rep, order in h.rotations(list(pair), args.reps):
+                for name in order:
+                    job(tmp, name, rep, *pair[name])
+        e2e = {n: statistics.median(r["e2e_s"] for r in runs[n]) for n in pair}
+        lost = e2e["straggler fixed"] - e2e["fixed"]
+        back = (e2e["straggler fixed"] - e2e["straggler online"]) / lost if lost > 0 else 0.0
+        head = ["run", "end to end s (median, min-max)", "median step ms", "final shares"]
+        rows = [
+            [n, h.fmt_spread([r["e2e_s"] for r in runs[n]], ".1f"),
+             f"{statistics.median(r['step_ms'] for r in runs[n]):.0f}",
+             next((str(d.get("shares")) for d in reversed(runs[n][-1]["decisions"])
+                   if d["event"] == "auto_rebalance"), "even")]
+            for n in pair
+        ]  # fmt: skip
+        checks = h.check_lines([
+            ("a 2x straggler: online recovers >= 25% of what fixed loses", back >= 0.25,
+             f"{back:.0%} of {lost:.1f} s"),
+        ])  # fmt: skip
+        text = (f"{args.world} ranks, {lay}, {args.steps} steps a run, {args.reps} alternating "
+                f"repetitions, straggler rank 1 x{args.slow_factor:g} from step {slow_from}, "
+                f"trainer options {' '.join(extra) or '-'}")  # fmt: skip
+        under = "## Autolayout: the job picks its layout (`tools/bench_autolayout.py`)"
+        h.report(args, argv, __file__, f"autolayout_straggler_{args.world}", text,
+                 [(head, rows), "\n".join(checks)], load, under=under, data=records.rows)  # fmt: skip
+        return 0
 
     with tempfile.TemporaryDirectory(prefix="bench-autolayout-") as tmp:
         table = rank_layouts(cfg, args.world, Rates.nominal())
