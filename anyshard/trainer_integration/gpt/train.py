@@ -513,6 +513,14 @@ def _rss_mark() -> int:
     return _status_bytes("VmRSS")
 
 
+def _compute_s(wall_began: float, cpu_began: float) -> float:
+    """The compute time of the step begun at these clocks: on CPU this thread's CPU time (a
+    wait for other ranks in a collective is not compute), on an accelerator the wall time."""
+    if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return time.perf_counter() - wall_began
+    return time.thread_time() - cpu_began
+
+
 def _budget(cfg: Config) -> int | None:
     """``parallel.auto_memory_gib`` in bytes (None: the host's or accelerator's default)."""
     gib = cfg.parallel.auto_memory_gib
@@ -644,7 +652,7 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
                 par.data_rank, par.data_size
             )
         optimizer, loader = state.optimizer, state.loader
-        step_began = time.perf_counter()
+        step_began, cpu_began = time.perf_counter(), time.thread_time()
         for group in optimizer.param_groups:
             group["lr"] = lr_at(
                 state.step, lr=t.lr, warmup=t.warmup_steps, total=t.steps, min_ratio=t.min_lr_ratio
@@ -663,7 +671,7 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
         loss = step_fn(inputs, targets) if rescue is None else step_fn.resume(*rescue)
         f = cfg.fault
         if f.slow_rank == rank and state.step >= f.slow_from:  # a straggler: sleeps, not spins
-            time.sleep((f.slow_factor - 1) * (time.perf_counter() - step_began))
+            time.sleep((f.slow_factor - 1) * _compute_s(step_began, cpu_began))
         if t.min_step_s > 0:  # a larger model's step time: faults land mid-run
             time.sleep(max(0.0, t.min_step_s - (time.perf_counter() - step_began)))
         layouts.measured(time.perf_counter() - step_began, par)
