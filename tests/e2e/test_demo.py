@@ -156,7 +156,11 @@ def test_demo_autolayout_leaves_the_poor_layout_and_rebalances_a_straggler(tmp_p
     assert all(d["step"] >= 24 for d in rebalanced)
     assert replans or rebalanced, kinds  # the straggler was acted on
     if summary["final_layout"].startswith("dp_"):
-        assert rebalanced and rebalanced[-1]["shares"][1] < rebalanced[-1]["shares"][0], kinds
+        # rank 1 gets the smaller share; a move whose next window measured slower goes back (on
+        # the tiny model a sample more or less barely changes a step's time), and says so
+        assert rebalanced and rebalanced[0]["shares"][1] < rebalanced[0]["shares"][0], kinds
+        last = rebalanced[-1]
+        assert last["shares"][1] < last["shares"][0] or "back" in last["reason"], rebalanced
     assert all(c["predicted_s"] > 0 for d in summary["decisions"] for c in d["candidates"])
     recs = losses(run_dir)
     assert [r["step"] for r in recs] == list(range(1, 61))

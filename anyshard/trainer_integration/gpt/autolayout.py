@@ -19,8 +19,9 @@ The plan, with ``parallel.auto`` = ``start`` or ``online``:
    `Policy.min_gain` of a step: a layout never flips back and forth on noise);
 4. ``online`` only: every `Policy.window` steps compare the median step with the settled one;
    a drift of `Policy.drift` in two windows in a row re-plans (the old measurements describe
-   another machine state and are dropped), and a data-parallel rank busier than the mean by `Policy.imbalance` gets a
-   smaller share of the same global batch (`shares_for`).
+   another machine state and are dropped), and a data-parallel rank busier than the mean by
+   `Policy.imbalance` gets a smaller share of the same global batch (half-way to `shares_for`
+   at a time; shares that make the step slower by `Policy.noise` go back).
 
 Every decision is identical on every rank: the inputs are the same gathered figures.
 
@@ -79,6 +80,7 @@ class Policy:
     drift: float = 0.25  # online: re-plan when the median step drifts this much
     window: int = 5  # online: steps per drift and balance check
     imbalance: float = 0.15  # online: rebalance when a data rank is this much busier
+    noise: float = 0.03  # online: new shares stay unless the step measures this much slower
 
 
 @dataclass(frozen=True)
@@ -405,12 +407,13 @@ class Scheduler:
         return Decision("keep", reason=f"{best_name} is faster but does not pay its switch")
 
     def _share_check(self, recent: float) -> Decision | None:
-        """After a rebalance, the window it measured: shares that did not make the step faster
-        go back to the ones before, and stay until a re-plan."""
+        """After a rebalance, the window it measured: shares that made the step slower (by more
+        than `Policy.noise`, the spread of a window's median on a shared machine) go back to the
+        ones before, and stay until a re-plan."""
         if self.share_trial is None:
             return None
         (before, was), self.share_trial = self.share_trial, None
-        if recent < was:
+        if recent <= was * (1 + self.policy.noise):
             return None
         self.shares_settled = True
         self.reference = None
