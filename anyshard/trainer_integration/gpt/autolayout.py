@@ -193,10 +193,12 @@ class Scheduler:
 
     @property
     def switch_s(self) -> float:
-        """The switch cost: the median measured one; before any, five predicted steps."""
+        """The switch cost: the median measured one; before any, two predicted steps (a switch
+        rebuilds the model and moves its whole state once, parameters, gradients and optimizer
+        state: about what one step's collectives move under FSDP, on the same links)."""
         if self.switch_costs:
             return statistics.median(self.switch_costs)
-        return 5 * predict(self.cfg, self.current, self.rates, self.refiner.scales()).step_s
+        return 2 * predict(self.cfg, self.current, self.rates, self.refiner.scales()).step_s
 
     def predicted(self, p: ParallelConfig) -> float:
         """``p``'s step, refined by the steps measured so far, under the straggler seen (if
