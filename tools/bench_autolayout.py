@@ -12,6 +12,7 @@ switches included) to its last step.
     python tools/bench_autolayout.py --world 4 --poor pp=2,tp=2 --steps 100 --reps 3
     python tools/bench_autolayout.py --world 2 --steps 30 --poor pp=2 --memory-gib 1 \\
         --config anyshard/trainer_integration/gpt/state_heavy.toml  # a budget against replication
+    python tools/bench_autolayout.py --world 4 --steps 20 --accuracy-only  # the cost model alone
     python tools/bench_autolayout.py --world 2 --steps 12 --reps 1 --config \\
         anyshard/trainer_integration/gpt/tiny.toml   # smoke test
 """
@@ -76,6 +77,13 @@ def main(argv: list[str] | None = None) -> int:
         "--straggler-only",
         metavar="LAYOUT",
         help="instead: only the straggler pair on LAYOUT, beside the same layout fixed without it",
+    )
+    p.add_argument(
+        "--accuracy-only",
+        action="store_true",
+        help="instead: only the cost model's accuracy: every valid layout run fixed (each also "
+        "calibrating at start, auto=start with no trial), predictions from the first run's "
+        "calibration against the measured median steps",
     )
     p.add_argument(
         "--config",
@@ -163,9 +171,13 @@ def main(argv: list[str] | None = None) -> int:
                  [(head, rows), "\n".join(checks)], load, under=under, data=records.rows)  # fmt: skip
         return 0
 
+    candidates = [
+        r.layout.replace(" x ", ",") for r in rank_layouts(cfg, args.world, Rates.nominal()).rows
+    ]
+    if args.accuracy_only:
+        return _accuracy(args, argv, cfg, candidates, job, runs, extra, records, load)
+
     with tempfile.TemporaryDirectory(prefix="bench-autolayout-") as tmp:
-        table = rank_layouts(cfg, args.world, Rates.nominal())
-        candidates = [r.layout.replace(" x ", ",") for r in table.rows]
         for rep, order in h.rotations(candidates, args.oracle_reps):  # the oracle
             for layout in order:
                 job(tmp, f"fixed {layout}", rep, layout, [])
@@ -194,16 +206,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # accuracy: the start-up calibration's predictions (no trial refined them) against the
     # oracle's measured median steps
-    rates = Rates.from_json(runs["poor online"][0]["rates"])
-    predicted = {
-        r.layout.replace(" x ", ","): r.step_s for r in rank_layouts(cfg, args.world, rates).rows
-    }
-    measured = {
-        c: statistics.median(r["step_ms"] for r in runs[f"fixed {c}"]) / 1e3 for c in candidates
-    }
-    both = [c for c in candidates if c in predicted]
-    rho = spearman([predicted[c] for c in both], [measured[c] for c in both])
-    mape = statistics.mean(abs(predicted[c] - measured[c]) / measured[c] for c in both)
+    predicted, measured, both, rho, mape = accuracy(cfg, args.world, runs["poor online"][0], runs)
     speedup = med("poor fixed") / med("poor online")
     vs_oracle = med("poor online") / oracle[best]
     best_cost = med("best online") / med("best fixed")
@@ -248,6 +251,65 @@ def main(argv: list[str] | None = None) -> int:
     name = f"autolayout_{args.world}"
     h.report(args, argv, __file__, name, run, blocks, load, under=under, data=records.rows)
     return 0
+
+
+def accuracy(cfg, world: int, calibrated: dict, runs: dict[str, list[dict]]):
+    """The step times the cost model predicts from ``calibrated``'s start-up rates, against the
+    median steps of the layouts run fixed (``runs["fixed LAYOUT"]``): predicted and measured (s,
+    by layout), the layouts in both, Spearman's rho and the mean absolute percentage error."""
+    from anyshard.trainer_integration.gpt.costmodel import Rates, rank_layouts
+
+    rates = Rates.from_json(calibrated["rates"])
+    predicted = {
+        r.layout.replace(" x ", ","): r.step_s for r in rank_layouts(cfg, world, rates).rows
+    }
+    measured = {
+        n[len("fixed ") :]: statistics.median(r["step_ms"] for r in rs) / 1e3
+        for n, rs in runs.items()
+        if n.startswith("fixed ")
+    }
+    both = [c for c in measured if c in predicted]
+    rho = spearman([predicted[c] for c in both], [measured[c] for c in both])
+    mape = statistics.mean(abs(predicted[c] - measured[c]) / measured[c] for c in both)
+    return predicted, measured, both, rho, mape
+
+
+def _accuracy(args, argv, cfg, candidates, job, runs, extra, records, load) -> int:
+    """Every valid layout run fixed, each calibrating at its start (``auto = start`` with no
+    trial keeps the layout); the first run's calibration predicts all of them. A layout whose
+    run fails is reported, not counted."""
+    fixed = ["--parallel.auto", "start", "--parallel.auto_trials", "0"]
+    failed: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="bench-autolayout-accuracy-") as tmp:
+        for rep, order in h.rotations(candidates, args.oracle_reps):
+            for layout in order:
+                try:
+                    job(tmp, f"fixed {layout}", rep, layout, fixed)
+                except SystemExit as e:  # the trainer failed: its log's tail says why
+                    failed.append(layout)
+                    print(f"{layout}: failed\n{str(e)[-2000:]}", file=sys.stderr)
+    first = next(runs[f"fixed {c}"][0] for c in candidates if f"fixed {c}" in runs)
+    predicted, measured, both, rho, mape = accuracy(cfg, args.world, first, runs)
+    head = ["layout (fixed)", "measured step ms (median)", "predicted step ms", "error"]
+    rows = [
+        [c, f"{measured[c] * 1e3:.0f}", f"{predicted[c] * 1e3:.0f}",
+         f"{(predicted[c] - measured[c]) / measured[c]:+.0%}"]
+        for c in sorted(both, key=lambda c: measured[c])
+    ]  # fmt: skip
+    checks = h.check_lines([
+        ("rank correlation >= 0.8 (start-up calibration alone)", rho >= 0.8,
+         f"Spearman {rho:.2f} over {len(both)} layouts"),
+        ("mean absolute percentage error <= 15%", mape <= 0.15, f"{mape:.0%}"),
+        ("runs that failed (not counted)", None, ", ".join(failed) or "none"),
+    ])  # fmt: skip
+    text = (f"{args.world} ranks, every valid layout fixed for {args.steps} steps "
+            f"({args.oracle_reps} run(s) each, alternating), predictions from the calibration at "
+            f"the start of the first run ({next(c for c in candidates if c in measured)}); "
+            f"trainer options {' '.join(extra) or '-'}")  # fmt: skip
+    under = "## Autolayout: the job picks its layout (`tools/bench_autolayout.py`)"
+    h.report(args, argv, __file__, f"autolayout_accuracy_{args.world}", text,
+             [(head, rows), "\n".join(checks)], load, under=under, data=records.rows)  # fmt: skip
+    return 0 if not failed else 1
 
 
 def _memory(args, argv, cfg, poor: str, opts: list[str], records, load) -> int:

@@ -42,3 +42,30 @@ def test_bench_incremental_smallest_setting_reports_every_kind_and_loads_bit_exa
     assert later["incremental, frozen"] < later["full"] / 2
     text = docs.read_text()
     assert "<!-- incremental:begin -->" in text and "--seed 5" in text
+
+
+def test_bench_autolayout_accuracy_runs_every_layout_and_ranks_them(tmp_path):
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("# Benchmarks\n")
+    tiny = os.path.join(ROOT, "anyshard", "trainer_integration", "gpt", "tiny.toml")
+    run_tool(
+        "bench_autolayout.py",
+        *("--world", "2", "--steps", "12", "--accuracy-only", "--config", tiny),
+        *("--json", str(tmp_path / "r.json"), "--write-docs", str(docs)),
+    )
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    try:
+        from bench_autolayout import spearman
+    finally:
+        sys.path.pop(0)
+    # Spearman's rho by its definition: ranks' Pearson correlation (ties take their mean rank)
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == -1.0
+    assert abs(spearman([1, 2, 2, 3], [1, 3, 2, 4]) - 3 / 10**0.5) < 1e-12  # ranks 0 1.5 1.5 3
+    rows = json.loads((tmp_path / "r.json").read_text())
+    layouts = {r["layout"] for r in rows}
+    # tiny.toml on 2 ranks: every valid layout ran once, fixed where it started
+    assert layouts >= {"tp=2", "dp_shard=2", "dp_replicate=2", "cp=2", "pp=2"}, layouts
+    assert all(r["final_layout"].replace(" x ", ",") == r["layout"] for r in rows), rows
+    text = docs.read_text()
+    assert "<!-- autolayout_accuracy_2:begin -->" in text and "Spearman" in text
