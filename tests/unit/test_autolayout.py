@@ -288,3 +288,22 @@ def test_a_rebalance_within_the_noise_of_a_window_stays():
     moves = [d for d in s.decisions if d["event"] == "auto_rebalance"]
     assert moves and not any("back" in d["reason"] for d in moves), moves
     assert s.shares[1] < s.shares[0]
+
+
+def test_ranks_sharing_cores_give_a_pipelines_idle_time_to_its_busy_stages():
+    # contention 2 (every rank multiplying takes twice one rank alone): a pipeline stage that
+    # waits leaves its core to the others, so its compute runs with fewer ranks busy at once;
+    # layouts without a pipeline are busy throughout and predicted as before
+    import dataclasses as dc
+
+    from anyshard.trainer_integration.gpt.costmodel import predict
+
+    cfg, own = Config(), Rates.nominal()
+    shared = dc.replace(own, contention=2.0)
+    for p in (ParallelConfig(dp_shard=4), ParallelConfig(tp=2, dp_shard=2)):
+        assert predict(cfg, p, shared).step_s == predict(cfg, p, own).step_s
+    pp = ParallelConfig(pp=2, dp_shard=2, microbatches=2)  # bubble (2 - 1) / 2
+    a, b = predict(cfg, pp, own), predict(cfg, pp, shared)
+    # busy 1 / 1.5 of the time: 1.33 ranks' worth of the 2 sharing a core, not 2
+    assert b.compute_s == pytest.approx(a.compute_s * (2 / 1.5) / 2)
+    assert b.comm_s == a.comm_s

@@ -97,7 +97,9 @@ class Rates:
 
     ``gemm``: (flops of one square multiply, flops per second) with every rank multiplying at
     once, by size; ``collectives``: per (kind, group size), (latency s, seconds per byte moved
-    per rank); the rest per rank with every rank busy."""
+    per rank); the rest per rank with every rank busy. ``contention``: how much longer the
+    largest multiply takes with every rank multiplying than with one rank alone (1 where each
+    rank has its own device or core; about ranks / cores where ranks share cores)."""
 
     gemm: tuple[tuple[float, float], ...]
     stream_bytes_per_s: float
@@ -105,6 +107,7 @@ class Rates:
     dtensor_op_s: float
     collectives: dict[str, tuple[float, float]]  # "kind/group" -> (alpha, beta)
     source: str = "measured"
+    contention: float = 1.0
 
     @classmethod
     def nominal(cls) -> Rates:
@@ -286,7 +289,9 @@ def predict(
     scales: tuple[float, float, float] = (1.0, 1.0, 1.0),
 ) -> Prediction:
     """Step time of layout ``p``: (compute + dispatch) x (1 + pipeline bubble) + communication,
-    each term times its refined scale (compute, communication, dispatch)."""
+    each term times its refined scale (compute, communication, dispatch). Where ranks share
+    cores (``rates.contention`` > 1), a pipeline's idle stages leave theirs to the busy ones:
+    its compute runs at the rate of the fewer ranks busy at once, 1 / (1 + bubble) of them."""
     w = workload(cfg, p)
     compute = sum(f * n / rates.gemm_rate(f) for f, n in w.gemms)
     compute += w.stream_bytes / rates.stream_bytes_per_s
@@ -294,8 +299,10 @@ def predict(
     by_dim: dict[str, float] = {}
     for c in w.collectives:
         by_dim[c.dim] = by_dim.get(c.dim, 0.0) + c.count * rates.collective_s(c) * scales[1]
-    compute *= scales[0] * (1 + w.bubble)
-    dispatch *= scales[2] * (1 + w.bubble)
+    k = max(1.0, rates.contention)
+    busy = (1 + w.bubble) * max(1.0, k / (1 + w.bubble)) / k  # (1 + bubble) where k is 1
+    compute *= scales[0] * busy
+    dispatch *= scales[2] * busy
     comm = sum(by_dim.values())
     step = compute + dispatch + comm
     return Prediction(layout_text(p), p, step, compute, comm, dispatch, by_dim, w.memory_bytes)
@@ -412,7 +419,8 @@ def calibrate(
     dispatch, and all_gather / reduce_scatter / all_reduce / all_to_all / send over subgroups of
     each of ``group_sizes`` consecutive ranks (every size dividing the world when None), at each
     of ``message_bytes``. The subgroups are destroyed before it returns. All ranks get rank 0's
-    figures (the slowest rank's for the multiplies), so every rank ranks layouts alike."""
+    figures (the slowest rank's for the multiplies), so every rank ranks layouts alike. The
+    largest multiply is timed once more on rank 0 alone, the others waiting: its contention."""
     import torch
     import torch.distributed as dist
 
@@ -437,6 +445,9 @@ def calibrate(
 
         reps = max(2, int(budget_s / 4 / max(1e-6, _time(mm, 1))))
         gemm.append((n, _time(mm, reps)))
+    barrier()
+    alone = _time(mm, reps) if rank == 0 else 0.0  # the others wait in the barrier below
+    barrier()
     big = torch.randn(1 << 22)
     out = torch.empty_like(big)
     barrier()
@@ -466,11 +477,12 @@ def calibrate(
         gemm = [(n, float(t)) for (n, _), t in zip(gemm, mine_gemm.tolist(), strict=True)]
         from anyshard.api.collectives import broadcast_json
 
-        figures = broadcast_json([gemm, stream, op_s, dtensor_op_s, coll])  # rank 0's for all
-        gemm, stream, op_s, dtensor_op_s, coll = figures
+        figures = broadcast_json([gemm, stream, op_s, dtensor_op_s, coll, alone])  # rank 0's
+        gemm, stream, op_s, dtensor_op_s, coll, alone = figures
         for group in process_groups() - before:  # the DTensor mesh's and the subgroups
             dist.destroy_process_group(group)
-    return rates_from_timings(gemm, stream, op_s, dtensor_op_s, coll)
+    contention = min(float(world), gemm[-1][1] / alone) if alone > 0 else 1.0
+    return rates_from_timings(gemm, stream, op_s, dtensor_op_s, coll, contention)
 
 
 def rates_from_timings(
@@ -479,11 +491,13 @@ def rates_from_timings(
     op_s: float,
     dtensor_op_s: float,
     collectives: dict[str, Sequence[tuple[int, float]]],
+    contention: float = 1.0,
 ) -> Rates:
     """The rates of measured timings: ``gemm`` (n, seconds of an n x n multiply), ``stream``
     (bytes, seconds), an op's and a DTensor op's seconds, and per "kind/group" the seconds of a
     collective at two or more message sizes (bytes, seconds): its latency and seconds per byte
-    moved are the line through the smallest and the largest."""
+    moved are the line through the smallest and the largest; ``contention`` as `Rates` has it
+    (below 1 is noise: 1)."""
     coll: dict[str, tuple[float, float]] = {}
     for key, points in collectives.items():
         kind, g = key.split("/")[0], int(key.split("/")[1])
@@ -492,7 +506,9 @@ def rates_from_timings(
         beta = max(0.0, (t1 - t0) / (ring * (b1 - b0)))
         coll[key] = (max(0.0, t0 - beta * ring * b0), beta)
     rates = tuple((2.0 * n**3, 2.0 * n**3 / t) for n, t in gemm)
-    return Rates(rates, stream[0] / stream[1], op_s, dtensor_op_s, coll)
+    return Rates(
+        rates, stream[0] / stream[1], op_s, dtensor_op_s, coll, contention=max(1.0, contention)
+    )
 
 
 def _collective_s(kind: str, n: int, g: int, me: int, group) -> float:
