@@ -5,7 +5,8 @@ layout (every matrix multiply with its shape, the bytes element-wise kernels str
 dispatches, and each collective with its group size and bytes: FSDP's all-gathers and
 reduce-scatters, the replicate all-reduce, tensor and context parallel activations, pipeline
 sends, expert all-to-alls), then `predict` divides each by a `Rates` measured on the job's own
-ranks (`calibrate`): matrix-multiply throughput at several sizes with every rank busy, streaming
+ranks (`calibrate`): matrix-multiply throughput at several sizes with every rank busy (and the
+largest with one rank alone: how much ranks that share cores slow each other), streaming
 bandwidth, the cost of dispatching an op and a DTensor op, and each collective's latency and
 bandwidth for every group size, over the job's backend. Nothing in it is fitted to a model or a
 machine; `Refiner` then scales the three terms (compute, communication, dispatch) to the step
