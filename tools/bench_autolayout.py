@@ -288,23 +288,42 @@ def _accuracy(args, argv, cfg, candidates, job, runs, extra, records, load) -> i
                 except SystemExit as e:  # the trainer failed: its log's tail says why
                     failed.append(layout)
                     print(f"{layout}: failed\n{str(e)[-2000:]}", file=sys.stderr)
-    first = next(runs[f"fixed {c}"][0] for c in candidates if f"fixed {c}" in runs)
+    lead = next(c for c in candidates if f"fixed {c}" in runs)  # the first that ran
+    first = runs[f"fixed {lead}"][0]
     predicted, measured, both, rho, mape = accuracy(cfg, args.world, first, runs)
-    head = ["layout (fixed)", "measured step ms (median)", "predicted step ms", "error"]
+    # what the scheduler predicts before its first trial: the model refined by the running
+    # layout's measured steps (one scale for every term)
+    from anyshard.trainer_integration.gpt.costmodel import Rates, Refiner, predict, rank_layouts
+
+    rates = Rates.from_json(first["rates"])
+    par = {
+        r.layout.replace(" x ", ","): r.parallel for r in rank_layouts(cfg, args.world, rates).rows
+    }
+    refiner = Refiner(cfg, rates)
+    refiner.add(par[lead], measured[lead])
+    refined = {c: predict(cfg, par[c], rates, refiner.scales()).step_s for c in both}
+    mape1 = statistics.mean(abs(refined[c] - measured[c]) / measured[c] for c in both)
+    head = ["layout (fixed)", "measured step ms (median)", "predicted step ms", "error",
+            f"refined by {lead}'s steps", "error"]  # fmt: skip
     rows = [
         [c, f"{measured[c] * 1e3:.0f}", f"{predicted[c] * 1e3:.0f}",
-         f"{(predicted[c] - measured[c]) / measured[c]:+.0%}"]
+         f"{(predicted[c] - measured[c]) / measured[c]:+.0%}", f"{refined[c] * 1e3:.0f}",
+         f"{(refined[c] - measured[c]) / measured[c]:+.0%}"]
         for c in sorted(both, key=lambda c: measured[c])
     ]  # fmt: skip
     checks = h.check_lines([
         ("rank correlation >= 0.8 (start-up calibration alone)", rho >= 0.8,
          f"Spearman {rho:.2f} over {len(both)} layouts"),
         ("mean absolute percentage error <= 15%", mape <= 0.15, f"{mape:.0%}"),
+        ("after the first layout's steps (the model the first trial is chosen by): MAPE", None,
+         f"{mape1:.0%}; Spearman unchanged (one scale for all)"),
+        ("contention measured at calibration (ranks sharing cores)", None,
+         f"{rates.contention:.2f}"),
         ("runs that failed (not counted)", None, ", ".join(failed) or "none"),
     ])  # fmt: skip
     text = (f"{args.world} ranks, every valid layout fixed for {args.steps} steps "
             f"({args.oracle_reps} run(s) each, alternating), predictions from the calibration at "
-            f"the start of the first run ({next(c for c in candidates if c in measured)}); "
+            f"the start of the first run ({lead}); "
             f"trainer options {' '.join(extra) or '-'}")  # fmt: skip
     under = "## Autolayout: the job picks its layout (`tools/bench_autolayout.py`)"
     h.report(args, argv, __file__, f"autolayout_accuracy_{args.world}", text,
