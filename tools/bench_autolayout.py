@@ -100,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = p.parse_known_args(argv)
     if args.global_batch:
         extra += ["--train.global_batch", str(args.global_batch)]
-    if args.steps < 12:
-        p.error("--steps: at least 12 (measure, two trials, settle)")
+    if args.steps < (4 if args.accuracy_only else 12):
+        p.error("--steps: at least 12 (measure, two trials, settle); 4 with --accuracy-only")
     poor = args.poor or POOR[args.world]
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     from anyshard.trainer_integration.gpt.config import load_config

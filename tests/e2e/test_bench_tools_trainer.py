@@ -50,7 +50,7 @@ def test_bench_autolayout_accuracy_runs_every_layout_and_ranks_them(tmp_path):
     tiny = os.path.join(ROOT, "anyshard", "trainer_integration", "gpt", "tiny.toml")
     run_tool(
         "bench_autolayout.py",
-        *("--world", "2", "--steps", "12", "--accuracy-only", "--config", tiny),
+        *("--world", "2", "--steps", "5", "--accuracy-only", "--config", tiny),
         *("--json", str(tmp_path / "r.json"), "--write-docs", str(docs)),
     )
     sys.path.insert(0, os.path.join(ROOT, "tools"))
