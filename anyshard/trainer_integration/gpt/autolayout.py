@@ -5,7 +5,7 @@ The training loop asks `Scheduler.decide` one question before every step and car
 answer: **keep** the layout, **trial** a candidate or **switch** to one (both through the live
 relayout path, `train.relayout`: training steps go on, nothing is written or read), or
 **rebalance** the data-parallel shares. After every step it reports what the step cost
-(`Scheduler.observe`: the slowest rank's wall time, and each rank's busy time and data rank).
+(`Scheduler.observe`: the slowest rank's wall time, and each rank's compute time and data rank).
 
 The plan, with ``parallel.auto`` = ``start`` or ``online``:
 
@@ -233,8 +233,9 @@ class Scheduler:
         data_ranks: Sequence[int] | None = None,
     ) -> None:
         """One step done under the current layout: ``step_s`` the slowest rank's wall time;
-        ``busy`` each rank's time before it waited for the others, and ``data_ranks`` each
-        rank's data-parallel rank (both by global rank; for the balance check)."""
+        ``busy`` each rank's compute time (its work, not its waits for the others) and
+        ``data_ranks`` each rank's data-parallel rank (both by global rank; for the balance
+        check)."""
         self._step += 1
         entry = self._entry(self.current)
         if not entry.warm:  # the first step under a layout builds and warms it

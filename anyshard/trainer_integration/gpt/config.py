@@ -209,8 +209,9 @@ class FaultConfig:
     mode: str = "sigkill"  # "sigkill" (the process dies at once) or "raise" (an exception)
     only_first_attempt: bool = True  # fail only in the first attempt, not after a restart
     # a straggler (ANYSHARD_SLOW="rank:factor[:from_step]"): from step slow_from on, global rank
-    # slow_rank's steps take slow_factor times its compute time (on CPU its thread's CPU time:
-    # waits for other ranks are not compute); it sleeps the difference
+    # slow_rank's transformer blocks take slow_factor times their compute time, forward and
+    # backward (on CPU its thread's CPU time: waits for other ranks are not compute); it sleeps
+    # the difference as each ends, where a slow device's compute would be
     slow_rank: int | None = None
     slow_factor: float = 1.0
     slow_from: int = 0

@@ -453,22 +453,23 @@ class _Layouts:
             record = {**self.scheduler.decisions[-1], "time": time.time()}
             _append(os.path.join(cfg.run_dir, "events.jsonl"), record)
 
-    def measured(self, busy_s: float, par) -> None:
-        """Tell the scheduler what this step cost: every rank's busy time and data rank."""
+    def measured(self, wall_s: float, compute_s: float, par) -> None:
+        """Tell the scheduler what this step cost: the slowest rank's wall time, and every
+        rank's compute time (its work, not its waits for the others) and data rank."""
         self.steps += 1
         if self.steps == MEMORY_STEPS and self.rss0 >= 0:
             self._log_memory()
         if self.scheduler is None:
             return
-        mine = torch.tensor([busy_s, float(par.data_rank)], dtype=torch.float64)
+        mine = torch.tensor([wall_s, compute_s, float(par.data_rank)], dtype=torch.float64)
         rows = [mine]
         if dist.is_initialized() and dist.get_world_size() > 1:
             on = "cuda" if dist.get_backend() == "nccl" else "cpu"
-            out = torch.empty(dist.get_world_size() * 2, dtype=torch.float64, device=on)
+            out = torch.empty(dist.get_world_size() * 3, dtype=torch.float64, device=on)
             dist.all_gather_into_tensor(out, mine.to(on))
-            rows = list(out.cpu().view(-1, 2))
-        busy = [float(r[0]) for r in rows]
-        self.scheduler.observe(max(busy), busy, [int(r[1]) for r in rows])
+            rows = list(out.cpu().view(-1, 3))
+        busy = [float(r[1]) for r in rows]
+        self.scheduler.observe(max(float(r[0]) for r in rows), busy, [int(r[2]) for r in rows])
 
     def _log_memory(self) -> None:
         """The ``memory`` event: each rank's RSS before the model was built and its peak over
@@ -513,12 +514,60 @@ def _rss_mark() -> int:
     return _status_bytes("VmRSS")
 
 
-def _compute_s(wall_began: float, cpu_began: float) -> float:
-    """The compute time of the step begun at these clocks: on CPU this thread's CPU time (a
-    wait for other ranks in a collective is not compute), on an accelerator the wall time."""
-    if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
-        return time.perf_counter() - wall_began
-    return time.thread_time() - cpu_began
+def _on_accelerator() -> bool:
+    return torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"
+
+
+class _Straggler:
+    """``ANYSHARD_SLOW`` on this rank: from step ``slow_from`` on, each transformer block's
+    forward and backward take ``slow_factor`` times their compute, by sleeping the difference
+    as each ends (sleeping, not spinning: the shared cores stay with the others). The sleeps
+    land where a slow device's compute would, between the block's collectives: the other ranks
+    compute meanwhile, and a smaller data share shortens them. Compute is this thread's CPU
+    time on CPU (backward runs on the calling thread there; a wait in a collective is not
+    compute), the synchronised wall time on an accelerator. ``slept``: seconds slept so far."""
+
+    def __init__(self, factor: float, from_step: int):
+        self.factor, self.from_step, self.on, self.slept = factor, from_step, False, 0.0
+        self.model: Any = None  # the model whose blocks are hooked (a switch builds another)
+        self.cuda = _on_accelerator()
+
+    def arm(self, model, step: int) -> None:
+        """Before a step of ``model``: slow from ``slow_from`` on; hook a new model's blocks."""
+        self.on = step >= self.from_step
+        if self.model is model:
+            return
+        from anyshard.trainer_integration.gpt.model import TransformerBlock
+
+        self.model = model
+        for block in model.modules():
+            if isinstance(block, TransformerBlock):
+                block.register_forward_pre_hook(self._before_forward)
+                block.register_forward_hook(self._after_forward)
+
+    def _clock(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return time.perf_counter()
+        return time.thread_time()
+
+    def _slow(self, began: float) -> None:
+        if self.on:
+            pause = (self.factor - 1) * max(0.0, self._clock() - began)
+            self.slept += pause
+            time.sleep(pause)
+
+    def _before_forward(self, module, args) -> None:
+        module._straggler_forward = self._clock()
+        x = args[0] if args else None
+        if self.on and isinstance(x, torch.Tensor) and x.requires_grad:
+            # the gradient of the block's input is the last its backward computes
+            x.register_hook(lambda grad: self._slow(module._straggler_backward))
+
+    def _after_forward(self, module, args, out) -> None:
+        self._slow(module._straggler_forward)
+        if self.on and isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda grad: setattr(module, "_straggler_backward", self._clock()))
 
 
 def _budget(cfg: Config) -> int | None:
@@ -616,6 +665,8 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
     kill_rank, kill_step, mode, armed = _fault(cfg)
     fault_file = os.path.join(cfg.run_dir, "fault.json")
     losses: list[float] = []
+    f = cfg.fault
+    straggler = _Straggler(f.slow_factor, f.slow_from) if f.slow_rank == rank else None
     first = True
     joined = False  # FT-HSDP: whether this group has been through its first quorum
     saves = 0
@@ -666,15 +717,21 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
             if mode == "raise":
                 raise RuntimeError(f"injected fault on rank {rank} at step {state.step}")
             os.kill(os.getpid(), signal.SIGKILL)
+        if straggler is not None:
+            straggler.arm(state.model, state.step)
+        slept = straggler.slept if straggler is not None else 0.0
         # FT-HSDP: the quorum may save the last step, which lost a group, instead of redoing it
         rescue = None if replicas is None else replicas.rescue(loader, par.data_rank, par.data_size)
         loss = step_fn(inputs, targets) if rescue is None else step_fn.resume(*rescue)
-        f = cfg.fault
-        if f.slow_rank == rank and state.step >= f.slow_from:  # a straggler: sleeps, not spins
-            time.sleep((f.slow_factor - 1) * _compute_s(step_began, cpu_began))
         if t.min_step_s > 0:  # a larger model's step time: faults land mid-run
             time.sleep(max(0.0, t.min_step_s - (time.perf_counter() - step_began)))
-        layouts.measured(time.perf_counter() - step_began, par)
+        wall = time.perf_counter() - step_began
+        if _on_accelerator():
+            compute = wall  # kernels run asynchronously: the host's clocks do not see them
+        else:  # this thread's work, and what an injected straggler slept in its place
+            compute = time.thread_time() - cpu_began
+            compute += (straggler.slept - slept) if straggler is not None else 0.0
+        layouts.measured(wall, compute, par)
         if rescue is not None and step_fn.committed and rank == 0:
             event = {"event": "rescued", "step": state.step, **replicas.rescue_info}
             _append(os.path.join(cfg.run_dir, "events.jsonl"), {**event, "time": time.time()})
