@@ -307,3 +307,44 @@ def test_ranks_sharing_cores_give_a_pipelines_idle_time_to_its_busy_stages():
     # busy 1 / 1.5 of the time: 1.33 ranks' worth of the 2 sharing a core, not 2
     assert b.compute_s == pytest.approx(a.compute_s * (2 / 1.5) / 2)
     assert b.comm_s == a.comm_s
+
+
+def test_a_straggler_sleeps_inside_each_blocks_forward_and_backward(monkeypatch):
+    # ANYSHARD_SLOW's emulation of a slow device: each transformer block sleeps (factor - 1) x
+    # its compute as its forward and its backward end (between its collectives, where a slow
+    # device's compute is), from slow_from on; each forward's compute is also timed here by
+    # hooks of the test's own, which run just inside the straggler's
+    import time
+
+    import torch
+
+    from anyshard.trainer_integration.gpt import train
+    from anyshard.trainer_integration.gpt.config import load_config
+    from anyshard.trainer_integration.gpt.model import GPT, TransformerBlock
+
+    sleeps: list[float] = []
+    monkeypatch.setattr(train.time, "sleep", sleeps.append)
+    cfg = load_config(None, ["--model.dim", "64", "--model.ffn_dim", "256"], environ={})
+    model, x = GPT(cfg.model), torch.randint(0, 256, (4, 64))
+    s = train._Straggler(3.0, from_step=5)
+    s.arm(model, 4)  # before slow_from: no sleep
+    model(x).sum().backward()
+    assert sleeps == [] and s.slept == 0.0
+    forward: list[float] = []
+    for block in model.modules():
+        if isinstance(block, TransformerBlock):
+            block.register_forward_pre_hook(lambda m, a: setattr(m, "t0", time.thread_time()))
+            block.register_forward_hook(
+                lambda m, a, o: forward.append(time.thread_time() - m.t0), prepend=True
+            )
+    n, total = cfg.model.n_layers, 0.0
+    for step in (5, 6):  # arming the same model again adds no hooks
+        sleeps.clear()
+        forward.clear()
+        s.arm(model, step)
+        model(x).sum().backward()
+        assert len(sleeps) == 2 * n and all(p > 0 for p in sleeps), sleeps  # forward, backward
+        for slept, compute in zip(sleeps[:n], forward, strict=True):
+            assert slept == pytest.approx(2 * compute, abs=2e-4)
+        total += sum(sleeps)
+    assert s.slept == pytest.approx(total)  # what the compute time the step reports adds

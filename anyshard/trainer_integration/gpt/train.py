@@ -558,11 +558,11 @@ class _Straggler:
             time.sleep(pause)
 
     def _before_forward(self, module, args) -> None:
-        module._straggler_forward = self._clock()
         x = args[0] if args else None
         if self.on and isinstance(x, torch.Tensor) and x.requires_grad:
             # the gradient of the block's input is the last its backward computes
             x.register_hook(lambda grad: self._slow(module._straggler_backward))
+        module._straggler_forward = self._clock()
 
     def _after_forward(self, module, args, out) -> None:
         self._slow(module._straggler_forward)
