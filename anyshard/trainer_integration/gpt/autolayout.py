@@ -21,7 +21,8 @@ The plan, with ``parallel.auto`` = ``start`` or ``online``:
    a drift of `Policy.drift` in two windows in a row re-plans (the old measurements describe
    another machine state and are dropped), and a data-parallel rank busier than the mean by
    `Policy.imbalance` gets a smaller share of the same global batch (half-way to `shares_for`
-   at a time; shares that make the step slower by `Policy.noise` go back).
+   at a time; shares that make the busiest data rank's compute longer by `Policy.noise` go
+   back).
 
 Every decision is identical on every rank: the inputs are the same gathered figures.
 
@@ -80,7 +81,7 @@ class Policy:
     drift: float = 0.25  # online: re-plan when the median step drifts this much
     window: int = 5  # online: steps per drift and balance check
     imbalance: float = 0.15  # online: rebalance when a data rank is this much busier
-    noise: float = 0.03  # online: new shares stay unless the step measures this much slower
+    noise: float = 0.03  # online: new shares stay unless the busiest rank's compute grows this much
 
 
 @dataclass(frozen=True)
@@ -177,9 +178,9 @@ class Scheduler:
         self.recent: list[float] = []  # online: steps since the last check
         self.busy: list[tuple[float, ...]] = []  # per data rank, since the last check
         self.shares: tuple[int, ...] | None = None
-        # online: the shares before the last rebalance and the step they measured; whether a
-        # rebalance that did not pay stopped further ones (until a re-plan)
-        self.share_trial: tuple[tuple[int, ...] | None, float] | None = None
+        # online: the shares before the last rebalance and the busiest data rank's compute they
+        # measured; whether a rebalance that did not pay stopped further ones (until a re-plan)
+        self.share_trial: tuple[tuple[int, ...] | None, float | None] | None = None
         self.shares_settled = False
         self.decisions: list[dict] = []
         self._step = start_step
@@ -324,13 +325,13 @@ class Scheduler:
             return Decision("keep")
         recent, self.recent = statistics.median(self.recent), []
         busy, self.busy = self.busy, []
-        back = self._share_check(recent)
+        back = self._share_check(_peak(busy))
         if back is not None:
             return back
         rebalance = None if self.shares_settled else self._rebalance(busy)
         if rebalance is not None:
             self.reference = None  # measured afresh under the new shares
-            self.share_trial = (self.shares, recent)
+            self.share_trial = (self.shares, _peak(busy))
             return rebalance
         skew, self.skews = (statistics.median(self.skews) if self.skews else 1.0), []
         if self.reference is None:
@@ -409,14 +410,17 @@ class Scheduler:
             )
         return Decision("keep", reason=f"{best_name} is faster but does not pay its switch")
 
-    def _share_check(self, recent: float) -> Decision | None:
-        """After a rebalance, the window it measured: shares that made the step slower (by more
-        than `Policy.noise`, the spread of a window's median on a shared machine) go back to the
-        ones before, and stay until a re-plan."""
+    def _share_check(self, peak: float | None) -> Decision | None:
+        """After a rebalance, the window it measured: shares that made the busiest data rank's
+        compute per step longer (by more than `Policy.noise`) go back to the ones before, and
+        stay until a re-plan. Compute, not the step's wall time: what a share changes is each
+        rank's work, and a rank's compute time does not move with the machine's other load
+        as the wall time does (where compute is the wall time, waits included, it is the
+        step's)."""
         if self.share_trial is None:
             return None
         (before, was), self.share_trial = self.share_trial, None
-        if recent <= was * (1 + self.policy.noise):
+        if peak is None or was is None or peak <= was * (1 + self.policy.noise):
             return None
         self.shares_settled = True
         self.reference = None
@@ -425,8 +429,8 @@ class Scheduler:
         return Decision(
             "rebalance",
             shares=before or even,
-            reason=f"shares {list(self.shares or ())} measured {recent * 1e3:.1f} ms a step "
-            f"against {was * 1e3:.1f} ms before them: back",
+            reason=f"shares {list(self.shares or ())} measured {peak * 1e3:.1f} ms of compute on "
+            f"the busiest data rank against {was * 1e3:.1f} ms before them: back",
         )
 
     def _rebalance(self, busy: list[tuple[float, ...]]) -> Decision | None:
@@ -465,6 +469,11 @@ class Scheduler:
             shares=new,
             reason=f"data rank {slow} takes {per_sample[slow] / mean:.2f}x the mean time per sample",
         )
+
+
+def _peak(busy: Sequence[tuple[float, ...]]) -> float | None:
+    """The busiest data rank's compute per step over a window (its median), or None."""
+    return statistics.median(max(b) for b in busy) if busy else None
 
 
 def _halfway(shares: Sequence[int], target: Sequence[int]) -> tuple[int, ...]:
