@@ -408,7 +408,12 @@ class Scheduler:
                 f"{here.median * 1e3:.1f} ms; {self._remaining(step)} steps left pay the "
                 f"{self.switch_s:.2f} s switch",
             )
-        return Decision("keep", reason=f"{best_name} is faster but does not pay its switch")
+        why = (
+            "saves less than min_gain of a step (hysteresis)"
+            if saving < pol.min_gain * here.median
+            else "does not pay its switch"
+        )
+        return Decision("keep", reason=f"{best_name} is faster but {why}")
 
     def _share_check(self, peak: float | None) -> Decision | None:
         """After a rebalance, the window it measured: shares that made the busiest data rank's
