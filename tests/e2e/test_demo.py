@@ -148,13 +148,16 @@ def test_demo_autolayout_leaves_the_poor_layout_and_rebalances_a_straggler(tmp_p
     assert "auto_trial" in kinds, kinds
     assert [s["from"] for s in summary["switches"]][0] == "tp=2"
     assert all(s["switch_s"] > 0 for s in summary["switches"])
-    # the straggler is seen as one rank's skew; where the job then runs data-parallel, rank 1
-    # takes fewer samples (on a machine where a pipeline stays faster even so, it stays there)
+    # the straggler is seen as one rank's skew (a re-plan for the whole machine's drift may
+    # come too: the suite's other worker loads the same cores); where the job then runs
+    # data-parallel, rank 1 takes fewer samples (on a machine where a pipeline stays faster
+    # even so, it stays there)
     replans = [d for d in summary["decisions"] if "re-plan" in d["reason"]]
-    assert all("skew" in d["reason"] and d["step"] >= 24 for d in replans), replans
+    skewed = [d for d in replans if "skew" in d["reason"]]
+    assert all(d["step"] >= 24 for d in skewed), replans
     rebalanced = [d for d in summary["decisions"] if d["event"] == "auto_rebalance"]
     assert all(d["step"] >= 24 for d in rebalanced)
-    assert replans or rebalanced, kinds  # the straggler was acted on
+    assert skewed or rebalanced, kinds  # the straggler was acted on
     if summary["final_layout"].startswith("dp_"):
         # rank 1 gets the smaller share; a move whose next window measured slower goes back (on
         # the tiny model a sample more or less barely changes a step's time), and says so
