@@ -28,6 +28,8 @@ import benchkit as h
 from bench_goodput import step_times, train
 
 POOR = {2: "tp=2", 4: "pp=2,tp=2"}
+# the heading its sections go under in docs/benchmarks.md
+UNDER = "## Autolayout: the job picks its layout (`tools/bench_autolayout.py`)"
 
 
 def _dims(layout: str) -> list[str]:
@@ -166,9 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         text = (f"{args.world} ranks, {lay}, {args.steps} steps a run, {args.reps} alternating "
                 f"repetitions, straggler rank 1 x{args.slow_factor:g} from step {slow_from}, "
                 f"trainer options {' '.join(extra) or '-'}")  # fmt: skip
-        under = "## Autolayout: the job picks its layout (`tools/bench_autolayout.py`)"
         h.report(args, argv, __file__, f"autolayout_straggler_{args.world}", text,
-                 [(head, rows), "\n".join(checks)], load, under=under, data=records.rows)  # fmt: skip
+                 [(head, rows), "\n".join(checks)], load, under=UNDER, data=records.rows)  # fmt: skip
         return 0
 
     candidates = [
@@ -246,10 +247,9 @@ def main(argv: list[str] | None = None) -> int:
         f"oracle {args.oracle_reps} run(s) per layout, straggler rank 1 x{args.slow_factor:g} "
         f"from step {slow_from}, trainer options {' '.join(extra) or '-'}"
     )
-    under = "## Autolayout: the job picks its layout (`tools/bench_autolayout.py`)"
     blocks = [(head, rows), (oracle_head, oracle_rows), "\n".join(checks)]
     name = f"autolayout_{args.world}"
-    h.report(args, argv, __file__, name, run, blocks, load, under=under, data=records.rows)
+    h.report(args, argv, __file__, name, run, blocks, load, under=UNDER, data=records.rows)
     return 0
 
 
@@ -325,9 +325,8 @@ def _accuracy(args, argv, cfg, candidates, job, runs, extra, records, load) -> i
             f"({args.oracle_reps} run(s) each, alternating), predictions from the calibration at "
             f"the start of the first run ({lead}); "
             f"trainer options {' '.join(extra) or '-'}")  # fmt: skip
-    under = "## Autolayout: the job picks its layout (`tools/bench_autolayout.py`)"
     h.report(args, argv, __file__, f"autolayout_accuracy_{args.world}", text,
-             [(head, rows), "\n".join(checks)], load, under=under, data=records.rows)  # fmt: skip
+             [(head, rows), "\n".join(checks)], load, under=UNDER, data=records.rows)  # fmt: skip
     return 0 if not failed else 1
 
 
@@ -393,9 +392,8 @@ def _memory(args, argv, cfg, poor: str, opts: list[str], records, load) -> int:
         f"the model was built), then online from {poor} for {args.steps} steps; trainer options "
         f"{' '.join(opts[4:]) or '-'}"
     )
-    under = "## Autolayout: the job picks its layout (`tools/bench_autolayout.py`)"
     h.report(args, argv, __file__, f"autolayout_memory_{args.world}", run_text,
-             [(head, rows), "\n".join(checks)], load, under=under, data=records.rows)  # fmt: skip
+             [(head, rows), "\n".join(checks)], load, under=UNDER, data=records.rows)  # fmt: skip
     return 0
 
 

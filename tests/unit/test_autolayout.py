@@ -327,7 +327,7 @@ def test_a_straggler_sleeps_inside_each_blocks_forward_and_backward(monkeypatch)
     monkeypatch.setattr(train.time, "sleep", sleeps.append)
     cfg = load_config(None, ["--model.dim", "64", "--model.ffn_dim", "256"], environ={})
     model, x = GPT(cfg.model), torch.randint(0, 256, (4, 64))
-    s = train._Straggler(3.0, from_step=5)
+    s = train._Straggler(3.0, from_step=5, cuda=False)
     s.arm(model, 4)  # before slow_from: no sleep
     model(x).sum().backward()
     assert sleeps == [] and s.slept == 0.0

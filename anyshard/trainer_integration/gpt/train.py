@@ -527,10 +527,10 @@ class _Straggler:
     time on CPU (backward runs on the calling thread there; a wait in a collective is not
     compute), the synchronised wall time on an accelerator. ``slept``: seconds slept so far."""
 
-    def __init__(self, factor: float, from_step: int):
+    def __init__(self, factor: float, from_step: int, cuda: bool):
         self.factor, self.from_step, self.on, self.slept = factor, from_step, False, 0.0
         self.model: Any = None  # the model whose blocks are hooked (a switch builds another)
-        self.cuda = _on_accelerator()
+        self.cuda = cuda
 
     def arm(self, model, step: int) -> None:
         """Before a step of ``model``: slow from ``slow_from`` on; hook a new model's blocks."""
@@ -665,8 +665,8 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
     kill_rank, kill_step, mode, armed = _fault(cfg)
     fault_file = os.path.join(cfg.run_dir, "fault.json")
     losses: list[float] = []
-    f = cfg.fault
-    straggler = _Straggler(f.slow_factor, f.slow_from) if f.slow_rank == rank else None
+    f, accelerator = cfg.fault, _on_accelerator()
+    straggler = _Straggler(f.slow_factor, f.slow_from, accelerator) if f.slow_rank == rank else None
     first = True
     joined = False  # FT-HSDP: whether this group has been through its first quorum
     saves = 0
@@ -726,7 +726,7 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
         if t.min_step_s > 0:  # a larger model's step time: faults land mid-run
             time.sleep(max(0.0, t.min_step_s - (time.perf_counter() - step_began)))
         wall = time.perf_counter() - step_began
-        if _on_accelerator():
+        if accelerator:
             compute = wall  # kernels run asynchronously: the host's clocks do not see them
         else:  # this thread's work, and what an injected straggler slept in its place
             compute = time.thread_time() - cpu_began
