@@ -4,7 +4,14 @@ rejects what does not fit; the table ranks every valid layout."""
 import dataclasses
 
 from anyshard.trainer_integration.gpt.config import Config
-from anyshard.trainer_integration.gpt.costmodel import Rates, predict, rank_layouts, workload
+from anyshard.trainer_integration.gpt.costmodel import (
+    Rates,
+    block_model_s,
+    calibrate,
+    predict,
+    rank_layouts,
+    workload,
+)
 
 
 def test_more_bytes_moved_never_predicts_a_faster_step():
@@ -31,3 +38,42 @@ def test_the_memory_filter_rejects_what_does_not_fit():
     assert 0 < len(tight.rows) < len(full.rows)
     assert all(r.memory_bytes <= budget for r in tight.rows)
     assert any("exceeds" in why for _, why in tight.rejected)
+
+
+def test_the_block_scale_multiplies_compute_and_dispatch_not_communication():
+    cfg = Config()
+    rates = Rates.nominal()
+    slower = dataclasses.replace(rates, block_scale=1.5)
+    for row in rank_layouts(cfg, 4, rates, memory_bytes=1 << 34).rows:
+        a, b = predict(cfg, row.parallel, rates), predict(cfg, row.parallel, slower)
+        assert abs(b.compute_s - 1.5 * a.compute_s) < 1e-12, row.layout
+        assert abs(b.dispatch_s - 1.5 * a.dispatch_s) < 1e-12, row.layout
+        assert b.comm_s == a.comm_s, row.layout
+
+
+def test_calibration_times_one_block_against_its_counted_time():
+    import time
+
+    import torch
+
+    from anyshard.trainer_integration.gpt.model import ParallelContext, TransformerBlock
+
+    tiny = Config()
+    tiny = dataclasses.replace(tiny, model=dataclasses.replace(tiny.model, dim=64, ffn_dim=128))
+    rates = calibrate(gemm_sizes=(32, 128), budget_s=0.05, cfg=tiny)
+    counted = block_model_s(tiny, 1, rates)
+    # the block timed here, independently: forward and backward on the whole batch
+    block = TransformerBlock(tiny.model, ParallelContext())
+    x = torch.randn(tiny.train.global_batch, tiny.train.seq_len, 64, requires_grad=True)
+    times = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        block(x).sum().backward()
+        times.append(time.perf_counter() - t0)
+    measured = sorted(times)[3]
+    # the same work timed twice on a shared machine: within a factor of 2.5
+    assert 0.4 < rates.block_scale * counted / measured < 2.5, (
+        rates.block_scale,
+        counted,
+        measured,
+    )

@@ -8,8 +8,10 @@ sends, expert all-to-alls), then `predict` divides each by a `Rates` measured on
 ranks (`calibrate`): matrix-multiply throughput at several sizes with every rank busy (and the
 largest with one rank alone: how much ranks that share cores slow each other), streaming
 bandwidth, the cost of dispatching an op and a DTensor op, and each collective's latency and
-bandwidth for every group size, over the job's backend. Nothing in it is fitted to a model or a
-machine; `Refiner` then scales the three terms (compute, communication, dispatch) to the step
+bandwidth for every group size, over the job's backend; and, given the model, one of its blocks'
+forward and backward timed against what the counts predict for it (what the counts leave out:
+autograd, the kernels' efficiency on the model's own shapes). Nothing in it is fitted to a model
+or a machine; `Refiner` then scales the three terms (compute, communication, dispatch) to the step
 times the job measures, so layouts not run yet are predicted from those that were.
 
 `rank_layouts` gives the ranked table (`anyshard layouts` prints it)::
@@ -51,6 +53,7 @@ __all__ = [
     "Refiner",
     "Table",
     "Workload",
+    "block_model_s",
     "calibrate",
     "predict",
     "rank_layouts",
@@ -100,7 +103,10 @@ class Rates:
     once, by size; ``collectives``: per (kind, group size), (latency s, seconds per byte moved
     per rank); the rest per rank with every rank busy. ``contention``: how much longer the
     largest multiply takes with every rank multiplying than with one rank alone (1 where each
-    rank has its own device or core; about ranks / cores where ranks share cores)."""
+    rank has its own device or core; about ranks / cores where ranks share cores).
+    ``block_scale``: one of the model's blocks, forward and backward at a data-parallel rank's
+    tokens with every rank busy, measured over what its counted multiplies, streams and
+    dispatches predict (1 when not measured); it scales every layout's compute and dispatch."""
 
     gemm: tuple[tuple[float, float], ...]
     stream_bytes_per_s: float
@@ -109,6 +115,7 @@ class Rates:
     collectives: dict[str, tuple[float, float]]  # "kind/group" -> (alpha, beta)
     source: str = "measured"
     contention: float = 1.0
+    block_scale: float = 1.0
 
     @classmethod
     def nominal(cls) -> Rates:
@@ -290,23 +297,63 @@ def predict(
     scales: tuple[float, float, float] = (1.0, 1.0, 1.0),
 ) -> Prediction:
     """Step time of layout ``p``: (compute + dispatch) x (1 + pipeline bubble) + communication,
-    each term times its refined scale (compute, communication, dispatch). Where ranks share
+    each term times its refined scale (compute, communication, dispatch), compute and dispatch
+    also times the calibration's ``rates.block_scale``. Where ranks share
     cores (``rates.contention`` > 1), a pipeline's idle stages leave theirs to the busy ones:
     its compute runs at the rate of the fewer ranks busy at once, 1 / (1 + bubble) of them."""
     w = workload(cfg, p)
-    compute = sum(f * n / rates.gemm_rate(f) for f, n in w.gemms)
-    compute += w.stream_bytes / rates.stream_bytes_per_s
-    dispatch = w.ops * rates.op_s + w.dtensor_ops * rates.dtensor_op_s
+    compute, dispatch = _local_s(w, rates)
     by_dim: dict[str, float] = {}
     for c in w.collectives:
         by_dim[c.dim] = by_dim.get(c.dim, 0.0) + c.count * rates.collective_s(c) * scales[1]
     k = max(1.0, rates.contention)
     busy = (1 + w.bubble) * max(1.0, k / (1 + w.bubble)) / k  # (1 + bubble) where k is 1
-    compute *= scales[0] * busy
-    dispatch *= scales[2] * busy
+    compute *= scales[0] * busy * rates.block_scale
+    dispatch *= scales[2] * busy * rates.block_scale
     comm = sum(by_dim.values())
     step = compute + dispatch + comm
     return Prediction(layout_text(p), p, step, compute, comm, dispatch, by_dim, w.memory_bytes)
+
+
+def _local_s(w: Workload, rates: Rates) -> tuple[float, float]:
+    """The unscaled compute and dispatch seconds of a workload."""
+    compute = sum(f * n / rates.gemm_rate(f) for f, n in w.gemms)
+    compute += w.stream_bytes / rates.stream_bytes_per_s
+    return compute, w.ops * rates.op_s + w.dtensor_ops * rates.dtensor_op_s
+
+
+def _probe_parallel(cfg: Config, world: int) -> ParallelConfig:
+    """Pure data parallelism over ``world`` ranks: the layout the block probe's tokens are of."""
+    return dataclasses.replace(cfg.parallel, pp=1, dp_replicate=world, dp_shard=1, ep=1, cp=1, tp=1)
+
+
+def block_model_s(cfg: Config, world: int, rates: Rates) -> float:
+    """Counted seconds (compute and dispatch, unscaled) of one block's forward and backward at
+    a data-parallel rank's tokens of ``world`` ranks: the difference of the model at two and at
+    one layer, everything outside the blocks cancelling."""
+    p = _probe_parallel(cfg, world)
+    one, two = (
+        sum(_local_s(workload(dataclasses.replace(cfg, model=m), p), rates))
+        for m in (dataclasses.replace(cfg.model, n_layers=n) for n in (1, 2))
+    )
+    return two - one
+
+
+def _block_s(cfg: Config, world: int, budget_s: float) -> float:
+    """Measured seconds of one of the model's blocks (freshly initialised, on this rank's
+    device: the CPU), forward and backward at a data-parallel rank's tokens of ``world`` ranks."""
+    import torch
+
+    from anyshard.trainer_integration.gpt.model import ParallelContext, TransformerBlock
+
+    seqs = max(1, cfg.train.global_batch // world)
+    block = TransformerBlock(cfg.model, ParallelContext())
+    x = torch.randn(seqs, cfg.train.seq_len, cfg.model.dim, requires_grad=True)
+
+    def step() -> None:
+        block(x).sum().backward()
+
+    return _time(step, max(2, int(budget_s / max(1e-6, _time(step, 1)))))
 
 
 def terms(cfg: Config, p: ParallelConfig, rates: Rates) -> tuple[float, float, float]:
@@ -414,14 +461,17 @@ def calibrate(
     gemm_sizes: Sequence[int] = (32, 128, 384, 768),
     message_bytes: Sequence[int] = (1 << 10, 1 << 20),
     budget_s: float = 0.25,
+    cfg: Config | None = None,
 ) -> Rates:
     """Measure the rates on every rank of the default process group at once (call it on every
     rank): square multiplies of ``gemm_sizes``, streaming adds, an op's and a DTensor op's
     dispatch, and all_gather / reduce_scatter / all_reduce / all_to_all / send over subgroups of
     each of ``group_sizes`` consecutive ranks (every size dividing the world when None), at each
     of ``message_bytes``. The subgroups are destroyed before it returns. All ranks get rank 0's
-    figures (the slowest rank's for the multiplies), so every rank ranks layouts alike. The
-    largest multiply is timed once more on rank 0 alone, the others waiting: its contention."""
+    figures (the slowest rank's for the multiplies and the block), so every rank ranks layouts
+    alike. The largest multiply is timed once more on rank 0 alone, the others waiting: its
+    contention. Given the trainer's ``cfg``, one of its blocks is timed on every rank at once
+    against its counted time: ``Rates.block_scale``."""
     import torch
     import torch.distributed as dist
 
@@ -472,10 +522,13 @@ def calibrate(
                 (nbytes, _collective_s(kind, max(g, nbytes // FLOAT // g * g), g, rank % g, mine))
                 for nbytes in message_bytes
             ]
+    barrier()
+    block = _block_s(cfg, world, budget_s) if cfg is not None else 0.0
     if world > 1:
-        mine_gemm = torch.tensor([t for _, t in gemm], dtype=torch.float64)
+        mine_gemm = torch.tensor([t for _, t in gemm] + [block], dtype=torch.float64)
         dist.all_reduce(mine_gemm, op=dist.ReduceOp.MAX)  # the slowest rank paces the step
-        gemm = [(n, float(t)) for (n, _), t in zip(gemm, mine_gemm.tolist(), strict=True)]
+        *slowest, block = mine_gemm.tolist()
+        gemm = [(n, float(t)) for (n, _), t in zip(gemm, slowest, strict=True)]
         from anyshard.api.collectives import broadcast_json
 
         figures = broadcast_json([gemm, stream, op_s, dtensor_op_s, coll, alone])  # rank 0's
@@ -483,7 +536,10 @@ def calibrate(
         for group in process_groups() - before:  # the DTensor mesh's and the subgroups
             dist.destroy_process_group(group)
     contention = min(float(world), gemm[-1][1] / alone) if alone > 0 else 1.0
-    return rates_from_timings(gemm, stream, op_s, dtensor_op_s, coll, contention)
+    rates = rates_from_timings(gemm, stream, op_s, dtensor_op_s, coll, contention)
+    if cfg is None or block <= 0:
+        return rates
+    return dataclasses.replace(rates, block_scale=block / block_model_s(cfg, world, rates))
 
 
 def rates_from_timings(

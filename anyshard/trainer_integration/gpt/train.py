@@ -586,7 +586,7 @@ def _starting_layout(cfg: Config, rank: int) -> tuple[Config, Any, Any]:
     if cfg.parallel.auto != "off" and cfg.ft.replicas == 1:
         from anyshard.trainer_integration.gpt.costmodel import calibrate
 
-        rates = calibrate()
+        rates = calibrate(cfg=cfg)
     if cfg.parallel.auto != "off" and cfg.parallel.world_size != world:
         from anyshard.trainer_integration.gpt.autolayout import first_layout
         from anyshard.trainer_integration.gpt.layouts import choose_layout, layout_text
