@@ -63,6 +63,9 @@ class _LocalPlan:
     incremental: Incremental | None = None  # hash, and reference what the base holds
     # frozen shards the base holds: referenced, never staged nor hashed (key -> base shard)
     held: dict = field(default_factory=dict)
+    # (rank 0) the checkpoint's directory did not exist before this save: a failed save
+    # removes it again when nothing else is in it
+    new_dir: bool = False
 
 
 def _plan_local(flat: dict, holders: dict[str, list[int]], group, *, to_host: bool) -> _LocalPlan:
@@ -396,9 +399,11 @@ def _plan_save(
     """This rank's plan of a save over ``group`` (collective: every rank takes part, whatever
     happened to it before), and the error that stops it (None: none)."""
     me = coll.rank(group)
+    new_dir = False
     try:
         if me == 0 and error is None:
             refuse_committed(path)
+            new_dir = not storage.is_url(path) and not storage.exists(path)
     except Exception as e:  # reported to rank 0 so that no rank waits forever
         error = e
     holders, divergent = (
@@ -423,6 +428,7 @@ def _plan_save(
                 plan = _plan_local(flat, holders, group, to_host=to_host)
         except Exception as e:  # reported to rank 0 so that no rank waits forever
             error, plan = e, _LocalPlan()
+    plan.new_dir = new_dir
     return plan, error
 
 
@@ -443,7 +449,7 @@ def _set_aside_frozen(
 def _write_and_commit(path: str, plan: _LocalPlan, error: BaseException | None, group) -> None:
     """Write this rank's data file, agree with every rank, commit on rank 0, raise on failure."""
     me = coll.rank(group)
-    file = None
+    file = begun = None
     writes = plan.writes
     refs: dict[str, Ref] = {}
     hashes: dict[str, str] | None = None
@@ -457,7 +463,7 @@ def _write_and_commit(path: str, plan: _LocalPlan, error: BaseException | None, 
     if error is None and (plan.writes or plan.held):
         try:
             storage.makedirs(storage.join(path, DATA_DIR))
-            file = data_file_name(me)  # written even when it references every shard it holds
+            file = begun = data_file_name(me)  # written even when it references every shard
             write_datafile(storage.join(path, *file.split("/")), writes, hashes=hashes, spans=spans)
         except Exception as e:
             error, file = e, None
@@ -482,16 +488,48 @@ def _write_and_commit(path: str, plan: _LocalPlan, error: BaseException | None, 
         except Exception as e:
             outcome = {"ok": False, "error": str(e)}
     outcome = coll.broadcast_json(outcome, group)
-    if error is not None:
+    if error is not None or not outcome["ok"]:
+        left = _remove_failed(path, begun, plan.new_dir, group)
+        if error is None:
+            error = SaveError(outcome["error"])
+        if left:
+            raise SaveError(
+                f"{_error_text(error).strip()}\nthe failed save's files could not all be removed "
+                f"({'; '.join(left)}): remove them, or run `anyshard gc` on the root"
+            ) from error
         raise error
-    if not outcome["ok"]:
-        raise SaveError(outcome["error"])
     if plan.incremental is not None and hashes is not None:  # the base of the next save
         kinds = {k: (DTYPE_TO_ST[t.dtype], tuple(t.shape)) for k, t in plan.writes}
         kinds.update((k, (b.dtype, b.shape)) for k, b in plan.held.items())
         plan.incremental.remember(
             path, me, outcome["manifest_sha256"], writes, spans, file, refs, hashes, kinds
         )
+
+
+def _remove_failed(path: str, begun: str | None, new_dir: bool, group) -> list[str]:
+    """After a failed save (collective): every rank removes the data file it wrote or began,
+    then rank 0 the data directory and, if this save made it, the checkpoint's directory, each
+    only when nothing else is left in it. Returns what could not be removed, with why (the same
+    list on every rank); nothing of a committed step is touched."""
+    left: list[str] = []
+    if begun is not None:
+        target = storage.join(path, *begun.split("/"))
+        try:
+            if storage.exists(target):
+                storage.remove_file(target)
+        except Exception as e:  # best effort: named in the error instead
+            left.append(f"{target}: {e}")
+    gathered = coll.gather_json(left, group)
+    if gathered is not None:  # rank 0, once every rank has removed its own
+        left = [x for rank_left in gathered for x in rank_left]
+        dirs = [storage.join(path, DATA_DIR)] + ([path] if new_dir else [])
+        for d in dirs:
+            try:
+                if not storage.is_url(d) and storage.exists(d) and not storage.listdir(d):
+                    storage.remove_tree(d)
+            except Exception as e:
+                left.append(f"{d}: {e}")
+    return coll.broadcast_json(left, group)
 
 
 def save_local_states(

@@ -13,6 +13,7 @@ deadline); then a `StorageError` names the object and the last cause. A missing 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import posixpath
 import threading
@@ -202,10 +203,15 @@ def write_bytes_atomic(path: str, data: bytes, *, exclusive: bool = False) -> No
             return
         local = _local(path)
         tmp = f"{local}.tmp-{os.getpid()}-{threading.get_ident()}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError:
+            with contextlib.suppress(OSError):  # a full disk keeps no half-written document
+                os.unlink(tmp)
+            raise
         if exclusive:
             try:
                 os.link(tmp, local)  # fails if ``local`` exists, unlike a rename

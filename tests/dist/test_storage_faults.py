@@ -1,0 +1,80 @@
+"""Saves that meet a storage fault clean up after themselves: a disk that fills up (a real,
+size-limited tmpfs where this machine lets the test mount one, else ENOSPC injected at the
+storage layer), EIO and EACCES, on one rank or every rank, sync and async. Every rank raises an
+AnyshardError that names the path and the cause, nothing is committed, no file of the failed
+step is left, the previous step still loads and the next save succeeds with no manual step.
+
+Run: python -m pytest tests/dist/test_storage_faults.py -q
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+HERE = os.path.dirname(__file__)
+TASKS = os.path.join(HERE, "_storage_fault_tasks.py")
+
+
+@pytest.fixture(scope="module")
+def small_disk(tmp_path_factory):
+    """A 2 MiB tmpfs, or None where mounting one is not allowed."""
+    where = tmp_path_factory.mktemp("small-disk")
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(where)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        yield None
+        return
+    try:
+        yield str(where)
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def _check(out, step_dir: str, cause: str, world: int) -> None:
+    for rank, r in enumerate(out):
+        assert r["raised"] is not None, f"rank {rank} did not raise"
+        assert r["raised"]["type"] in ("StorageError", "SaveError"), (rank, r["raised"])
+        assert step_dir in r["raised"]["text"], (rank, r["raised"])
+        assert cause in r["raised"]["text"], (rank, r["raised"])
+        # nothing committed and nothing left: the failed step's directory is gone
+        assert r["left"] is None, (rank, r["left"])
+        assert r["step1_loads"] and r["step3_saved"], (rank, r)
+    assert len(out) == world
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_full_disk_fails_every_rank_leaves_nothing_and_the_next_save_succeeds(
+    pool2, small_disk, tmp_path, mode
+):
+    if small_disk is not None:  # the disk itself: 2 ranks x 1.5 MiB into 2 MiB
+        root = os.path.join(small_disk, mode)
+        out = pool2.run(TASKS, "failed_save_task", root, None, [], mode, 1.5)
+    else:  # no mount allowed here: ENOSPC from the storage layer on both ranks
+        root = str(tmp_path / mode)
+        out = pool2.run(TASKS, "failed_save_task", root, "enospc", [0, 1], mode, 1.5)
+    _check(out, os.path.join(root, "step-2"), "No space left on device", 2)
+    assert sorted(os.listdir(root)) == ["step-1", "step-3"]
+
+
+@pytest.mark.parametrize(
+    "kind, ranks, mode",
+    [
+        ("eio", [1], "sync"),
+        ("eio", [0], "async"),
+        ("eacces", [0, 1], "sync"),
+        ("eacces", [1], "async"),
+        ("enospc", [1], "sync"),
+    ],
+)
+def test_an_injected_storage_fault_fails_every_rank_and_leaves_nothing(
+    pool2, tmp_path, kind, ranks, mode
+):
+    root = str(tmp_path / "ckpt")
+    out = pool2.run(TASKS, "failed_save_task", root, kind, ranks, mode, 0.25)
+    cause = os.strerror({"eio": 5, "eacces": 13, "enospc": 28}[kind])
+    _check(out, os.path.join(root, "step-2"), cause, 2)
+    assert sorted(os.listdir(root)) == ["step-1", "step-3"]
