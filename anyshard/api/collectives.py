@@ -19,6 +19,7 @@ __all__ = [
     "broadcast_json",
     "device",
     "gather_json",
+    "raise_together",
     "rank",
     "world_size",
 ]
@@ -268,3 +269,33 @@ def all_gather_json(obj: Any, group=None, *, digests: list[bytes] | None = None)
     for k, r in first.items():
         known[k] = broadcast_json(obj if r == me else None, group, src=r)
     return [known[k] for k in keys]
+
+
+def raise_together(error: BaseException | None, group, what: str) -> None:
+    """Collective: return if every rank passes ``error`` None; else every rank raises the same
+    error: the lowest failing rank's class (an `anyshard.errors` class; `AnyshardError` for any
+    other) with "``what`` failed on rank(s) ...: rank r: its error", its own exception (if any)
+    as the cause. Ranks meet here instead of one raising while the others wait in the next
+    collective until the process group times out."""
+    if not active(group) or world_size(group) == 1:
+        if error is not None:
+            raise error
+        return
+    mine = None if error is None else [type(error).__name__, str(error)]
+    everyone = all_gather_json(mine, group)
+    failed = [(r, e) for r, e in enumerate(everyone) if e is not None]
+    if not failed:
+        return
+    from anyshard import errors
+
+    first, (name, text) = failed[0]
+    ranks = ", ".join(str(r) for r, _ in failed)
+    message = f"{what} failed on rank(s) {ranks}: rank {first}: {name}: {text}"
+    cls = getattr(errors, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, errors.AnyshardError)):
+        cls = errors.AnyshardError
+    try:
+        exc = cls(message)
+    except Exception:  # a class that takes other arguments
+        exc = errors.AnyshardError(message)
+    raise exc from error

@@ -137,12 +137,11 @@ def load_reporting(
 ) -> LoadReport:
     """`load`, returning what this rank fetched from storage and what it received from other
     ranks instead (a `LoadReport`)."""
-    manifest = read_manifest(path)
     flat = flatten_state(state_dict)
     if spec is not None:
         return _load_spec(
             path,
-            manifest,
+            read_manifest(path),
             flat,
             spec,
             layout or {},
@@ -153,7 +152,6 @@ def load_reporting(
             threads,
             verify,
         )
-    problems = _key_problems(flat, manifest) if strict else []
     if read_once is None:
         read_once = read_once_pays(path, process_group)
     mesh = None  # plain tensors, whole on every rank, are replicated over the whole group
@@ -161,48 +159,59 @@ def load_reporting(
         if dist.get_world_size(process_group) > 1:
             mesh = _world_mesh(process_group)
     split: dict[str, tuple[Any, Any]] = {}  # fqn -> (the part this rank fetches, the target)
-    fills: list[Fill] = []
-    meshes: dict = {}  # device mesh -> what layouts need of it, for this call only
-    for fqn, leaf in sorted(flat.items()):
-        value = leaf.value
-        if fqn in manifest.tensors:
-            entry = manifest.tensors[fqn]
-            if not isinstance(value, torch.Tensor):
-                problems.append(
-                    f"{fqn}: the checkpoint holds a tensor, the state dict a {type(value).__name__}"
-                )
-                continue
-            if tuple(value.shape) != entry.shape:
-                problems.append(
-                    f"{fqn}: global shape {list(value.shape)} in the state dict, {list(entry.shape)} in the checkpoint"
-                )
-                continue
-            stored = ST_TO_DTYPE[entry.dtype]
-            if value.dtype != stored and not cast:
-                problems.append(
-                    f"{fqn}: dtype {value.dtype} in the state dict, {stored} in the checkpoint (pass cast=True to convert)"
-                )
-                continue
-            part = None
-            if read_once:
-                target = value if hasattr(value, "device_mesh") else _as_replicated(value, mesh)
-                part = _replica_part(target)
+    bytes_read, error = 0, None
+    try:
+        manifest = read_manifest(path)
+        problems = _key_problems(flat, manifest) if strict else []
+        fills: list[Fill] = []
+        meshes: dict = {}  # device mesh -> what layouts need of it, for this call only
+        for fqn, leaf in sorted(flat.items()):
+            value = leaf.value
+            if fqn in manifest.tensors:
+                entry = manifest.tensors[fqn]
+                if not isinstance(value, torch.Tensor):
+                    problems.append(
+                        f"{fqn}: the checkpoint holds a tensor, the state dict a {type(value).__name__}"
+                    )
+                    continue
+                if tuple(value.shape) != entry.shape:
+                    problems.append(
+                        f"{fqn}: global shape {list(value.shape)} in the state dict, {list(entry.shape)} in the checkpoint"
+                    )
+                    continue
+                stored = ST_TO_DTYPE[entry.dtype]
+                if value.dtype != stored and not cast:
+                    problems.append(
+                        f"{fqn}: dtype {value.dtype} in the state dict, {stored} in the checkpoint (pass cast=True to convert)"
+                    )
+                    continue
+                part = None
+                if read_once:
+                    target = value if hasattr(value, "device_mesh") else _as_replicated(value, mesh)
+                    part = _replica_part(target)
+                    if part is not None:
+                        split[fqn] = (part, target)
                 if part is not None:
-                    split[fqn] = (part, target)
-            if part is not None:
-                value = part
-            held = layout_of(fqn, value, process_group, meshes)
-            fills.append(Fill(fqn, held.local, held.shard().pieces))
-        elif fqn in manifest.values:
-            if isinstance(value, torch.Tensor):
-                problems.append(
-                    f"{fqn}: the checkpoint holds a JSON value, the state dict a tensor"
-                )
-    if problems:
-        raise StateDictMismatchError(
-            f"{path}: the state dict does not match the checkpoint:\n  " + "\n  ".join(problems)
-        )
-    plan = fill_regions(path, manifest, fills, threads=threads, verify=verify)
+                    value = part
+                held = layout_of(fqn, value, process_group, meshes)
+                fills.append(Fill(fqn, held.local, held.shard().pieces))
+            elif fqn in manifest.values:
+                if isinstance(value, torch.Tensor):
+                    problems.append(
+                        f"{fqn}: the checkpoint holds a JSON value, the state dict a tensor"
+                    )
+        if problems:
+            raise StateDictMismatchError(
+                f"{path}: the state dict does not match the checkpoint:\n  " + "\n  ".join(problems)
+            )
+        plan = fill_regions(path, manifest, fills, threads=threads, verify=verify)
+        bytes_read = plan.bytes_read
+    except Exception as e:
+        if mesh is None:  # no collective follows: this rank's error is its own
+            raise
+        error = e
+    if mesh is not None:  # a rank's error reaches every rank before the exchange
+        coll.raise_together(error, process_group, f"load of {path}")
     if read_once:  # collective: every rank takes part, with or without replicated tensors
         from anyshard.api.redistribute import redistribute
 
@@ -215,7 +224,7 @@ def load_reporting(
     for fqn, leaf in flat.items():
         if fqn in manifest.values:
             leaf.replace(manifest.values[fqn])
-    return LoadReport(bytes_read=plan.bytes_read, forwarded=len(split))
+    return LoadReport(bytes_read=bytes_read, forwarded=len(split))
 
 
 def _world_mesh(process_group):

@@ -15,7 +15,7 @@ import subprocess
 import pytest
 
 HERE = os.path.dirname(__file__)
-TASKS = os.path.join(HERE, "_storage_fault_tasks.py")
+TASKS = os.path.join(HERE, "_fault_tasks.py")
 
 
 @pytest.fixture(scope="module")

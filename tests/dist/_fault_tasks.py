@@ -1,4 +1,5 @@
-"""Task functions: saves that meet a storage fault (a full disk, EIO, EACCES) on gloo ranks."""
+"""Task functions: saves that meet a storage fault (a full disk, EIO, EACCES) and loads of a
+damaged checkpoint, on gloo ranks."""
 
 from __future__ import annotations
 
@@ -100,3 +101,32 @@ def failed_save_task(root: str, kind: str | None, fault_ranks: list[int], mode: 
     anyshard.load(f"{root}/step-3", back)
     next_ok = torch.equal(back["small"], third["small"]) and back["step"] == 3
     return {"raised": raised, "left": left, "step1_loads": loads, "step3_saved": next_ok}
+
+
+def damaged_read_once_task(path: str, numel: int) -> dict:
+    """Save a plain tensor of ``numel`` floats (whole on every rank), flip the last byte of its
+    data file (in the part the last rank fetches under read-once), then load it with
+    ``read_once=True`` on every rank: what each rank raised and how long it took."""
+    import time
+
+    rank = dist.get_rank()
+    w = torch.arange(float(numel))
+    anyshard.save(path, {"w": w, "step": 1})
+    if rank == 0:
+        data = os.path.join(path, "data", os.listdir(os.path.join(path, "data"))[0])
+        with open(data, "r+b") as f:
+            f.seek(-1, os.SEEK_END)
+            last = f.read(1)
+            f.seek(-1, os.SEEK_END)
+            f.write(bytes([last[0] ^ 0x40]))
+    dist.barrier()
+    target = {"w": torch.zeros(numel), "step": 0}
+    t0 = time.monotonic()
+    raised = None
+    try:
+        anyshard.load(path, target, read_once=True)
+    except AnyshardError as e:
+        raised = {"type": type(e).__name__, "text": str(e)}
+    except Exception as e:  # noqa: BLE001 - what the test asserts against
+        raised = {"type": f"not an AnyshardError: {type(e).__name__}", "text": str(e)}
+    return {"raised": raised, "seconds": time.monotonic() - t0}

@@ -1,0 +1,34 @@
+"""Every rank fails together: an error one rank meets inside a collective load reaches every
+rank as the same AnyshardError within seconds, not at the process group's time-out.
+
+Run: python -m pytest tests/dist/test_fail_together.py -q
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+HERE = os.path.dirname(__file__)
+TASKS = os.path.join(HERE, "_fault_tasks.py")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_damaged_byte_one_rank_fetches_under_read_once_fails_every_rank(
+    dist_pools, tmp_path, world
+):
+    pool = dist_pools.get(world)
+    # 4 MiB: checksum blocks of 256 KiB, so only the rank fetching the last part reads the byte
+    out = pool.run(TASKS, "damaged_read_once_task", str(tmp_path / "ckpt"), 1 << 20, timeout=120)
+    causes = set()
+    for rank, r in enumerate(out):
+        assert r["raised"] is not None, f"rank {rank} did not raise"
+        assert r["raised"]["type"] == "ChecksumError", (rank, r["raised"])
+        assert r["seconds"] < 10, (rank, r["seconds"])
+        causes.add(r["raised"]["text"].split(" failed on rank(s) ")[-1])
+    assert len(causes) == 1, causes  # the same cause on every rank
+    # the ranks that read the damaged block themselves: not all of them, so the others raised
+    # what reached them from those
+    failed = causes.pop().split(":")[0].split(", ")
+    assert 0 < len(failed) < world, failed
