@@ -142,6 +142,16 @@ def main(argv: list[str] | None = None) -> int:
         runs.setdefault(name, []).append(records.add(rec, system=name, rep=rep, layout=layout))
         return rec
 
+    failed: list[str] = []
+
+    def attempt(tmp: str, name: str, rep: int, layout: str, more: list[str], env: str = "") -> None:
+        """`job`, a failed trainer reported (its error lines and the log's tail), not counted."""
+        try:
+            job(tmp, name, rep, layout, more, env)
+        except SystemExit as e:
+            failed.append(f"{name} (repetition {rep})")
+            print(f"{name} (repetition {rep}) failed:\n{e}", file=sys.stderr, flush=True)
+
     if args.straggler_only:
         lay = args.straggler_only
         pair = {"fixed": (lay, [], ""), "straggler fixed": (lay, [], slow),
@@ -176,13 +186,17 @@ def main(argv: list[str] | None = None) -> int:
         r.layout.replace(" x ", ",") for r in rank_layouts(cfg, args.world, Rates.nominal()).rows
     ]
     if args.accuracy_only:
-        return _accuracy(args, argv, cfg, candidates, job, runs, extra, records, load)
+        return _accuracy(args, argv, cfg, candidates, attempt, failed, runs, extra, records, load)
 
     with tempfile.TemporaryDirectory(prefix="bench-autolayout-") as tmp:
         for rep, order in h.rotations(candidates, args.oracle_reps):  # the oracle
             for layout in order:
-                job(tmp, f"fixed {layout}", rep, layout, [])
-        oracle = {c: statistics.median(r["e2e_s"] for r in runs[f"fixed {c}"]) for c in candidates}
+                attempt(tmp, f"fixed {layout}", rep, layout, [])
+        oracle = {
+            c: statistics.median(r["e2e_s"] for r in runs[f"fixed {c}"])
+            for c in candidates
+            if f"fixed {c}" in runs
+        }
         best = min(oracle, key=lambda c: oracle[c])
         # the straggler runs where shares can move: the best layout with data parallelism
         best_dp = min((c for c in oracle if "dp_" in c and "pp=" not in c), key=oracle.get)
@@ -197,10 +211,10 @@ def main(argv: list[str] | None = None) -> int:
         for rep, order in h.rotations(list(systems), args.reps):
             for name in order:
                 layout, more, env = systems[name]
-                job(tmp, name, rep, layout, more, env)
+                attempt(tmp, name, rep, layout, more, env)
 
     def med(name: str, key: str = "e2e_s") -> float:
-        return statistics.median(r[key] for r in runs[name])
+        return statistics.median(r[key] for r in runs[name]) if name in runs else float("nan")
 
     def spr(name: str) -> str:
         return h.fmt_spread([r["e2e_s"] for r in runs[name]], ".1f")
@@ -223,12 +237,13 @@ def main(argv: list[str] | None = None) -> int:
         [n, spr(n), f"{med(n, 'step_ms'):.0f}", runs[n][-1]["final_layout"],
          f"{med(n, 'final_loss'):.4f}"]
         for n in systems
+        if n in runs
     ]  # fmt: skip
     oracle_head = ["layout (fixed)", "end to end s", "measured step ms", "predicted step ms"]
     oracle_rows = [
         [c, f"{oracle[c]:.1f}", f"{measured[c] * 1e3:.0f}",
          f"{predicted[c] * 1e3:.0f}" if c in predicted else "-"]
-        for c in sorted(candidates, key=lambda c: oracle[c])
+        for c in sorted(oracle, key=lambda c: oracle[c])
     ]  # fmt: skip
     checks = h.check_lines([
         ("online from the poor layout >= 1.18x its fixed run", speedup >= 1.18, f"{speedup:.2f}x"),
@@ -241,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         ("a 2x straggler: online recovers >= 25% of what fixed loses", recovered >= 0.25,
          f"{recovered:.0%} of {lost:.1f} s"),
         ("final loss within 1% of the fixed run's", loss_gap <= 0.01, f"{loss_gap:.2%}"),
+        ("runs that failed (not counted)", None, ", ".join(failed) or "none"),
     ])  # fmt: skip
     run = (
         f"{args.world} ranks, {args.steps} steps a run, {args.reps} alternating repetitions, "
@@ -274,20 +290,15 @@ def accuracy(cfg, world: int, calibrated: dict, runs: dict[str, list[dict]]):
     return predicted, measured, both, rho, mape
 
 
-def _accuracy(args, argv, cfg, candidates, job, runs, extra, records, load) -> int:
+def _accuracy(args, argv, cfg, candidates, attempt, failed, runs, extra, records, load) -> int:
     """Every valid layout run fixed, each calibrating at its start (``auto = start`` with no
     trial keeps the layout); the first run's calibration predicts all of them. A layout whose
     run fails is reported, not counted."""
     fixed = ["--parallel.auto", "start", "--parallel.auto_trials", "0"]
-    failed: list[str] = []
     with tempfile.TemporaryDirectory(prefix="bench-autolayout-accuracy-") as tmp:
         for rep, order in h.rotations(candidates, args.oracle_reps):
             for layout in order:
-                try:
-                    job(tmp, f"fixed {layout}", rep, layout, fixed)
-                except SystemExit as e:  # the trainer failed: its log's tail says why
-                    failed.append(layout)
-                    print(f"{layout}: failed\n{str(e)[-2000:]}", file=sys.stderr)
+                attempt(tmp, f"fixed {layout}", rep, layout, fixed)
     lead = next(c for c in candidates if f"fixed {c}" in runs)  # the first that ran
     first = runs[f"fixed {lead}"][0]
     predicted, measured, both, rho, mape = accuracy(cfg, args.world, first, runs)

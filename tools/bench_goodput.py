@@ -110,8 +110,10 @@ def train(run_dir: str, args: list[str], *, nproc: int, restarts: int = 0, fault
     finally:
         watch.stop.set()
         watch.join()
-    if run["rc"] != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed ({run['rc']}):\n{run['log']}")
+    if run["rc"] != 0:  # the first error lines of the whole log (a rank's), then its tail
+        with open(run_dir + ".log", errors="replace") as f:
+            why = [ln for ln in f if any(k in ln for k in ("what()", "Error", "Fatal"))][:20]
+        raise SystemExit(f"{' '.join(cmd)} failed ({run['rc']}):\n{''.join(why)}{run['log']}")
     dirs = (run_dir, *(os.path.join(run_dir, f"replica-{g}") for g in (0, 1)))
     logs = {d: records(os.path.join(d, "losses.jsonl")) for d in dirs}
     base = max(dirs, key=lambda d: len(logs[d]))  # a fault-free group may finish the job alone
