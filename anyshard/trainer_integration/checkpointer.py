@@ -110,6 +110,13 @@ class Checkpointer:
     lists them, e.g. ``"model.tok_emb.weight"``) known not to change, which skip the hashing.
     Retention never deletes a file that a kept step references.
 
+    With ``on_error="skip"``, a save that fails (a full disk, a storage error after its
+    retries; sync or async) does not stop training: every rank learns of it together, the
+    failure is warned about and kept in `failures` (step, error), the failed step's files are
+    already removed (see `anyshard.save`), and the next interval tries again; only
+    ``max_failures`` failed saves in a row raise (the last one's error). ``"raise"`` (the
+    default) raises the first. Skipping adds one small collective to each save.
+
     `restore_latest` picks the newest step that every rank can read, from local disk where all
     the files it needs are there (a restart on the same nodes), else from ``root`` (a replacement
     node, or a lost local disk).
@@ -147,6 +154,8 @@ class Checkpointer:
         process_group=None,
         incremental: bool = False,
         frozen: Collection[str] | None = None,
+        on_error: str = "raise",
+        max_failures: int = 3,
     ):
         if every_steps is None:
             raise ValueError("every_steps must be a positive int, got None")
@@ -166,6 +175,9 @@ class Checkpointer:
             )
         if frozen and not incremental:
             raise ValueError("frozen names only apply with incremental=True")
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        _positive("max_failures", max_failures)
         self.root = root
         self.every_steps = every_steps
         self.keep_last = keep_last
@@ -181,6 +193,12 @@ class Checkpointer:
         self._pending: list = []  # SaveHandles of the background work in flight
         self._hooks: list = []  # optimizer pre-step hooks of `guard`
         self.blocked_s = 0.0  # seconds `save` and `wait_staged` have held up their caller
+        self.on_error = on_error
+        self.max_failures = max_failures
+        # failed saves skipped under on_error="skip": {"step", "error", "time"}, oldest first
+        self.failures: list[dict[str, Any]] = []
+        self._failed_in_a_row = 0
+        self._in_flight: int | None = None  # the step of the async save not yet waited for
 
     def guard(self, *optimizers) -> None:
         """Let async saves return at once and stage their copies while the training loop runs
@@ -261,13 +279,64 @@ class Checkpointer:
             return False
         start = time.perf_counter()
         try:
-            self._save(step, app_state)
+            if self.on_error == "raise":
+                self._save(step, app_state)
+                return True
+            before, prev, this = self._in_flight, None, None
+            try:  # the async save before this one (its failure surfaces here)
+                self._wait()
+            except Exception as e:
+                prev = e
+            try:  # after a failure, this step is the next attempt
+                self._save(step, app_state)
+            except Exception as e:
+                this = e
+            return self._settle(before, prev, step, this)
         finally:
             self.blocked_s += time.perf_counter() - start
-        return True
+
+    def _settle(
+        self, before: int | None, prev: BaseException | None, step: int | None,
+        this: BaseException | None,
+    ) -> bool:  # fmt: skip
+        """``on_error="skip"`` (collective): agree over every rank whether the background save
+        of step ``before`` (``prev``) and this call's save of ``step`` (``this``) failed; record
+        and warn, or raise after ``max_failures`` in a row. Whether ``step``'s save was issued
+        without an error."""
+        mine = [None if e is None else f"{type(e).__name__}: {e}" for e in (prev, this)]
+        everyone = coll.all_gather_json(mine, self.process_group)
+        background = self.async_ or self.local_dir is not None  # alike on every rank
+        issued = True
+        for i, at, cause in ((0, before, prev), (1, step, this)):
+            if at is None:
+                continue
+            failed = next((m[i] for m in everyone if m[i] is not None), None)
+            if failed is None:
+                if i == 0 or not background:  # committed
+                    self._failed_in_a_row = 0
+                continue
+            if i == 1:  # this call's save was not issued (the one before: already waited for)
+                issued, self._issued = False, None
+            self._failed_in_a_row += 1
+            self.failures.append({"step": at, "error": failed, "time": time.time()})
+            if self._failed_in_a_row >= self.max_failures:
+                raise AnyshardError(
+                    f"{self._failed_in_a_row} checkpoint saves under {self.root} failed in a "
+                    f"row (on_error='skip', max_failures={self.max_failures}); the last, of "
+                    f"step {at}: {failed}"
+                ) from cause
+            warnings.warn(
+                f"anyshard: the checkpoint save of step {at} under {self.root} failed "
+                f"({failed}); its files are removed and training goes on, the next save tries "
+                f"again ({self._failed_in_a_row} of at most {self.max_failures} failures in a "
+                "row)",
+                stacklevel=4,
+            )
+        self._in_flight = step if background and issued and step is not None else None
+        return issued
 
     def _save(self, step: int, app_state: Mapping[str, Any]) -> None:
-        self.wait()
+        self._wait()
         state = _state_dicts(app_state)
         path = self.step_path(step)
         if self.local_dir is not None:  # the root is cleared and written in the background
@@ -367,7 +436,20 @@ class Checkpointer:
         coll.broadcast_json(None, group)
 
     def wait(self) -> None:
-        """Wait for the background work in flight (save, upload, retention); raise its error."""
+        """Wait for the background work in flight (save, upload, retention); raise its error
+        (under ``on_error="skip"``, collective: as `save` does, count it and raise only the
+        ``max_failures``-th failure in a row)."""
+        if self.on_error == "raise":
+            self._wait()
+            return
+        before, prev = self._in_flight, None
+        try:
+            self._wait()
+        except Exception as e:
+            prev = e
+        self._settle(before, prev, None, None)
+
+    def _wait(self) -> None:
         pending, self._pending = self._pending, []
         try:
             for handle in pending:

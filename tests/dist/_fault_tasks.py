@@ -130,3 +130,62 @@ def damaged_read_once_task(path: str, numel: int) -> dict:
     except Exception as e:  # noqa: BLE001 - what the test asserts against
         raised = {"type": f"not an AnyshardError: {type(e).__name__}", "text": str(e)}
     return {"raised": raised, "seconds": time.monotonic() - t0}
+
+
+def skipping_checkpointer_task(root: str, mode: str, failing: list[int], fault_rank: int) -> dict:
+    """A Checkpointer with ``on_error="skip"`` saving steps 1-6 while the data file writes of
+    rank ``fault_rank`` fail with EIO at the steps in ``failing``: what each save returned, the
+    failures recorded, what raised (and at which step), the committed steps left and whether
+    the newest loads bit-exact."""
+    import time
+    import warnings
+
+    from anyshard.format.steps import list_steps
+    from anyshard.trainer_integration.checkpointer import Checkpointer
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    ckpt = Checkpointer(root, async_=mode == "async", on_error="skip", max_failures=3)
+    returned, raised = {}, None
+    weights = {}
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        for step in range(1, 7):
+            # sharded: every rank writes a data file
+            w = DTensor.from_local(torch.full((512,), float(step * 10 + rank)), mesh, [Shard(0)])
+            weights[step] = w.to_local().clone()
+            try:
+                with inject("eio" if rank == fault_rank and step in failing else None):
+                    returned[step] = ckpt.save(step, {"model": {"w": w}, "step": step})
+                    # an async save writes in the background: the fault stays injected until
+                    # it is done (its error surfaces at the next save, as in training)
+                    while not all(h.done() for h in ckpt._pending):  # noqa: SLF001
+                        time.sleep(0.01)
+            except AnyshardError as e:
+                raised = {"step": step, "type": type(e).__name__, "text": str(e)}
+                break
+        if raised is None:
+            try:
+                ckpt.wait()
+            except AnyshardError as e:
+                raised = {"step": "wait", "type": type(e).__name__, "text": str(e)}
+    committed = [s.step for s in list_steps(root) if s.committed]
+    debris = [s.step for s in list_steps(root) if not s.committed]
+    newest = None
+    if committed:
+        into = DTensor.from_local(torch.zeros(512), mesh, [Shard(0)])
+        back = {"model": {"w": into}, "step": 0}
+        Checkpointer(root).restore_latest(back)
+        newest = bool(torch.equal(into.to_local(), weights[committed[-1]]))
+    return {
+        "returned": returned,
+        "failures": [f["step"] for f in ckpt.failures],
+        "raised": raised,
+        "committed": committed,
+        "debris": debris,
+        "newest_loads": newest,
+        "warned": sum("training goes on" in str(w.message) for w in warned),
+    }

@@ -78,3 +78,25 @@ def test_an_injected_storage_fault_fails_every_rank_and_leaves_nothing(
     cause = os.strerror({"eio": 5, "eacces": 13, "enospc": 28}[kind])
     _check(out, os.path.join(root, "step-2"), cause, 2)
     assert sorted(os.listdir(root)) == ["step-1", "step-3"]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_skipping_checkpointer_trains_on_through_failed_saves_and_raises_at_the_limit(
+    pool2, tmp_path, mode
+):
+    # EIO on rank 1 at steps 2 and 3: both skipped on every rank, step 4 commits again
+    out = pool2.run(TASKS, "skipping_checkpointer_task", str(tmp_path / "a"), mode, [2, 3], 1)
+    for r in out:
+        assert r["raised"] is None, r
+        assert r["failures"] == [2, 3], r
+        assert r["committed"] == [1, 4, 5, 6] and r["debris"] == [], r
+        assert r["newest_loads"] and r["warned"] == 2, r
+        if mode == "sync":  # an async save's failure is known only at the next save
+            assert [r["returned"][s] for s in range(1, 7)] == [1, 0, 0, 1, 1, 1], r
+    # three failures in a row (steps 2, 3, 4) raise on every rank, at the same call
+    out = pool2.run(TASKS, "skipping_checkpointer_task", str(tmp_path / "b"), mode, [2, 3, 4], 0)
+    at = {"sync": 4, "async": 5}[mode]  # async: step 4's failure surfaces at step 5's save
+    for r in out:
+        assert r["raised"] is not None and r["raised"]["step"] == at, r
+        assert "3 checkpoint saves" in r["raised"]["text"] and "failed in a row" in r["raised"]["text"]
+        assert r["failures"] == [2, 3, 4] and r["committed"][0] == 1 and r["debris"] == [], r

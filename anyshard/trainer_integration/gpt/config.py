@@ -198,6 +198,10 @@ class CheckpointConfig:
     stage_in_background: bool = True
     local_dir: str | None = None  # tiered mode: save to this local directory, then upload to root
     storage: str = "local"  # "local" (a file system) or "s3" (an S3-compatible object store)
+    # a save that fails (a full disk, a storage error): "skip" logs it and trains on, trying
+    # again at the next interval, "raise" stops the job
+    on_error: str = "skip"
+    max_failures: int = 3  # with on_error = "skip": failed saves in a row that stop the job
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -295,7 +299,7 @@ _RANGES = {
         "min_lr_ratio": "[0, 1]",
         "lr": "(0, inf)",
     },
-    "checkpoint": dict.fromkeys(("every_steps", "keep_last"), "[1, inf)"),
+    "checkpoint": dict.fromkeys(("every_steps", "keep_last", "max_failures"), "[1, inf)"),
     "fault": {  # None: no fault
         **dict.fromkeys(("kill_rank", "slow_rank", "slow_from"), "[0, inf)"),
         "kill_step": "[1, inf)",
@@ -312,6 +316,7 @@ _CHOICES = [
     ("parallel", "pp_schedule", ("1F1B", "GPipe")),
     ("parallel", "auto", ("off", "start", "online")),
     ("checkpoint", "storage", ("local", "s3")),
+    ("checkpoint", "on_error", ("skip", "raise")),
     ("fault", "mode", _FAULT_MODES),
 ]
 

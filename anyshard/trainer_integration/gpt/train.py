@@ -570,6 +570,20 @@ class _Straggler:
             out.register_hook(lambda grad: setattr(module, "_straggler_backward", self._clock()))
 
 
+def _log_failed_saves(cfg: Config, ckpt: Checkpointer, rank: int) -> None:
+    """Rank 0 prints and logs (a ``save_failed`` event) each checkpoint save the Checkpointer
+    skipped (``checkpoint.on_error = "skip"``) since the last call."""
+    new, ckpt.failures = ckpt.failures, []
+    for f in new if rank == 0 else ():
+        print(
+            f"checkpoint of step {f['step']} failed, training goes on and the next save tries "
+            f"again (checkpoint.max_failures = {cfg.checkpoint.max_failures} in a row stop the "
+            f"job): {f['error']}",
+            flush=True,
+        )
+        _append(os.path.join(cfg.run_dir, "events.jsonl"), {"event": "save_failed", **f})
+
+
 def _budget(cfg: Config) -> int | None:
     """``parallel.auto_memory_gib`` in bytes (None: the host's or accelerator's default)."""
     gib = cfg.parallel.auto_memory_gib
@@ -635,6 +649,8 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
         keep_last=c.keep_last,
         async_=c.async_,
         local_dir=c.local_dir,
+        on_error=c.on_error,
+        max_failures=c.max_failures,
     )
     guarded = c.async_ and c.stage_in_background
     if guarded:
@@ -787,7 +803,9 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
         first = False
         if replicas is None or replicas.is_primary():  # one replica group writes checkpoints
             saves += ckpt.save(state.step, {"train": state})
+            _log_failed_saves(cfg, ckpt, rank)
     ckpt.wait()
+    _log_failed_saves(cfg, ckpt, rank)
     final_digest = None
     if replicas is not None:
         if cfg.ft.check_heals:
