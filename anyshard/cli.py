@@ -21,7 +21,8 @@ _EXAMPLES = {
     "inspect": "examples:\n  anyshard inspect /ckpt/step-001000\n  anyshard inspect /ckpt/step-001000 --json",
     "verify": "examples:\n  anyshard verify /ckpt/step-001000",
     "ls": "examples:\n  anyshard ls /ckpt\n  anyshard ls s3://bucket/run1 --json",
-    "gc": "examples:\n  anyshard gc /ckpt --dry-run\n  anyshard gc s3://bucket/run1",
+    "gc": "examples:\n  anyshard gc /ckpt --dry-run\n  anyshard gc s3://bucket/run1\n"
+    "  anyshard gc /ckpt --stale-after 3600   # also a killed job's newer, unfinished steps",
     "convert": "examples:\n"
     "  anyshard convert /ckpt/step-001000 ./hf                    # anyshard -> Hugging Face\n"
     "  anyshard convert ./hf ./hf-bf16 --to hf --dtype bf16 --max-shard-size 2GB\n"
@@ -501,11 +502,23 @@ def _ls(args) -> int:
     return 0
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: seconds must be 0 or more")
+    return value
+
+
 def _gc(args) -> int:
     from anyshard.format.steps import remove_debris
 
     _root_must_exist(args.root)
-    removed, kept = remove_debris(args.root, dry_run=args.dry_run, report_kept=True)
+    removed, kept = remove_debris(
+        args.root, dry_run=args.dry_run, report_kept=True, stale_after_s=args.stale_after
+    )
     verb = "would remove" if args.dry_run else "removed"
     for path in removed:
         if path in kept:
@@ -514,6 +527,7 @@ def _gc(args) -> int:
             print(f"{verb} {path}")
     print(
         f"{verb} {len(removed) - len(kept)} uncommitted step(s) older than the newest commit"
+        + (f" or untouched for {args.stale_after:g} s" if args.stale_after is not None else "")
         + (f"; kept {len(kept)} whose files committed steps reference" if kept else "")
     )
     return 0
@@ -612,13 +626,22 @@ def _parser() -> argparse.ArgumentParser:
         "gc",
         help="remove debris: uncommitted steps older than the newest committed step",
         description="Remove uncommitted step-* directories older than the newest committed step. "
-        "Newer uncommitted steps may be saves in progress and are never touched.",
+        "Newer uncommitted steps may be saves in progress and are left alone, unless "
+        "--stale-after is given: then those in which nothing was written for that long go "
+        "too (a killed job's).",
         epilog=_EXAMPLES["gc"],
         formatter_class=fmt,
     )
     s.add_argument("root", help="directory or URL holding step-* checkpoint directories")
     s.add_argument(
         "--dry-run", action="store_true", help="print what would be removed, remove nothing"
+    )
+    s.add_argument(
+        "--stale-after",
+        type=_seconds,
+        metavar="SECONDS",
+        help="also remove uncommitted steps newer than the newest commit (or in a root with no "
+        "commit) in which nothing was written for SECONDS; no save in progress pauses that long",
     )
     s.set_defaults(run=_gc)
     for name, ep in sorted(_plugin_commands().items()):

@@ -19,7 +19,9 @@ Run the examples: ``python -m pytest --doctest-modules anyshard/format/steps.py`
 
 from __future__ import annotations
 
+import os
 import re
+import time
 from dataclasses import dataclass
 
 from anyshard.errors import AnyshardError
@@ -209,12 +211,49 @@ def latest_committed(root: str) -> StepInfo | None:
     return committed[-1] if committed else None
 
 
-def find_debris(steps: list[StepInfo]) -> list[StepInfo]:
-    """The uncommitted steps of ``steps`` that are older than its newest committed step."""
+def find_debris(steps: list[StepInfo], *, stale_after_s: float | None = None) -> list[StepInfo]:
+    """The uncommitted steps of ``steps`` that are older than its newest committed step; with
+    ``stale_after_s``, also those newer (or with no commit at all) in which nothing was written
+    for that many seconds: no save in progress leaves its files untouched that long."""
     newest = max((s.step for s in steps if s.committed), default=None)
-    if newest is None:
-        return []
-    return [s for s in steps if not s.committed and s.step < newest]
+    out = [s for s in steps if not s.committed and newest is not None and s.step < newest]
+    if stale_after_s is not None:
+        now = time.time()
+        out += [
+            s
+            for s in steps
+            if not s.committed
+            and (newest is None or s.step > newest)
+            and now - last_modified(s.path) >= stale_after_s
+        ]
+    return sorted(out, key=lambda s: s.step)
+
+
+def last_modified(path: str) -> float:
+    """When anything under the step directory ``path`` was last written (seconds since the
+    epoch; 0 when nothing is there)."""
+    newest = 0.0
+    if not storage.is_url(path):
+        for d, _, names in os.walk(path):
+            for n in [*names, "."]:
+                try:
+                    newest = max(newest, os.stat(os.path.join(d, n)).st_mtime)
+                except FileNotFoundError:  # removed while listing
+                    pass
+        return newest
+    for name in _listdir_or_empty(path):
+        entry = storage.join(path, name)
+        files = (
+            [storage.join(entry, f) for f in _listdir_or_empty(entry)]
+            if name in _SUBDIRS
+            else [entry]
+        )
+        for f in files:
+            try:
+                newest = max(newest, storage.modified(f))
+            except FileNotFoundError:
+                pass
+    return newest
 
 
 def remove_step(path: str) -> None:
@@ -266,12 +305,20 @@ def remove_steps(paths: list[str]) -> list[str]:
     return kept
 
 
-def remove_debris(root: str, *, dry_run: bool = False, report_kept: bool = False):
+def remove_debris(
+    root: str,
+    *,
+    dry_run: bool = False,
+    report_kept: bool = False,
+    stale_after_s: float | None = None,
+):
     """Remove uncommitted steps older than the newest commit; return their paths, sorted by step
     (with ``report_kept``, also those of them kept for files committed steps reference).
 
-    Uncommitted steps newer than the newest commit are left alone: one may be a save in
-    progress. Names not of the form ``step-*`` are never touched. With ``dry_run``, only report.
+    Uncommitted steps newer than the newest commit are left alone (one may be a save in
+    progress) unless ``stale_after_s`` is given: then those in which nothing was written for
+    that many seconds go too (a killed save's). Names not of the form ``step-*`` are never
+    touched. With ``dry_run``, only report.
 
     >>> import os, tempfile, torch, anyshard
     >>> root = tempfile.mkdtemp()
@@ -283,6 +330,6 @@ def remove_debris(root: str, *, dry_run: bool = False, report_kept: bool = False
     >>> [s.step for s in list_steps(root)]
     [2, 3]
     """
-    removed = [s.path for s in find_debris(list_steps(root))]
+    removed = [s.path for s in find_debris(list_steps(root), stale_after_s=stale_after_s)]
     kept = remove_steps(removed) if not dry_run else []
     return (removed, kept) if report_kept else removed

@@ -141,6 +141,19 @@ def makedirs(path: str) -> None:
         retry(path, "makedirs", lambda t: call(fs, "makedirs", t, p, exist_ok=True))
 
 
+def modified(path: str) -> float:
+    """When the file ``path`` was last written (seconds since the epoch)."""
+    if not is_url(path):
+        return os.stat(_local(path)).st_mtime
+    fs, p = _fs(path)
+    fs.invalidate_cache(p)
+    info = retry(path, "stat", lambda t: call(fs, "info", t, p))
+    stamp = info.get("LastModified", info.get("mtime", info.get("last_modified")))
+    if stamp is None:
+        raise StorageError(f"{path}: the store gives no modification time")
+    return stamp.timestamp() if hasattr(stamp, "timestamp") else float(stamp)
+
+
 def listdir(path: str) -> list[str]:
     if not is_url(path):
         return sorted(os.listdir(_local(path)))

@@ -102,6 +102,10 @@ class Checkpointer:
     runs while forward and backward proceed; ``optimizer.step()`` waits only if the copy of the
     tensors it would modify is not done yet.
 
+    Retention also removes debris: uncommitted steps older than the newest commit, and those
+    newer in which nothing was written for ``stale_after_s`` seconds (a killed save's; None:
+    never).
+
     With ``local_dir`` (a local directory, one per node), steps are saved there first and
     uploaded to ``root`` in the background; the newest ``keep_local`` steps stay on local disk.
     With ``incremental``, every save hashes its shards (SHA-256) and references, rather than
@@ -113,7 +117,8 @@ class Checkpointer:
     With ``on_error="skip"``, a save that fails (a full disk, a storage error after its
     retries; sync or async) does not stop training: every rank learns of it together, the
     failure is warned about and kept in `failures` (step, error), the failed step's files are
-    already removed (see `anyshard.save`), and the next interval tries again; only
+    already removed (see `anyshard.save`), debris is cleared (as after a commit), and the next
+    interval tries again; only
     ``max_failures`` failed saves in a row raise (the last one's error). ``"raise"`` (the
     default) raises the first. Skipping adds one small collective to each save.
 
@@ -156,6 +161,7 @@ class Checkpointer:
         frozen: Collection[str] | None = None,
         on_error: str = "raise",
         max_failures: int = 3,
+        stale_after_s: float | None = 3600.0,
     ):
         if every_steps is None:
             raise ValueError("every_steps must be a positive int, got None")
@@ -178,6 +184,8 @@ class Checkpointer:
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         _positive("max_failures", max_failures)
+        if stale_after_s is not None and not stale_after_s >= 0:
+            raise ValueError(f"stale_after_s must be None or >= 0 seconds, got {stale_after_s}")
         self.root = root
         self.every_steps = every_steps
         self.keep_last = keep_last
@@ -195,6 +203,7 @@ class Checkpointer:
         self.blocked_s = 0.0  # seconds `save` and `wait_staged` have held up their caller
         self.on_error = on_error
         self.max_failures = max_failures
+        self.stale_after_s = stale_after_s
         # failed saves skipped under on_error="skip": {"step", "error", "time"}, oldest first
         self.failures: list[dict[str, Any]] = []
         self._failed_in_a_row = 0
@@ -319,6 +328,8 @@ class Checkpointer:
                 issued, self._issued = False, None
             self._failed_in_a_row += 1
             self.failures.append({"step": at, "error": failed, "time": time.time()})
+            if coll.rank(self.process_group) == 0:  # room for the next attempt: debris of
+                self._apply_retention()  # killed saves (stale) and of older attempts goes
             if self._failed_in_a_row >= self.max_failures:
                 raise AnyshardError(
                     f"{self._failed_in_a_row} checkpoint saves under {self.root} failed in a "
@@ -507,7 +518,7 @@ class Checkpointer:
             )
             steps.remove_steps(
                 [s.path for s in listed if s.step in doomed]
-                + [s.path for s in steps.find_debris(listed)]
+                + [s.path for s in steps.find_debris(listed, stale_after_s=self.stale_after_s)]
             )
         except (AnyshardError, OSError) as e:
             warnings.warn(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 
 import pytest
 import torch
@@ -137,6 +138,41 @@ def test_an_uncommitted_step_older_than_the_latest_commit_is_removed_by_gc(tmp_p
     assert _step_numbers(root) == [(4, True), (8, True), (10, True), (12, False)]
 
 
+def _age(path: str, seconds: float) -> None:
+    """Make everything under ``path`` look last written ``seconds`` ago."""
+    then = time.time() - seconds
+    for d, _, names in os.walk(path):
+        for n in [*names, "."]:
+            os.utime(os.path.join(d, n), (then, then))
+
+
+def test_newer_debris_untouched_for_stale_after_is_removed_and_a_fresh_one_kept(tmp_path):
+    root = str(tmp_path)
+    _train(root)
+    killed, in_progress = _crash_debris(root, 12), _crash_debris(root, 14)
+    _age(killed, 7200)
+    assert steps.remove_debris(root) == []  # newer than the newest commit: left by default
+    assert steps.remove_debris(root, stale_after_s=3600, dry_run=True) == [killed]
+    r = _cli("gc", root, "--stale-after", "3600")
+    assert r.returncode == 0, r.stderr
+    assert f"removed {killed}" in r.stdout and "untouched for 3600 s" in r.stdout
+    assert not os.path.exists(killed) and os.path.isdir(in_progress)
+    # a root with no commit at all: only the stale step goes
+    bare = str(tmp_path / "bare")
+    old, fresh = _crash_debris(bare, 3), _crash_debris(bare, 5)
+    _age(old, 7200)
+    assert steps.remove_debris(bare, stale_after_s=3600) == [old]
+    assert storage.exists(fresh)
+
+
+def test_anyshard_gc_stale_after_takes_seconds_only(tmp_path, capsys):
+    for bad in ("soon", "-5", "nan"):
+        with pytest.raises(SystemExit) as e:
+            main(["gc", str(tmp_path), "--stale-after", bad])
+        assert e.value.code == 2
+        assert "--stale-after" in capsys.readouterr().err
+
+
 def test_the_next_save_removes_older_debris_but_never_newer(tmp_path):
     root = str(tmp_path)
     ckpt = Checkpointer(root, every_steps=1)
@@ -250,6 +286,10 @@ def test_save_retention_restore_and_gc_on_s3(s3):
     assert old not in [s.path for s in steps.list_steps(root)] and storage.exists(new)
     assert _step_numbers(root) == [(4, True), (8, True), (10, True), (12, False)]
     assert steps.list_steps(root)[-1].bytes == 100
+    # newer debris goes once nothing was written in it for stale_after_s (the store's times)
+    assert steps.remove_debris(root, stale_after_s=3600) == []
+    assert steps.remove_debris(root, stale_after_s=0) == [new]
+    assert _step_numbers(root) == [(4, True), (8, True), (10, True)]
 
 
 @pytest.mark.parametrize(
