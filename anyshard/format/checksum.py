@@ -1,4 +1,9 @@
-"""crc32c checksums, and combining the checksums of adjacent byte ranges.
+"""crc32c checksums, combining the checksums of adjacent byte ranges, and sealed documents.
+
+A sealed document (a manifest, a data file's JSON header) carries the crc32c of its own bytes:
+it begins with a fixed prefix and 8 hex digits, the crc32c of the whole document as written
+with those digits "00000000" (`seal`, `check_seal`). The seal is checked before anything in the
+document is parsed.
 
 Combining lets a loader verify a shard that was read in several parallel requests without
 reading it again: crc(A + B) = crc(A) * x^(8 len(B)) mod P  xor  crc(B), computed in GF(2)
@@ -9,7 +14,11 @@ from __future__ import annotations
 
 import crc32c as _crc32c
 
-__all__ = ["crc32c", "crc32c_combine"]
+from anyshard.errors import ChecksumError
+
+__all__ = ["check_seal", "crc32c", "crc32c_combine", "seal"]
+
+_UNSEALED = b"00000000"
 
 _POLY = 0x82F63B78  # Castagnoli, reflected
 
@@ -61,3 +70,27 @@ def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
     if crc_a == 0:  # x^n * 0 is 0: the first part of a chain costs nothing
         return crc_b
     return _multmodp(_x8n(len_b), crc_a) ^ crc_b
+
+
+def seal(data: bytes, prefix: bytes) -> bytes:
+    """``data``, which begins with ``prefix`` and 8 placeholder digits "00000000", with those
+    digits replaced by the crc32c (8 lowercase hex digits) of ``data`` as it is."""
+    n = len(prefix)
+    if data[: n + 8] != prefix + _UNSEALED:
+        raise ValueError("the document does not begin with its prefix and the placeholder")
+    return data[:n] + b"%08x" % crc32c(data) + data[n + 8 :]
+
+
+def check_seal(data: bytes, prefix: bytes, where: str, what: str) -> None:
+    """Raise `ChecksumError` naming ``where`` unless ``data`` (which begins with ``prefix``)
+    holds the crc32c of its own bytes after ``prefix`` (see `seal`)."""
+    n = len(prefix)
+    stored = bytes(data[n : n + 8])
+    crc = crc32c(_UNSEALED, crc32c(memoryview(data)[:n]))
+    crc = crc32c(memoryview(data)[n + 8 :], crc)
+    if len(stored) != 8 or stored != b"%08x" % crc:
+        raise ChecksumError(
+            f"{where}: the {what} does not match its checksum (crc32c {crc:08x}, stored "
+            f"{stored.decode('ascii', 'replace')!r}); the file is corrupt. Restore it from a "
+            "replica or load an earlier step"
+        )

@@ -8,6 +8,11 @@ then each shard's bytes back to back. The header's ``__metadata__["anyshard"]`` 
 string holding the format version and, for each shard, its checksum block size and the crc32c
 of each block (`block_size`): a read of part of a shard reads whole blocks and verifies them.
 Version 1 files hold one crc32c per shard, and stay readable.
+
+Since version 3 the header is sealed: it begins ``{"__metadata__":{"anyshard_crc32c":"XXXXXXXX"``
+where XXXXXXXX is the crc32c of the header's JSON as written with "00000000" there (the padding
+after it excluded; `anyshard.format.checksum.seal`), checked before anything in it is parsed.
+Versions 1 and 2 (unsealed) still load, with a warning that their header is unverified.
 """
 
 from __future__ import annotations
@@ -15,14 +20,16 @@ from __future__ import annotations
 import json
 import math
 import struct
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import crc32c
 import torch
 
-from anyshard.errors import CorruptCheckpointError, FormatVersionError
+from anyshard.errors import ChecksumError, CorruptCheckpointError, FormatVersionError
 from anyshard.format import storage, strict_json
+from anyshard.format.checksum import check_seal, seal
 from anyshard.format.dtypes import DTYPE_TO_ST, ST_TO_DTYPE
 from anyshard.format.manifest import Manifest, is_sha256
 from anyshard.format.pool import io_pool
@@ -42,8 +49,12 @@ __all__ = [
     "write_datafile",
 ]
 
-DATAFILE_VERSION = 2  # 1: one crc32c per shard; 2: one per block of each shard
-KNOWN_DATAFILE_VERSIONS = (1, 2)
+# 1: one crc32c per shard; 2: one per block of each shard; 3: and the header's own (sealed)
+DATAFILE_VERSION = 3
+KNOWN_DATAFILE_VERSIONS = (1, 2, 3)
+SEALED_SINCE = 3
+_SEAL_PREFIX = b'{"__metadata__":{"anyshard_crc32c":"'
+
 BLOCK_BYTES = 256 << 10  # a checksum block's bytes, at most (unless one row is longer)
 WHOLE_BELOW = 64 << 10  # a shard smaller than this is one block
 _FIRST_READ = 64 * 1024
@@ -115,7 +126,8 @@ def header_bytes(
     """The JSON header of a data file holding ``shards`` (name, safetensors dtype, shape), back
     to back in that order, with ``crcs[name]`` the crc32c of each checksum block of each and
     ``hashes[name]``, where given, its SHA-256 (hex)."""
-    header: dict[str, object] = {}
+    # first, so that the seal is the header's beginning; `seal` fills the placeholder in
+    header: dict[str, object] = {"__metadata__": {"anyshard_crc32c": "00000000"}}
     offset = 0
     blocks = {}
     for name, code, shape in shards:
@@ -133,8 +145,12 @@ def header_bytes(
         if hashes and name in hashes:
             blocks[name]["sha256"] = hashes[name]
     meta = {"format_version": DATAFILE_VERSION, "blocks": blocks}
-    header["__metadata__"] = {"format": "pt", "anyshard": json.dumps(meta, separators=(",", ":"))}
-    return json.dumps(header, separators=(",", ":")).encode()
+    header["__metadata__"] = {
+        "anyshard_crc32c": "00000000",
+        "format": "pt",
+        "anyshard": json.dumps(meta, separators=(",", ":")),
+    }
+    return seal(json.dumps(header, separators=(",", ":")).encode(), _SEAL_PREFIX)
 
 
 def write_datafile(
@@ -199,6 +215,9 @@ def read_header(path: str) -> DataFileHeader:
             f"{path}: data file is truncated inside its header ({e}); the checkpoint was copied "
             "incompletely. Restore the file or load an earlier step"
         ) from None
+    sealed = bytes(raw[: len(_SEAL_PREFIX)]) == _SEAL_PREFIX
+    if sealed:  # before anything in it is parsed; the padding after the JSON is not sealed
+        check_seal(bytes(raw).rstrip(b" "), _SEAL_PREFIX, path, "data file header")
     try:
         header = strict_json.loads(bytes(raw))
         meta = strict_json.loads(header.pop("__metadata__")["anyshard"])
@@ -215,6 +234,17 @@ def read_header(path: str) -> DataFileHeader:
             )
         raise CorruptCheckpointError(
             f"{path}: not an anyshard data file (format_version {version!r})"
+        )
+    if (version >= SEALED_SINCE) != sealed:  # the header's beginning was changed
+        raise ChecksumError(
+            f"{path}: the data file header's checksum is missing or damaged (format_version "
+            f"{version}); the file is corrupt. Restore it from a replica or load an earlier step"
+        )
+    if not sealed:
+        warnings.warn(
+            f"anyshard: {path} is data file format_version {version}, written before headers "
+            "were checksummed: its header loads unverified (the tensors' bytes are verified)",
+            stacklevel=2,
         )
     return DataFileHeader(path=path, shards=_shard_entries(path, header, meta, 8 + n, version))
 

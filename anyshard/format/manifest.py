@@ -7,6 +7,12 @@ An incremental checkpoint (version 3) also lists, per rank, the stored shards it
 in its own data file but references in a data file of an earlier step of the same root (a
 sibling directory): that file's path relative to the checkpoint (``../STEP/data/FILE``, nothing
 else is accepted), the shard's byte offsets there and its SHA-256.
+
+Since version 4 every manifest is sealed: it begins ``{"format":"anyshard-checkpoint",
+"format_version":4,"crc32c":"XXXXXXXX"`` where XXXXXXXX is the crc32c of the manifest's bytes
+as written with "00000000" there (`anyshard.format.checksum.seal`); a reader checks it before
+parsing anything. Versions 1-3 (unsealed) still load, with a warning that their metadata is
+unverified.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import json
 import math
 import posixpath
 import re
+import warnings
 from collections.abc import Mapping as MappingType
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +30,7 @@ import numpy as np
 
 from anyshard.errors import (
     CheckpointNotFoundError,
+    ChecksumError,
     CorruptCheckpointError,
     FormatVersionError,
     MappingError,
@@ -30,6 +38,7 @@ from anyshard.errors import (
     UCLError,
 )
 from anyshard.format import storage, strict_json
+from anyshard.format.checksum import check_seal, seal
 from anyshard.format.dtypes import ST_TO_DTYPE
 from anyshard.format.strict_json import (
     FieldError,
@@ -57,9 +66,12 @@ __all__ = [
 ]
 
 FORMAT_NAME = "anyshard-checkpoint"
-FORMAT_VERSION = 3  # the newest: 3 with references, 2 with a spec, else 1
+# written: 4 (sealed: the manifest's own crc32c); read: also 3 (references), 2 (a spec), 1
+FORMAT_VERSION = 4
 MANIFEST_NAME = "manifest.json"
-KNOWN_VERSIONS = (1, 2, 3)
+KNOWN_VERSIONS = (1, 2, 3, 4)
+SEALED_SINCE = 4
+_SEAL_PREFIX = f'{{"format":"{FORMAT_NAME}","format_version":{FORMAT_VERSION},"crc32c":"'.encode()
 MAX_BYTES = (1 << 62) - 1  # a tensor's bytes, at most: what an int64 offset addresses
 MAX_WORLD_SIZE = 1 << 24  # ranks a manifest may name: 16 Mi, a thousand times today's largest jobs
 
@@ -356,11 +368,9 @@ class Manifest:
 
     @property
     def format_version(self) -> int:
-        """The version this manifest is written as: 3 with references, 2 with a spec, else 1
-        (readable by every anyshard that reads version 1)."""
-        if self.refs:
-            return 3
-        return 2 if self.spec is not None else 1
+        """The version this manifest is written as: `FORMAT_VERSION` (sealed, whatever it
+        holds; versions 1-3 are only read)."""
+        return FORMAT_VERSION
 
     def source_of(self, rank: int, key: str) -> int:
         """Where rank ``rank``'s stored shard ``key`` is read from: ``rank`` (its own data
@@ -385,6 +395,7 @@ class Manifest:
         out = {
             "format": FORMAT_NAME,
             "format_version": self.format_version,
+            "crc32c": "00000000",  # `dumps` seals it: the crc32c of the manifest's bytes
             "library": self.library,
             "world_size": self.world_size,
             "meshes": [m.to_json() for m in self.meshes],
@@ -446,13 +457,18 @@ class Manifest:
         return counts
 
     def dumps(self) -> bytes:
-        return json.dumps(self.to_json(), separators=(",", ":"), sort_keys=False).encode()
+        """The manifest's bytes, sealed with their crc32c."""
+        data = json.dumps(self.to_json(), separators=(",", ":"), sort_keys=False).encode()
+        return seal(data, _SEAL_PREFIX)
 
     @classmethod
     def loads(cls, data: bytes, where: str) -> Manifest:
         """The manifest ``data`` read from ``where``, checked completely before anything is
         enumerated or allocated from it: `CorruptCheckpointError` (or `FormatVersionError`)
-        naming what is wrong."""
+        naming what is wrong. A sealed manifest's checksum is checked first (`ChecksumError`)."""
+        sealed = data.startswith(_SEAL_PREFIX)
+        if sealed:
+            check_seal(data, _SEAL_PREFIX, where, "manifest")
         try:
             j = strict_json.loads(data)
         except FieldError as e:
@@ -470,6 +486,20 @@ class Manifest:
             raise FormatVersionError(
                 f"{where}: format_version {version!r} is not one this anyshard reads "
                 f"({', '.join(map(str, KNOWN_VERSIONS))}); upgrade anyshard to read it"
+            )
+        if (version >= SEALED_SINCE) != sealed or (not sealed and "crc32c" in j):
+            # a sealed version must begin with its seal, and an earlier one has none: either
+            # way bytes of the manifest's beginning were changed
+            raise ChecksumError(
+                f"{where}: the manifest's checksum is missing or damaged (format_version "
+                f"{version}); the file is corrupt. Restore it from a replica or load an earlier "
+                "step"
+            )
+        if not sealed:
+            warnings.warn(
+                f"anyshard: {where} is format_version {version}, written before manifests were "
+                "checksummed: its metadata loads unverified (the tensors' bytes are verified)",
+                stacklevel=3,
             )
         try:
             manifest = cls._from_json(j, where)
@@ -513,8 +543,8 @@ class Manifest:
                 field_str(k, "a referenced key"): Ref.from_json(v, where)
                 for k, v in field_dict(per, f"the references of rank {r}").items()
             }
-        if refs and j.get("format_version") != 3:
-            raise FieldError("references need format_version 3")
+        if refs and j.get("format_version", 0) < 3:
+            raise FieldError("references need format_version 3 or later")
         return cls(
             world_size=world,
             meshes=meshes,

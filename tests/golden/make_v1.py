@@ -1,6 +1,7 @@
 """The state of the golden checkpoints. Version 1 (tests/golden/v1, data files with one crc32c
-per shard) was written by anyshard before data files became version 2 and is kept as it is;
-tests/golden/make_v2.py writes the newest.
+per shard) and version 2 (tests/golden/v2, one crc32c per checksum block) were written by
+anyshard before later versions and are kept as they are; tests/golden/make_v3.py writes the
+newest (data file version 3 and manifest version 4: their metadata sealed with its crc32c).
 """
 
 import torch

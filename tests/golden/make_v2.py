@@ -1,6 +1,7 @@
-"""Regenerate the version-2 golden checkpoint (only when the format changes on purpose):
+"""How the version-2 golden checkpoint was made, while data files were version 2 (kept as it
+is since: tests/golden/make_v3.py writes the newest).
 
-python tests/golden/make_v2.py
+python tests/golden/make_v2.py  # with an anyshard that writes version 2
 """
 
 import os

@@ -14,6 +14,7 @@ import anyshard
 import anyshard.cli
 from anyshard import ucl
 from anyshard.cli import main
+from anyshard.format.manifest import FORMAT_VERSION
 
 
 def test_an_unexpected_exception_exits_3_with_internal_error_and_its_traceback(
@@ -57,4 +58,4 @@ def test_inspect_json_reports_the_format_version_of_the_manifest(tmp_path, capsy
         versions[name] = json.loads(capsys.readouterr().out)["format_version"]
         with open(f"{path}/manifest.json") as f:
             assert json.load(f)["format_version"] == versions[name]
-    assert versions == {"plain": 1, "spec": 2}
+    assert versions == {"plain": FORMAT_VERSION, "spec": FORMAT_VERSION}  # all sealed now

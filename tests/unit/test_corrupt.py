@@ -13,6 +13,7 @@ import struct
 
 import pytest
 import torch
+from sealing import header_bytes, manifest_bytes
 
 import anyshard
 import anyshard.reshard.fill
@@ -73,8 +74,8 @@ def edit_manifest(path: str, edit) -> None:
     with open(where) as f:
         manifest = json.load(f)
     edit(manifest)
-    with open(where, "w") as f:
-        json.dump(manifest, f)
+    with open(where, "wb") as f:
+        f.write(manifest_bytes(manifest))
 
 
 def split_data_file(path: str) -> tuple[dict, bytes]:
@@ -85,7 +86,7 @@ def split_data_file(path: str) -> tuple[dict, bytes]:
 
 
 def write_data_file(path: str, header: dict, body: bytes) -> None:
-    text = json.dumps(header).encode()
+    text = header_bytes(header)
     text += b" " * (-len(text) % 8)
     with open(os.path.join(path, DATA_FILE), "wb") as f:
         f.write(struct.pack("<Q", len(text)) + text + body)
@@ -384,12 +385,12 @@ def test_a_safetensors_file_not_written_by_anyshard_is_rejected(ckpt, header):
 def test_unknown_data_file_format_version_says_to_upgrade(ckpt):
     header, body = split_data_file(ckpt)
     meta = json.loads(header["__metadata__"]["anyshard"])
-    header["__metadata__"]["anyshard"] = json.dumps({**meta, "format_version": 3})
+    header["__metadata__"]["anyshard"] = json.dumps({**meta, "format_version": 9})
     write_data_file(ckpt, header, body)
     message = fails_without_touching_files(ckpt, FormatVersionError)
     assert (
         os.path.join(ckpt, DATA_FILE) in message
-        and "format_version 3" in message
+        and "format_version 9" in message
         and "upgrade" in message
     )
 

@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+from sealing import header_bytes, manifest_bytes, reseal
 
 import anyshard
 from anyshard import ucl
@@ -44,8 +45,8 @@ def edit_manifest(path: str, change) -> None:
     with open(name) as f:
         m = json.load(f)
     text = change(m)
-    with open(name, "w") as f:
-        f.write(text if isinstance(text, str) else json.dumps(m))
+    with open(name, "wb") as f:
+        f.write(reseal(text.encode()) if isinstance(text, str) else manifest_bytes(m))
 
 
 def every_entry_point(path: str, capsys) -> None:
@@ -124,8 +125,8 @@ def test_non_finite_numbers_and_deep_nesting_in_a_manifest_are_refused(ckpt, cap
         before = f.read()
     after = text(before)
     assert after != before
-    with open(name, "w") as f:
-        f.write(after)
+    with open(name, "wb") as f:  # sealed again: the parser, not the seal, is what refuses it
+        f.write(reseal(after.encode()))
     every_entry_point(ckpt, capsys)
 
 
@@ -136,8 +137,9 @@ def test_a_deeply_nested_data_file_header_is_refused(ckpt):
     (n,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8 : 8 + n])
     header["__metadata__"]["deep"] = "x"
-    text = json.dumps(header).replace('"deep": "x"', '"deep": ' + "[" * 100000 + "]" * 100000)
-    body = text.encode()
+    text = header_bytes(header).decode()
+    text = text.replace('"deep":"x"', '"deep":' + "[" * 100000 + "]" * 100000)
+    body = reseal(text.encode())  # sealed again: the parser, not the seal, refuses it
     body += b" " * (-len(body) % 8)
     with open(name, "wb") as f:
         f.write(struct.pack("<Q", len(body)) + body + data[8 + n :])

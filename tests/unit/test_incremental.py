@@ -14,6 +14,7 @@ import struct
 
 import pytest
 import torch
+from sealing import header_bytes, manifest_bytes
 
 import anyshard
 import anyshard.format.incremental as incremental
@@ -66,7 +67,7 @@ def test_unchanged_shards_are_referenced_and_read_back_bit_exact(tmp_path):
     _step(state, 1)
     anyshard.save(s2, state, base=s1)
     m = _manifest(s2)
-    assert m["format_version"] == 3
+    assert m["format_version"] == 4  # sealed, with references
     assert sorted(m["refs"]["0"]) == ["base.emb", "base.proj"]
     assert all(
         r["file"] == "../step-1/data/rank-00000.safetensors" for r in m["refs"]["0"].values()
@@ -253,8 +254,8 @@ def test_a_reference_outside_the_root_is_refused(tmp_path, file):
     shutil.copy(os.path.join(s2, "..", "step-1", "data", "rank-00000.safetensors"), outside)
     m = _manifest(s2)
     m["refs"]["0"]["base.emb"]["file"] = file
-    with open(os.path.join(s2, "manifest.json"), "w") as f:
-        json.dump(m, f)
+    with open(os.path.join(s2, "manifest.json"), "wb") as f:
+        f.write(manifest_bytes(m))
     with pytest.raises(CorruptCheckpointError, match="refusing to read it"):
         anyshard.open(s2)
     assert cli(["verify", s2]) != 0
@@ -264,8 +265,9 @@ def test_references_need_format_version_3(tmp_path):
     _, s2, _ = _incremental_pair(tmp_path)
     m = _manifest(s2)
     m["format_version"] = 2
-    with open(os.path.join(s2, "manifest.json"), "w") as f:
-        json.dump(m, f)
+    del m["crc32c"]  # as a version-2 writer wrote it
+    with open(os.path.join(s2, "manifest.json"), "wb") as f:
+        f.write(manifest_bytes(m))
     with pytest.raises(CorruptCheckpointError, match="format_version 3"):
         anyshard.open(s2)
 
@@ -294,7 +296,7 @@ def _strip_hashes(path: str) -> None:
         for entry in meta["blocks"].values():
             entry.pop("sha256", None)
         header["__metadata__"]["anyshard"] = json.dumps(meta, separators=(",", ":"))
-        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw = header_bytes(header)
         assert len(raw) <= n
         f.seek(8)
         f.write(raw + b" " * (n - len(raw)))

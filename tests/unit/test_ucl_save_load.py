@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from sealing import manifest_bytes
 
 import anyshard
 from anyshard import ucl
@@ -56,7 +57,7 @@ def test_transpose_cast_and_alias_round_trip_across_tp(tmp_path):
         path, {r: locals_for(t, 2, r) for r in range(2)}, spec=SPEC, layout={"tp": 2}
     )
     m = json.loads(open(os.path.join(path, "manifest.json")).read())
-    assert m["format_version"] == 2 and m["spec"]["layout"] == {"tp": 2, "n": 4, "m": 6}
+    assert m["format_version"] == 4 and m["spec"]["layout"] == {"tp": 2, "n": 4, "m": 6}
     assert m["tensors"]["lin.bias"]["dtype"] == "F32"  # cast(): stored as float32
     assert "head" not in m["tensors"]  # an alias is not saved
     view = anyshard.open(path)
@@ -130,7 +131,7 @@ def test_a_manifest_whose_spec_does_not_compile_is_corrupt(saved):
     p = os.path.join(saved, "manifest.json")
     m = json.loads(open(p).read())
     m["spec"]["text"] = m["spec"]["text"].replace("chunk(0, tp)", "chunk(0, tq)", 1)
-    open(p, "w").write(json.dumps(m))
+    open(p, "wb").write(manifest_bytes(m))
     with pytest.raises(CorruptCheckpointError, match="spec does not compile"):
         anyshard.open(saved)
 
