@@ -2,6 +2,7 @@
 
     python tools/fuzz_checkpoints.py --mutations 100000 --seed 0 --write-docs  # ~1.5 h, 2 cores
     python tools/fuzz_checkpoints.py --mutations 300 --seed 1                  # smoke test
+    python tools/fuzz_checkpoints.py --every-byte --write-docs   # each metadata byte flipped
 
 The seed draws the mutations (``--only N``: mutation N of it alone); SIGINT or SIGTERM stops a
 run, which still reports. A mutation damages a copy of a pristine checkpoint (anyshard: plain,
@@ -9,6 +10,10 @@ with a UCL spec, an incremental step; DCP; Hugging Face) once (`KINDS`), then ev
 called on it (`run_entry_points`; `LoadPool`: loads in ``--procs`` gloo processes). Recorded:
 every exception but an ``AnyshardError`` (the CLI's exit code 3), every call over 5 s or growing
 the peak RSS by 1 GiB, and the reads after a flipped data bit that returned a wrong value.
+Edits of the manifest or a header as JSON are sealed again (a hostile writer's checksum is
+right), so that what lies behind the seal is fuzzed too. ``--every-byte`` instead flips every
+byte of the manifest and of every data file's header (length and JSON) of the anyshard
+checkpoints, with each of ``MASKS``, and loads each as above.
 """
 
 from __future__ import annotations
@@ -76,8 +81,22 @@ ROWS = (
     f"calls over {SLOW_S:.0f} s; calls growing the peak RSS by over 1 GiB",
     "flipped data bits; reads of a whole tensor after one that returned the pristine / a wrong value",
     "reads of part of a tensor after a flipped bit that returned a wrong value without an error",
+    "tensors and JSON values returned after a flipped metadata byte; wrong ones",
 )
 RAW_NUMBERS = ["NaN", "Infinity", "-Infinity", "1e400", "-1e400", "1" + "0" * 400]
+MASKS = (0x01, 0x80, 0xFF)  # --every-byte: each byte XOR each of these
+SEALS = (b'{"format":"anyshard-checkpoint","format_version":4,"crc32c":"',
+         b'{"__metadata__":{"anyshard_crc32c":"')  # fmt: skip
+
+
+def reseal(data: bytes) -> bytes:
+    """A manifest or JSON header edited as JSON, sealed again where it begins with a seal."""
+    from anyshard.format.checksum import seal
+
+    for prefix in SEALS:
+        if data.startswith(prefix):
+            return seal(data[: len(prefix)] + b"00000000" + data[len(prefix) + 8 :], prefix)
+    return data
 
 
 def _state(g: torch.Generator) -> dict:
@@ -124,23 +143,25 @@ def _paths(node, prefix=()):
             yield from _paths(v, (*prefix, k))
 
 
-def mutate_json(rng: random.Random, doc) -> str:
-    """``doc`` with one value somewhere replaced (or removed), as JSON text."""
-    doc = copy.deepcopy(doc)
+def mutate_json(rng: random.Random, doc, compact: bool = False) -> str:
+    """``doc`` with one value somewhere replaced (or removed), as JSON text (``compact``: with
+    no spaces, as the writer writes it, so that a seal at its start stays in place)."""
+    doc, sep = copy.deepcopy(doc), ((",", ":") if compact else None)
+    dumps = lambda d: json.dumps(d, separators=sep)  # noqa: E731
     path, what = rng.choice([p for p in _paths(doc) if p]), rng.random()
     node = doc
     for k in path[:-1]:
         node = node[k]
     if what < 0.1 and isinstance(node, dict):
         del node[path[-1]]
-        return json.dumps(doc)
+        return dumps(doc)
     if 0.1 <= what < 0.25:  # a raw number JSON cannot hold, or a deep nest, in its place
         node[path[-1]] = "@@MARK@@"
         depth = 0 if what < 0.2 else rng.choice([70, 1000, 100000])
         raw = rng.choice(RAW_NUMBERS) if what < 0.2 else "[" * depth + "]" * depth
-        return json.dumps(doc).replace('"@@MARK@@"', raw, 1)
+        return dumps(doc).replace('"@@MARK@@"', raw, 1)
     node[path[-1]] = None if what < 0.1 else copy.deepcopy(rng.choice(HOSTILE))
-    return json.dumps(doc)
+    return dumps(doc)
 
 
 def flip_bit(rng: random.Random, data: bytes, lo: int = 0, hi: int | None = None):
@@ -180,7 +201,7 @@ def _edit_spec(rng: random.Random, doc: dict) -> bytes:
     else:  # insert, or replace (a deletion past the end too)
         text = text[:at] + junk + text[at + (edit != "ins") :]
     doc["spec"]["text"] = text
-    return json.dumps(doc).encode()
+    return json.dumps(doc, separators=(",", ":")).encode()
 
 
 def _edit_dcp(rng: random.Random, md, m: Mutation) -> bytes:
@@ -211,20 +232,21 @@ def mutate(rng: random.Random, corpus: str, path: str) -> Mutation:
         data = f.read()
     end = 8 + struct.unpack("<Q", data[:8])[0]  # a safetensors file's header ends there
     if m.kind == "manifest-json":
-        data = mutate_json(rng, json.loads(data)).encode()
+        data = reseal(mutate_json(rng, json.loads(data), compact=True).encode())
     elif m.kind == "manifest-bytes":
         data = data[: rng.randrange(len(data))] if rng.random() < 0.3 else flip_bit(rng, data)[0]
     elif m.kind == "spec-text":
-        data = _edit_spec(rng, json.loads(data))
+        data = reseal(_edit_spec(rng, json.loads(data)))
     elif m.kind in ("header-json", "hf-header"):
         header = json.loads(data[8:end])
         if m.kind == "header-json" and rng.random() < 0.4:
             meta = header["__metadata__"]
             meta["anyshard"] = mutate_json(rng, json.loads(meta["anyshard"]))
-            text = json.dumps(header)
+            text = json.dumps(header, separators=(",", ":"))
         else:
-            text = mutate_json(rng, header)
-        raw = text.encode() + b" " * (-len(text.encode()) % 8)
+            text = mutate_json(rng, header, compact=True)
+        raw = reseal(text.encode())
+        raw += b" " * (-len(raw) % 8)
         data = struct.pack("<Q", len(raw)) + raw + data[end:]
     elif m.kind in ("header-bytes", "hf-bytes"):
         data = flip_bit(rng, data, 0, end)[0]
@@ -283,6 +305,9 @@ class Findings:
     flips_undetected_full: list[str] = field(default_factory=list)
     flips_returned_part: int = 0
     flips_undetected_part: int = 0
+    # --every-byte: tensors and JSON values returned after a flipped metadata byte; wrong ones
+    meta_returned: int = 0
+    meta_wrong: list[str] = field(default_factory=list)
     kinds: Counter = field(default_factory=Counter)
 
     def note(self, label: str, entry: str, outcome: str, value, took: float) -> None:
@@ -328,6 +353,7 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def run_entry_points(f: Findings, m: Mutation, label: str, path: str, pristine, tmp: str) -> None:
     returned: list[tuple[str, bool, torch.Tensor, object]] = []  # (name, whole?, value, index)
+    values: list[dict] = []  # the JSON values a load returned
 
     def names():
         with anyshard.open(path) as view:
@@ -363,6 +389,7 @@ def run_entry_points(f: Findings, m: Mutation, label: str, path: str, pristine, 
             state.update(step=0, cfg={})
             anyshard.load(path, state)
             returned.extend((k, True, state[k], None) for k in pristine)
+            values.append({"step": state["step"], "cfg": state["cfg"]})
 
         call(f, label, "load", load)
         call(f, label, "verify", lambda: verify_checkpoint(path))
@@ -371,6 +398,16 @@ def run_entry_points(f: Findings, m: Mutation, label: str, path: str, pristine, 
     out = os.path.join(tmp, "converted")
     shutil.rmtree(out, ignore_errors=True)
     call(f, label, "convert", lambda: _cli(["convert", path, out, "--to", "hf"]))
+    if m.kind == "metadata-byte":  # whatever a load returned must be the pristine value
+        want_values = {"step": 3, "cfg": {"lr": 0.1, "betas": [0.9, 0.95]}}  # `_state`'s
+        for name, _, value, index in returned:
+            if (want := pristine.get(name)) is not None:
+                f.meta_returned += 1
+                if not _same_bytes(value, want if index is None else want[index]):
+                    f.meta_wrong.append(f"{label}: {name}")
+        f.meta_returned += len(values)
+        f.meta_wrong += [f"{label}: JSON values {v}" for v in values if v != want_values]
+        return
     for name, whole, value, index in returned if m.flipped is not None else ():
         if (want := pristine.get(name)) is None:
             continue
@@ -490,21 +527,53 @@ class LoadPool:
             f.flips_undetected_part += wrong if flipped else 0
 
 
-def fuzz(mutations: int, seed: int, work: str, progress=True, only=None, procs=0, procs_every=1):
+def every_byte(corpus: dict[str, str]):
+    """(corpus name, file relative to its checkpoint, byte offset, mask) for every byte of the
+    manifest and of each data file's header (its length and JSON) of the anyshard corpora."""
+    for name, path in sorted(corpus.items()):
+        if not name.startswith("anyshard"):
+            continue
+        for full in [os.path.join(path, "manifest.json"), *_data_files(path)]:
+            with open(full, "rb") as f:
+                data = f.read()
+            end = len(data) if full.endswith(".json") else 8 + struct.unpack("<Q", data[:8])[0]
+            for at in range(end):
+                for mask in MASKS:
+                    yield name, os.path.relpath(full, path), at, mask
+
+
+def flip_byte(path: str, file: str, at: int, mask: int) -> None:
+    with open(os.path.join(path, file), "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ mask]))
+
+
+def fuzz(mutations: int, seed: int, work: str, progress=True, only=None, procs=0, procs_every=1,
+         exhaustive: bool = False):  # fmt: skip
     """``mutations`` mutations drawn from ``seed`` (``only``: that one alone, the others drawn
     but not run); the anyshard ones also loaded in ``procs`` processes every ``procs_every``-th
-    round of the corpora."""
+    round of the corpora. ``exhaustive``: instead every byte of the metadata (`every_byte`)."""
     signal.signal(signal.SIGALRM, _alarm)
     corpus = make_corpus(os.path.join(work, "pristine"))
     pristine = {k: snapshot(p) for k, p in corpus.items()}
     f, rng, names, start = Findings(), random.Random(seed), sorted(corpus), time.monotonic()
     own = {k: p for k, p in corpus.items() if k.startswith("anyshard")}
     pool = LoadPool(procs, own, work) if procs else None
+    flips = list(every_byte(corpus)) if exhaustive else []
+    mutations = len(flips) if exhaustive else mutations
     try:
         for i in range(mutations):
-            name = names[i % len(names)]
-            path = _scratch_copy(work, corpus[name])
-            m = mutate(rng, name, path)
+            if exhaustive:
+                name, file, at, mask = flips[i]
+                path = _scratch_copy(work, corpus[name])
+                flip_byte(path, file, at, mask)
+                m = Mutation(name, "metadata-byte", f"{file}@{at}^{mask:#04x}")
+            else:
+                name = names[i % len(names)]
+                path = _scratch_copy(work, corpus[name])
+                m = mutate(rng, name, path)
             if only is not None and i != only:
                 continue
             f.mutations, f.flips = f.mutations + 1, f.flips + (m.flipped is not None)
@@ -533,10 +602,12 @@ def summary(f: Findings) -> tuple[list[tuple], list[str]]:
     counts += [f"{len(f.slow)}; {len(f.rss)}"]
     counts += [f"{f.flips}; {f.flips_returned_full - wrong_full} / {wrong_full}"]
     counts += [f"{f.flips_undetected_part} of {f.flips_returned_part}"]
+    counts += [f"{f.meta_returned}; {len(f.meta_wrong)}"]
     lines = [f"- internal: {entry} on {label}: {what}" for label, entry, what in f.internal[:20]]
     lines += [f"- slow: {entry} on {label}: {took} s" for label, entry, took in f.slow[:10]]
     lines += [f"- peak RSS +{n >> 20} MiB: {entry} on {label}" for label, entry, n in f.rss[:10]]
     lines += [f"- undetected whole read: {item}" for item in f.flips_undetected_full[:10]]
+    lines += [f"- wrong after a metadata byte: {item}" for item in f.meta_wrong[:10]]
     return list(zip(ROWS, counts, strict=True)), lines
 
 
@@ -549,6 +620,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", type=int, default=None, help="run mutation number N of the seed alone")
     p.add_argument("--procs", type=int, default=4, help="gloo processes that also load (0: none)")
     p.add_argument("--procs-every", type=int, default=10, help="load in them every N-th round")
+    p.add_argument("--every-byte", action="store_true",
+                   help="instead: every byte of the anyshard checkpoints' manifests and data file "
+                   "headers flipped with each of MASKS (0x01, 0x80, 0xff), one at a time")  # fmt: skip
     args = p.parse_args(argv)
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)  # an absurd allocation: a MemoryError
     if hard == resource.RLIM_INFINITY or hard > MEMORY_CAP:  # recorded, not the OOM killer
@@ -557,7 +631,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"seed {args.seed}", flush=True)
     load = h.RunLoad()
     with tempfile.TemporaryDirectory(prefix="anyshard-fuzz-") as work:
-        f = fuzz(args.mutations, args.seed, work, True, args.only, args.procs, args.procs_every)
+        f = fuzz(args.mutations, args.seed, work, True, args.only, args.procs, args.procs_every,
+                 args.every_byte)  # fmt: skip
     rows, lines = summary(f)
     kinds = ", ".join(f"{k} {n}" for k, n in sorted(f.kinds.items()))
     table = h.table(["what", "count"], rows, True)
@@ -565,12 +640,14 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join([*lines, load.note()]))
     if args.write_docs:
         opts = ["--mutations", args.mutations, "--seed", args.seed, "--procs", args.procs]
+        opts = ["--every-byte"] if args.every_byte else opts
         cmd = h.rerun_command(__file__, [*map(str, opts), "--procs-every", str(args.procs_every)])
         command = f"Command: `{cmd}` ({h.today()}); seed {args.seed}; mutations: {kinds}."
-        section = [HEADING, "", INTRO, "", command, "", *h.machine_lines(), f"- {load.note()}"]
-        section += ["", table, *lines]
-        h.write_section(args.write_docs, "fuzz", section)
-    return 1 if f.internal or f.slow or f.rss or f.flips_undetected_full else 0
+        section = [command, "", *h.machine_lines(), f"- {load.note()}", "", table, *lines]
+        if not args.every_byte:  # the every-byte pass is a section under the same heading
+            section = [HEADING, "", INTRO, "", *section]
+        h.write_section(args.write_docs, "fuzz_every_byte" if args.every_byte else "fuzz", section)
+    return 1 if f.internal or f.slow or f.rss or f.flips_undetected_full or f.meta_wrong else 0
 
 
 if __name__ == "__main__":
