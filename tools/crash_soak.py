@@ -5,9 +5,10 @@ what is on disk only, every committed step verifies and the newest restores bit-
 
 It runs tests/unit/test_crash_safety.py with ``ANYSHARD_CRASH_SEED`` (the kills' modes, their
 order and delays) and ``ANYSHARD_CRASH_KILLS`` (kills per mode for async, tiered and incremental
-saves; the sync test kills 12 times and until a kill leaves a step's data writes unfinished,
-the object-store test 6 times). The suite runs the same tests with the default seed and 6 kills
-per mode. Where a kill lands also depends on the machine's timing: it prints, per save mode,
+saves, and for sync and async saves to SeaweedFS; the sync test kills 12 times and until a kill
+leaves a step's data writes unfinished). The suite runs the same tests with the default seed and
+6 kills per local mode, 4 per object-store mode; ``--kills 50`` kills 12 + 5 x 50 times, 100 of
+them during saves to the object store. Where a kill lands also depends on the machine's timing: it prints, per save mode,
 the kills the tests counted and where they landed, as the files on disk tell it.
 """
 
@@ -22,18 +23,24 @@ import sys
 import benchkit as h
 
 TEST = "tests/unit/test_crash_safety.py"
-LINE = re.compile(r"^(\w+): (\d+) kills in ([\d.]+)s; newest commit (\w+)(?:; where: (\{.*\}))?$")
+LINE = re.compile(
+    r"^([\w-]+): (\d+) kills in ([\d.]+)s; newest commit (\w+)(?:; where: (\{.*\}))?$"
+)
 HEADING = "## Crash safety: SIGKILL at random moments (`tools/crash_soak.py`)"
 INTRO = """A 2-rank group saves every step with `Checkpointer(keep_last=2)` (sync, async, tiered, incremental;
-and sync to SeaweedFS) and is SIGKILLed at seeded random moments and restarted; after every kill
-every committed step must verify and the newest restore bit-exact. Kills per mode, where they
-landed as the files on disk tell it (`-`: none; the object-store test does not classify them)."""
+and sync and async to SeaweedFS) and is SIGKILLed at seeded random moments and restarted; after
+every kill every committed step must verify and the newest restore bit-exact; at the end of the
+object-store runs `anyshard gc --stale-after 0` leaves no debris. Kills per mode, where they
+landed as the files on disk tell it (`-`: none; the object-store tests do not classify them)."""
 
 
 def main(argv: list[str] | None = None) -> int:
     p = h.parser(__doc__, records=False)
     p.add_argument(
-        "--kills", type=int, default=40, help="kills per mode: async, tiered, incremental"
+        "--kills",
+        type=int,
+        default=40,
+        help="kills per mode: async, tiered, incremental, s3-sync, s3-async",
     )
     p.add_argument("--seed", type=int, default=20240611, help="the kills' seed (the suite's)")
     args = p.parse_args(argv)
