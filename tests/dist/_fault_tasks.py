@@ -189,3 +189,61 @@ def skipping_checkpointer_task(root: str, mode: str, failing: list[int], fault_r
         "newest_loads": newest,
         "warned": sum("training goes on" in str(w.message) for w in warned),
     }
+
+
+def _damage(path: str, kind: str, rank_file: int) -> None:
+    """Damage the data file of rank ``rank_file``: a flipped byte of its data, a cut to half its
+    size, a flipped byte of its header's JSON, or the file removed."""
+    data = os.path.join(path, "data", f"rank-{rank_file:05d}.safetensors")
+    if kind == "missing":
+        os.remove(data)
+        return
+    with open(data, "r+b") as f:
+        raw = bytearray(f.read())
+        if kind == "truncate":
+            f.truncate(len(raw) // 2)
+            return
+        at = len(raw) - 100 if kind == "flip" else 40  # the data's end, or inside the header
+        raw[at] ^= 0x10
+        f.seek(0)
+        f.write(raw)
+
+
+def fail_together_task(root: str, kind: str, entry: str) -> dict:
+    """Save a state sharded over every rank (1 Mi floats: each rank's shard is several checksum
+    blocks), damage the last rank's data file (``kind``), then load it through ``entry``
+    ("read_once": anyshard.load with read_once; "dcp": dcp.load through AnyshardReader) on every
+    rank: what each raised and how long it took."""
+    import time
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from anyshard.dcp import AnyshardReader, AnyshardWriter
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    n = (1 << 20) // world
+    w = DTensor.from_local(torch.arange(float(n)) + rank * n, mesh, [Shard(0)])
+    path = os.path.join(root, f"{kind}-{entry}")
+    if entry == "dcp":
+        dcp.save({"w": w}, storage_writer=AnyshardWriter(path))
+    else:
+        anyshard.save(path, {"w": w, "step": 1})
+    dist.barrier()
+    if rank == 0:
+        _damage(path, kind, world - 1)
+    dist.barrier()
+    into = DTensor.from_local(torch.zeros(n), mesh, [Shard(0)])
+    t0, raised = time.monotonic(), None
+    try:
+        if entry == "dcp":
+            dcp.load({"w": into}, storage_reader=AnyshardReader(path))
+        else:
+            anyshard.load(path, {"w": into, "step": 0}, read_once=True)
+    except AnyshardError as e:
+        raised = {"type": type(e).__name__, "text": str(e)}
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        raised = {"type": type(e).__name__, "text": str(e)}
+    return {"raised": raised, "seconds": time.monotonic() - t0}

@@ -1,5 +1,9 @@
 """Every rank fails together: an error one rank meets inside a collective load reaches every
-rank as the same AnyshardError within seconds, not at the process group's time-out.
+rank as the same AnyshardError within seconds, not at the process group's time-out. The matrix:
+damage only the last rank meets (a flipped data byte, a cut, a damaged header, a missing file)
+x collective loads (anyshard.load with read_once; dcp.load through AnyshardReader, where DCP
+raises its CheckpointException, holding the AnyshardError, on every rank) x 2 and 4 ranks. A
+plain anyshard.load needs no collective: each rank reads and fails on its own.
 
 Run: python -m pytest tests/dist/test_fail_together.py -q
 """
@@ -32,3 +36,24 @@ def test_a_damaged_byte_one_rank_fetches_under_read_once_fails_every_rank(
     # what reached them from those
     failed = causes.pop().split(":")[0].split(", ")
     assert 0 < len(failed) < world, failed
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("entry", ["read_once", "dcp"])
+@pytest.mark.parametrize("kind", ["flip", "truncate", "header", "missing"])
+def test_damage_one_rank_meets_fails_every_rank_with_the_same_cause(
+    dist_pools, tmp_path, world, entry, kind
+):
+    pool = dist_pools.get(world)
+    out = pool.run(TASKS, "fail_together_task", str(tmp_path), kind, entry, timeout=120)
+    cause = {"flip": "ChecksumError", "header": "ChecksumError"}.get(kind, "CorruptCheckpointError")
+    last = f"rank-{world - 1:05d}.safetensors"  # the damaged file, named on every rank
+    for rank, r in enumerate(out):
+        assert r["raised"] is not None, f"rank {rank} did not raise"
+        assert r["seconds"] < 10, (rank, r["seconds"])
+        assert last in r["raised"]["text"] and cause in r["raised"]["text"], (rank, r["raised"])
+        if entry == "read_once":  # the same AnyshardError class and cause on every rank
+            assert r["raised"]["type"] == cause, (rank, r["raised"])
+            assert r["raised"]["text"] == out[0]["raised"]["text"], (rank, r["raised"])
+        else:  # DCP gathers every rank's read errors and raises them on every rank
+            assert r["raised"]["type"] == "CheckpointException", (rank, r["raised"])
