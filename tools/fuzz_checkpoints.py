@@ -13,7 +13,7 @@ the peak RSS by 1 GiB, and the reads after a flipped data bit that returned a wr
 Edits of the manifest or a header as JSON are sealed again (a hostile writer's checksum is
 right), so that what lies behind the seal is fuzzed too. ``--every-byte`` instead flips every
 byte of the manifest and of every data file's header (length and JSON) of the anyshard
-checkpoints, with each of ``MASKS``, and loads each as above.
+checkpoints, one at a time (byte i XOR ``MASKS[i % 3]``), and runs each as above.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ ROWS = (
     "tensors and JSON values returned after a flipped metadata byte; wrong ones",
 )
 RAW_NUMBERS = ["NaN", "Infinity", "-Infinity", "1e400", "-1e400", "1" + "0" * 400]
-MASKS = (0x01, 0x80, 0xFF)  # --every-byte: each byte XOR each of these
+MASKS = (0x01, 0x80, 0xFF)  # --every-byte: byte i XOR MASKS[i % 3]
 SEALS = (b'{"format":"anyshard-checkpoint","format_version":4,"crc32c":"',
          b'{"__metadata__":{"anyshard_crc32c":"')  # fmt: skip
 
@@ -537,9 +537,8 @@ def every_byte(corpus: dict[str, str]):
             with open(full, "rb") as f:
                 data = f.read()
             end = len(data) if full.endswith(".json") else 8 + struct.unpack("<Q", data[:8])[0]
-            for at in range(end):
-                for mask in MASKS:
-                    yield name, os.path.relpath(full, path), at, mask
+            for at in range(end):  # each byte once, the masks taking turns
+                yield name, os.path.relpath(full, path), at, MASKS[at % len(MASKS)]
 
 
 def flip_byte(path: str, file: str, at: int, mask: int) -> None:
@@ -622,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--procs-every", type=int, default=10, help="load in them every N-th round")
     p.add_argument("--every-byte", action="store_true",
                    help="instead: every byte of the anyshard checkpoints' manifests and data file "
-                   "headers flipped with each of MASKS (0x01, 0x80, 0xff), one at a time")  # fmt: skip
+                   "headers flipped, one at a time (byte i XOR 0x01, 0x80 or 0xff by turns)")  # fmt: skip
     args = p.parse_args(argv)
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)  # an absurd allocation: a MemoryError
     if hard == resource.RLIM_INFINITY or hard > MEMORY_CAP:  # recorded, not the OOM killer
