@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import threading
 import traceback
 from collections.abc import Collection
@@ -33,7 +34,7 @@ from anyshard.format.commit import (
 from anyshard.format.datafile import tensor_bytes, write_datafile
 from anyshard.format.dtypes import DTYPE_TO_ST
 from anyshard.format.incremental import Incremental
-from anyshard.format.manifest import MeshEntry, Ref
+from anyshard.format.manifest import MANIFEST_NAME, MeshEntry, Ref
 from anyshard.ucl.evaluate import compile, coords_of_rank, layout_for
 from anyshard.ucl.library import load_spec
 from anyshard.ucl.mapping import On
@@ -399,13 +400,19 @@ def _plan_save(
     """This rank's plan of a save over ``group`` (collective: every rank takes part, whatever
     happened to it before), and the error that stops it (None: none)."""
     me = coll.rank(group)
-    new_dir = False
+    new_dir, refused = False, None
     try:
-        if me == 0 and error is None:
-            refuse_committed(path)
+        if me == 0:
             new_dir = not storage.is_url(path) and not storage.exists(path)
+            if error is None:
+                refuse_committed(path)
     except Exception as e:  # reported to rank 0 so that no rank waits forever
         error = e
+        refused = _error_text(e).strip()
+    # no rank writes into a committed checkpoint: the refusal reaches every rank first
+    refused = coll.broadcast_json(refused, group)
+    if refused is not None and error is None:
+        error = SaveError(f"rank 0: {refused}")
     holders, divergent = (
         _plain_holders(
             flat or {},
@@ -510,8 +517,18 @@ def _remove_failed(path: str, begun: str | None, new_dir: bool, group) -> list[s
     """After a failed save (collective): every rank removes the data file it wrote or began,
     then rank 0 the data directory and, if this save made it, the checkpoint's directory, each
     only when nothing else is left in it. Returns what could not be removed, with why (the same
-    list on every rank); nothing of a committed step is touched."""
+    list on every rank). Where a manifest is there after all (a commit that landed although it
+    reported an error, or another save's), nothing is touched."""
     left: list[str] = []
+    committed: bool | str | None = None
+    if coll.rank(group) == 0:  # a late commit (ours or another save's): touch nothing
+        try:
+            committed = storage.exists(storage.join(path, MANIFEST_NAME))
+        except Exception as e:
+            committed = f"cannot tell whether {path} committed ({e})"
+    committed = coll.broadcast_json(committed, group)
+    if committed:
+        return [] if committed is True else [f"{path}: left as it is: {committed}"]
     if begun is not None:
         target = storage.join(path, *begun.split("/"))
         try:
@@ -526,7 +543,7 @@ def _remove_failed(path: str, begun: str | None, new_dir: bool, group) -> list[s
         for d in dirs:
             try:
                 if not storage.is_url(d) and storage.exists(d) and not storage.listdir(d):
-                    storage.remove_tree(d)
+                    os.rmdir(d)  # only while empty: a concurrent writer's file stays
             except Exception as e:
                 left.append(f"{d}: {e}")
     return coll.broadcast_json(left, group)

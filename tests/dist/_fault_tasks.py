@@ -247,3 +247,23 @@ def fail_together_task(root: str, kind: str, entry: str) -> dict:
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         raised = {"type": type(e).__name__, "text": str(e)}
     return {"raised": raised, "seconds": time.monotonic() - t0}
+
+
+def save_over_committed_task(path: str) -> dict:
+    """Save a sharded state to ``path``, then another to the same path: what each rank raised,
+    and whether the first state still loads bit-exact (no rank wrote into it or removed a file)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    first = torch.arange(64.0) + 100 * rank
+    anyshard.save(path, {"w": DTensor.from_local(first.clone(), mesh, [Shard(0)])})
+    raised = None
+    try:
+        anyshard.save(path, {"w": DTensor.from_local(first * 0 - 1, mesh, [Shard(0)])})
+    except AnyshardError as e:
+        raised = {"type": type(e).__name__, "text": str(e)}
+    into = DTensor.from_local(torch.zeros(64), mesh, [Shard(0)])
+    anyshard.load(path, {"w": into})
+    return {"raised": raised, "intact": bool(torch.equal(into.to_local(), first))}

@@ -100,3 +100,10 @@ def test_a_skipping_checkpointer_trains_on_through_failed_saves_and_raises_at_th
         assert r["raised"] is not None and r["raised"]["step"] == at, r
         assert "3 checkpoint saves" in r["raised"]["text"] and "failed in a row" in r["raised"]["text"]
         assert r["failures"] == [2, 3, 4] and r["committed"][0] == 1 and r["debris"] == [], r
+
+
+def test_a_save_to_a_committed_path_is_refused_on_every_rank_and_touches_nothing(pool2, tmp_path):
+    out = pool2.run(TASKS, "save_over_committed_task", str(tmp_path / "step-1"))
+    for r in out:
+        assert r["raised"] is not None and "already holds a committed checkpoint" in r["raised"]["text"]
+        assert r["intact"], r  # no rank wrote into it, nothing of it was removed
