@@ -120,7 +120,7 @@ class Checkpointer:
     already removed (see `anyshard.save`), debris is cleared (as after a commit), and the next
     interval tries again; only
     ``max_failures`` failed saves in a row raise (the last one's error). ``"raise"`` (the
-    default) raises the first. Skipping adds one small collective to each save.
+    default) raises the first. Skipping adds two small collectives to each save.
 
     `restore_latest` picks the newest step that every rank can read, from local disk where all
     the files it needs are there (a restart on the same nodes), else from ``root`` (a replacement
@@ -296,11 +296,13 @@ class Checkpointer:
                 self._wait()
             except Exception as e:
                 prev = e
+            # agreed first: at the limit, every rank raises before this step's save starts
+            self._settle(before, prev, None, None)
             try:  # after a failure, this step is the next attempt
                 self._save(step, app_state)
             except Exception as e:
                 this = e
-            return self._settle(before, prev, step, this)
+            return self._settle(None, None, step, this)
         finally:
             self.blocked_s += time.perf_counter() - start
 
@@ -348,7 +350,17 @@ class Checkpointer:
 
     def _save(self, step: int, app_state: Mapping[str, Any]) -> None:
         self._wait()
-        state = _state_dicts(app_state)
+        state: dict[str, Any] = {}
+        error = None
+        try:  # rank-local: a rank that fails here must not leave the others in a collective
+            state = _state_dicts(app_state)
+        except Exception as e:
+            error = e
+        if self.async_ and self._hooks and self.local_dir is None:
+            if error is not None:  # no collective follows on this thread: nobody waits
+                raise error
+        else:
+            coll.raise_together(error, self.process_group, f"checkpoint save of step {step}")
         path = self.step_path(step)
         if self.local_dir is not None:  # the root is cleared and written in the background
             self._save_tiered(step, state)
@@ -446,11 +458,12 @@ class Checkpointer:
             self._apply_local_retention(step)
         coll.broadcast_json(None, group)
 
-    def wait(self) -> None:
+    def wait(self, *, collective: bool = True) -> None:
         """Wait for the background work in flight (save, upload, retention); raise its error
         (under ``on_error="skip"``, collective: as `save` does, count it and raise only the
-        ``max_failures``-th failure in a row)."""
-        if self.on_error == "raise":
+        ``max_failures``-th failure in a row; ``collective=False``: this rank alone, raising any
+        error, e.g. before a rank exits on its own)."""
+        if self.on_error == "raise" or not collective:
             self._wait()
             return
         before, prev = self._in_flight, None
@@ -461,13 +474,17 @@ class Checkpointer:
         self._settle(before, prev, None, None)
 
     def _wait(self) -> None:
+        """Wait for every handle in flight (none is left running), then raise the first error."""
         pending, self._pending = self._pending, []
-        try:
-            for handle in pending:
+        first: BaseException | None = None
+        for handle in pending:
+            try:
                 handle.result()
-        except BaseException:
+            except BaseException as e:
+                first = first or e
+        if first is not None:
             self._issued = None
-            raise
+            raise first
         if self._issued is not None:
             self._base, self._issued = self._issued, None
 
@@ -477,7 +494,10 @@ class Checkpointer:
         # A committed step is left for anyshard.save to refuse.
         problem = None
         if coll.rank(self.process_group) == 0:
-            problem = self._clear_stale_here(path)
+            try:
+                problem = self._clear_stale_here(path)
+            except (AnyshardError, OSError) as e:
+                problem = f"{path}: could not clear the files of an earlier attempt ({e})"
         problem = coll.broadcast_json(problem, self.process_group)  # nobody writes before it
         if problem:
             raise AnyshardError(problem)
@@ -516,9 +536,10 @@ class Checkpointer:
             doomed = set(
                 _steps_to_delete(committed, keep_last=self.keep_last, keep_every=self.keep_every)
             )
+            debris = steps.find_debris(listed, stale_after_s=self.stale_after_s)
             steps.remove_steps(
                 [s.path for s in listed if s.step in doomed]
-                + [s.path for s in steps.find_debris(listed, stale_after_s=self.stale_after_s)]
+                + [s.path for s in debris if s.path != self._issued]  # never the one in flight
             )
         except (AnyshardError, OSError) as e:
             warnings.warn(

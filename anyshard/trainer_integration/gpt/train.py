@@ -726,7 +726,7 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
             )
         inputs, targets = loader.next_batch()
         if armed and state.step == kill_step and rank == kill_rank:
-            ckpt.wait()
+            ckpt.wait(collective=False)  # this rank alone: no collective with the others
             _append(
                 fault_file, {"time": time.time(), "step": state.step, "rank": rank, "mode": mode}
             )
