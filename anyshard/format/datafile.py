@@ -217,6 +217,11 @@ def read_header(path: str) -> DataFileHeader:
         ) from None
     sealed = bytes(raw[: len(_SEAL_PREFIX)]) == _SEAL_PREFIX
     if sealed:  # before anything in it is parsed; the padding after the JSON is not sealed
+        if n % 8:  # writers pad to a multiple of 8: the 8-byte length itself was changed
+            raise ChecksumError(
+                f"{path}: the data file header's length {n} is not a multiple of 8; the file is "
+                "corrupt. Restore it from a replica or load an earlier step"
+            )
         check_seal(bytes(raw).rstrip(b" "), _SEAL_PREFIX, path, "data file header")
     try:
         header = strict_json.loads(bytes(raw))

@@ -71,7 +71,16 @@ FORMAT_VERSION = 4
 MANIFEST_NAME = "manifest.json"
 KNOWN_VERSIONS = (1, 2, 3, 4)
 SEALED_SINCE = 4
-_SEAL_PREFIX = f'{{"format":"{FORMAT_NAME}","format_version":{FORMAT_VERSION},"crc32c":"'.encode()
+_SEAL_START = f'{{"format":"{FORMAT_NAME}","format_version":'.encode()
+_SEAL_PREFIX = _SEAL_START + f'{FORMAT_VERSION},"crc32c":"'.encode()  # what is written
+
+
+def _seal_prefix(data: bytes) -> bytes | None:
+    """The seal's prefix ``data`` begins with (any version's digits), or None: unsealed."""
+    m = re.match(rb'[0-9]{1,6},"crc32c":"', data[len(_SEAL_START) : len(_SEAL_START) + 20])
+    if not data.startswith(_SEAL_START) or m is None:
+        return None
+    return data[: len(_SEAL_START) + m.end()]
 MAX_BYTES = (1 << 62) - 1  # a tensor's bytes, at most: what an int64 offset addresses
 MAX_WORLD_SIZE = 1 << 24  # ranks a manifest may name: 16 Mi, a thousand times today's largest jobs
 
@@ -358,6 +367,8 @@ class Manifest:
     spec: SpecEntry | None = None
     # rank -> stored key -> where that shard lies in an earlier step (an incremental save)
     refs: dict[int, dict[str, Ref]] = field(default_factory=dict)
+    # the format_version it was read as (a new manifest: the one it is written as)
+    read_version: int = field(default=FORMAT_VERSION, repr=False, compare=False)
     _ref_files: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
     _ref_index: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -368,9 +379,9 @@ class Manifest:
 
     @property
     def format_version(self) -> int:
-        """The version this manifest is written as: `FORMAT_VERSION` (sealed, whatever it
-        holds; versions 1-3 are only read)."""
-        return FORMAT_VERSION
+        """The version this manifest was read as; a new one's, `FORMAT_VERSION` (sealed,
+        whatever it holds: versions 1-3 are only read). `dumps` always writes the newest."""
+        return self.read_version
 
     def source_of(self, rank: int, key: str) -> int:
         """Where rank ``rank``'s stored shard ``key`` is read from: ``rank`` (its own data
@@ -394,7 +405,7 @@ class Manifest:
     def to_json(self) -> dict[str, Any]:
         out = {
             "format": FORMAT_NAME,
-            "format_version": self.format_version,
+            "format_version": FORMAT_VERSION,
             "crc32c": "00000000",  # `dumps` seals it: the crc32c of the manifest's bytes
             "library": self.library,
             "world_size": self.world_size,
@@ -466,9 +477,10 @@ class Manifest:
         """The manifest ``data`` read from ``where``, checked completely before anything is
         enumerated or allocated from it: `CorruptCheckpointError` (or `FormatVersionError`)
         naming what is wrong. A sealed manifest's checksum is checked first (`ChecksumError`)."""
-        sealed = data.startswith(_SEAL_PREFIX)
-        if sealed:
-            check_seal(data, _SEAL_PREFIX, where, "manifest")
+        prefix = _seal_prefix(data)
+        sealed = prefix is not None
+        if prefix is not None:
+            check_seal(data, prefix, where, "manifest")
         try:
             j = strict_json.loads(data)
         except FieldError as e:
@@ -510,6 +522,7 @@ class Manifest:
         except FieldError as e:
             raise CorruptCheckpointError(f"{where}: manifest is malformed: {e}") from None
         _check_tensors(manifest, where)
+        object.__setattr__(manifest, "read_version", version)
         return manifest
 
     @classmethod

@@ -7,7 +7,9 @@ Run: python -m pytest tests/unit/test_cli_errors.py -q
 from __future__ import annotations
 
 import json
+import os
 
+import pytest
 import torch
 
 import anyshard
@@ -59,3 +61,9 @@ def test_inspect_json_reports_the_format_version_of_the_manifest(tmp_path, capsy
         with open(f"{path}/manifest.json") as f:
             assert json.load(f)["format_version"] == versions[name]
     assert versions == {"plain": FORMAT_VERSION, "spec": FORMAT_VERSION}  # all sealed now
+    # an older checkpoint is reported as the version it is
+    v1 = os.path.join(os.path.dirname(__file__), "..", "golden", "v1")
+    capsys.readouterr()
+    with pytest.warns(UserWarning, match="unverified"):
+        assert main(["inspect", v1, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["format_version"] == 1
