@@ -641,7 +641,8 @@ def _parser() -> argparse.ArgumentParser:
         type=_seconds,
         metavar="SECONDS",
         help="also remove uncommitted steps newer than the newest commit (or in a root with no "
-        "commit) in which nothing was written for SECONDS; no save in progress pauses that long",
+        "commit) in which nothing was written for SECONDS; take SECONDS above the longest save "
+        "(on an object store a file appears when its upload ends, dated from its start)",
     )
     s.set_defaults(run=_gc)
     for name, ep in sorted(_plugin_commands().items()):
