@@ -537,9 +537,10 @@ def calibrate(
             dist.destroy_process_group(group)
     contention = min(float(world), gemm[-1][1] / alone) if alone > 0 else 1.0
     rates = rates_from_timings(gemm, stream, op_s, dtensor_op_s, coll, contention)
-    if cfg is None or block <= 0:
+    counted = block_model_s(cfg, world, rates) if cfg is not None else 0.0
+    if block <= 0 or counted <= 0:  # not measured, or nothing counted (fewer samples than ranks)
         return rates
-    return dataclasses.replace(rates, block_scale=block / block_model_s(cfg, world, rates))
+    return dataclasses.replace(rates, block_scale=block / counted)
 
 
 def rates_from_timings(
