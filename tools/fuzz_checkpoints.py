@@ -639,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join([*lines, load.note()]))
     if args.write_docs:
         opts = ["--mutations", args.mutations, "--seed", args.seed, "--procs", args.procs]
-        opts = ["--every-byte"] if args.every_byte else opts
+        opts = ["--every-byte", "--procs", args.procs] if args.every_byte else opts
         cmd = h.rerun_command(__file__, [*map(str, opts), "--procs-every", str(args.procs_every)])
         command = f"Command: `{cmd}` ({h.today()}); seed {args.seed}; mutations: {kinds}."
         section = [command, "", *h.machine_lines(), f"- {load.note()}", "", table, *lines]
