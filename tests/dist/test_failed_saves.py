@@ -4,7 +4,7 @@ storage layer), EIO and EACCES, on one rank or every rank, sync and async. Every
 AnyshardError that names the path and the cause, nothing is committed, no file of the failed
 step is left, the previous step still loads and the next save succeeds with no manual step.
 
-Run: python -m pytest tests/dist/test_storage_faults.py -q
+Run: python -m pytest tests/dist/test_failed_saves.py -q
 """
 
 from __future__ import annotations
