@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"seed {args.seed}, {args.kills} kills per mode", flush=True)
     env = dict(os.environ, ANYSHARD_CRASH_KILLS=str(args.kills), ANYSHARD_CRASH_SEED=str(args.seed))
     load = h.RunLoad()
-    cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", TEST]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-n", "0", "-p", "no:cacheprovider", TEST]
     done = subprocess.run(cmd, cwd=h.ROOT, env=env, capture_output=True, text=True)
     runs = [m.groups() for m in map(LINE.match, done.stdout.splitlines()) if m]
     where = [ast.literal_eval(w) if w else None for *_, w in runs]
