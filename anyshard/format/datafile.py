@@ -9,8 +9,8 @@ string holding the format version and, for each shard, its checksum block size a
 of each block (`block_size`): a read of part of a shard reads whole blocks and verifies them.
 Version 1 files hold one crc32c per shard, and stay readable.
 
-Since version 3 the header is sealed: it begins ``{"__metadata__":{"anyshard_crc32c":"XXXXXXXX"``
-where XXXXXXXX is the crc32c of the header's JSON as written with "00000000" there (the padding
+Since version 3 the header is sealed: it begins ``{"__metadata__":{"anyshard_crc32c":"<crc>"``
+where <crc> is the crc32c of the header's JSON as written with "00000000" there (the padding
 after it excluded; `anyshard.format.checksum.seal`), checked before anything in it is parsed.
 Versions 1 and 2 (unsealed) still load, with a warning that their header is unverified.
 """

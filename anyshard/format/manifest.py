@@ -9,7 +9,7 @@ sibling directory): that file's path relative to the checkpoint (``../STEP/data/
 else is accepted), the shard's byte offsets there and its SHA-256.
 
 Since version 4 every manifest is sealed: it begins ``{"format":"anyshard-checkpoint",
-"format_version":4,"crc32c":"XXXXXXXX"`` where XXXXXXXX is the crc32c of the manifest's bytes
+"format_version":4,"crc32c":"<crc>"`` where <crc> is the crc32c of the manifest's bytes
 as written with "00000000" there (`anyshard.format.checksum.seal`); a reader checks it before
 parsing anything. Versions 1-3 (unsealed) still load, with a warning that their metadata is
 unverified.
