@@ -19,3 +19,20 @@ def golden_state() -> dict:
         "step": 42,
         "config": {"lr": 0.5, "name": "golden"},
     }
+
+
+def write_golden(name: str) -> None:
+    """Write the golden state as the checkpoint tests/golden/NAME, with the anyshard of this
+    checkout (the make_vN.py scripts run it for their version)."""
+    import os
+    import shutil
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, os.path.join(here, "..", ".."))
+    import anyshard
+
+    out = os.path.join(here, name)
+    shutil.rmtree(out, ignore_errors=True)
+    anyshard.save(out, golden_state())
+    print("wrote", out)

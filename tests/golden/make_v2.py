@@ -5,19 +5,10 @@ python tests/golden/make_v2.py  # with an anyshard that writes version 2
 """
 
 import os
-import shutil
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.join(HERE, "..", ".."))
-    sys.path.insert(0, HERE)
-    from make_v1 import golden_state
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from make_v1 import write_golden
 
-    import anyshard
-
-    out = os.path.join(HERE, "v2")
-    shutil.rmtree(out, ignore_errors=True)
-    anyshard.save(out, golden_state())
-    print("wrote", out)
+    write_golden("v2")
