@@ -81,6 +81,8 @@ def _seal_prefix(data: bytes) -> bytes | None:
     if not data.startswith(_SEAL_START) or m is None:
         return None
     return data[: len(_SEAL_START) + m.end()]
+
+
 MAX_BYTES = (1 << 62) - 1  # a tensor's bytes, at most: what an int64 offset addresses
 MAX_WORLD_SIZE = 1 << 24  # ranks a manifest may name: 16 Mi, a thousand times today's largest jobs
 
