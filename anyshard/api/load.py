@@ -161,50 +161,9 @@ def load_reporting(
     split: dict[str, tuple[Any, Any]] = {}  # fqn -> (the part this rank fetches, the target)
     bytes_read, error = 0, None
     try:
-        manifest = read_manifest(path)
-        problems = _key_problems(flat, manifest) if strict else []
-        fills: list[Fill] = []
-        meshes: dict = {}  # device mesh -> what layouts need of it, for this call only
-        for fqn, leaf in sorted(flat.items()):
-            value = leaf.value
-            if fqn in manifest.tensors:
-                entry = manifest.tensors[fqn]
-                if not isinstance(value, torch.Tensor):
-                    problems.append(
-                        f"{fqn}: the checkpoint holds a tensor, the state dict a {type(value).__name__}"
-                    )
-                    continue
-                if tuple(value.shape) != entry.shape:
-                    problems.append(
-                        f"{fqn}: global shape {list(value.shape)} in the state dict, {list(entry.shape)} in the checkpoint"
-                    )
-                    continue
-                stored = ST_TO_DTYPE[entry.dtype]
-                if value.dtype != stored and not cast:
-                    problems.append(
-                        f"{fqn}: dtype {value.dtype} in the state dict, {stored} in the checkpoint (pass cast=True to convert)"
-                    )
-                    continue
-                part = None
-                if read_once:
-                    target = value if hasattr(value, "device_mesh") else _as_replicated(value, mesh)
-                    part = _replica_part(target)
-                    if part is not None:
-                        split[fqn] = (part, target)
-                if part is not None:
-                    value = part
-                held = layout_of(fqn, value, process_group, meshes)
-                fills.append(Fill(fqn, held.local, held.shard().pieces))
-            elif fqn in manifest.values:
-                if isinstance(value, torch.Tensor):
-                    problems.append(
-                        f"{fqn}: the checkpoint holds a JSON value, the state dict a tensor"
-                    )
-        if problems:
-            raise StateDictMismatchError(
-                f"{path}: the state dict does not match the checkpoint:\n  " + "\n  ".join(problems)
-            )
-        plan = fill_regions(path, manifest, fills, threads=threads, verify=verify)
+        manifest, plan = _plan_load(
+            path, flat, split, mesh, process_group, strict, cast, read_once, threads, verify
+        )
         bytes_read = plan.bytes_read
     except Exception as e:
         if mesh is None:  # no collective follows: this rank's error is its own
@@ -225,6 +184,56 @@ def load_reporting(
         if fqn in manifest.values:
             leaf.replace(manifest.values[fqn])
     return LoadReport(bytes_read=bytes_read, forwarded=len(split))
+
+
+def _plan_load(path, flat, split, mesh, process_group, strict, cast, read_once, threads, verify):
+    """Read the manifest, check ``flat`` against it and fill this rank's part (``split``
+    collects the replicated targets that read-once splits); the manifest and the fill plan."""
+    manifest = read_manifest(path)
+    problems = _key_problems(flat, manifest) if strict else []
+    fills: list[Fill] = []
+    meshes: dict = {}  # device mesh -> what layouts need of it, for this call only
+    for fqn, leaf in sorted(flat.items()):
+        value = leaf.value
+        if fqn in manifest.tensors:
+            entry = manifest.tensors[fqn]
+            if not isinstance(value, torch.Tensor):
+                problems.append(
+                    f"{fqn}: the checkpoint holds a tensor, the state dict a {type(value).__name__}"
+                )
+                continue
+            if tuple(value.shape) != entry.shape:
+                problems.append(
+                    f"{fqn}: global shape {list(value.shape)} in the state dict, {list(entry.shape)} in the checkpoint"
+                )
+                continue
+            stored = ST_TO_DTYPE[entry.dtype]
+            if value.dtype != stored and not cast:
+                problems.append(
+                    f"{fqn}: dtype {value.dtype} in the state dict, {stored} in the checkpoint (pass cast=True to convert)"
+                )
+                continue
+            part = None
+            if read_once:
+                target = value if hasattr(value, "device_mesh") else _as_replicated(value, mesh)
+                part = _replica_part(target)
+                if part is not None:
+                    split[fqn] = (part, target)
+            if part is not None:
+                value = part
+            held = layout_of(fqn, value, process_group, meshes)
+            fills.append(Fill(fqn, held.local, held.shard().pieces))
+        elif fqn in manifest.values:
+            if isinstance(value, torch.Tensor):
+                problems.append(
+                    f"{fqn}: the checkpoint holds a JSON value, the state dict a tensor"
+                )
+    if problems:
+        raise StateDictMismatchError(
+            f"{path}: the state dict does not match the checkpoint:\n  " + "\n  ".join(problems)
+        )
+    plan = fill_regions(path, manifest, fills, threads=threads, verify=verify)
+    return manifest, plan
 
 
 def _world_mesh(process_group):
