@@ -21,7 +21,7 @@ from anyshard.format.manifest import read_manifest
 from anyshard.reshard.fill import Fill, fill_regions
 from anyshard.ucl.library import load_spec
 
-__all__ = ["LoadReport", "load", "load_reporting", "read_once_pays"]
+__all__ = ["LoadReport", "load", "load_is_collective", "load_reporting", "read_once_pays"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,12 +76,22 @@ def load(
     coords: dict[str, int] | None = None,
     verify: bool = True,
     read_once: bool | None = None,
+    collective: bool | None = None,
 ) -> None:
     """Fill ``state_dict`` in place from the checkpoint at ``path``.
 
     Tensors may be DTensors on any mesh with any placements, or plain tensors (filled whole);
-    each rank reads only the byte ranges its shards overlap. JSON values are replaced. No
-    collective is needed: every rank plans and reads on its own.
+    each rank reads only the byte ranges its shards overlap. JSON values are replaced. Every rank
+    plans and reads on its own; no data moves between ranks.
+
+    With ``collective`` (default: `load_is_collective`, i.e. when torch.distributed runs more
+    than one rank and the load is one every rank makes: the state dict holds a DTensor, or
+    ``process_group``, ``read_once`` or a spec without ``coords`` is given), the ranks of
+    ``process_group`` agree on the outcome before returning: an error any rank meets (a
+    checksum, a missing file, a state dict that does not match) is raised on every rank, as the
+    same `AnyshardError` naming the rank that met it, instead of the others going on into the
+    next collective and waiting there until the process group times out. ``collective=False``
+    makes the load rank-local (a rank that loads alone, e.g. to inspect).
 
     With ``spec`` and ``layout`` (see `save`), ``state_dict`` holds this rank's plain local
     tensors as the spec describes them under ``layout``, whatever layout (or spec, or none) the
@@ -118,7 +128,28 @@ def load(
         coords=coords,
         verify=verify,
         read_once=read_once,
+        collective=collective,
     )
+
+
+def load_is_collective(
+    state_dict: dict[str, Any],
+    *,
+    process_group=None,
+    spec=None,
+    coords: dict[str, int] | None = None,
+    read_once: bool | None = None,
+) -> bool:
+    """What ``load(collective=None)`` decides: whether every rank of ``process_group`` takes
+    part in this load, and so agrees on its outcome. Yes when torch.distributed runs more than
+    one rank in the group and the load is one every rank makes: a DTensor in the state dict, an
+    explicit ``process_group`` or ``read_once``, or a spec load whose coordinates come from the
+    rank. A load of plain tensors, or of one spec rank at given ``coords``, stays rank-local."""
+    if coll.world_size(process_group) <= 1:
+        return False
+    if process_group is not None or read_once or (spec is not None and coords is None):
+        return True
+    return any(hasattr(leaf.value, "device_mesh") for leaf in flatten_state(state_dict).values())
 
 
 def load_reporting(
@@ -134,30 +165,45 @@ def load_reporting(
     coords: dict[str, int] | None = None,
     verify: bool = True,
     read_once: bool | None = None,
+    collective: bool | None = None,
 ) -> LoadReport:
     """`load`, returning what this rank fetched from storage and what it received from other
     ranks instead (a `LoadReport`)."""
     flat = flatten_state(state_dict)
-    if spec is not None:
-        return _load_spec(
-            path,
-            read_manifest(path),
-            flat,
-            spec,
-            layout or {},
-            coords,
-            process_group,
-            strict,
-            cast,
-            threads,
-            verify,
+    if collective is None:
+        collective = load_is_collective(
+            state_dict, process_group=process_group, spec=spec, coords=coords, read_once=read_once
         )
+    if spec is not None:
+        report, error = None, None
+        try:
+            report = _load_spec(
+                path,
+                flat,
+                spec,
+                layout or {},
+                coords,
+                process_group,
+                strict,
+                cast,
+                threads,
+                verify,
+            )
+        except Exception as e:
+            if not collective:
+                raise
+            error = e
+        if collective:
+            coll.raise_together(error, process_group, f"load of {path}")
+        assert report is not None
+        return report
     if read_once is None:
         read_once = read_once_pays(path, process_group)
     mesh = None  # plain tensors, whole on every rank, are replicated over the whole group
     if read_once and dist.is_available() and dist.is_initialized():
         if dist.get_world_size(process_group) > 1:
             mesh = _world_mesh(process_group)
+    agree = collective or mesh is not None  # read once is collective whatever ``collective`` says
     split: dict[str, tuple[Any, Any]] = {}  # fqn -> (the part this rank fetches, the target)
     bytes_read, error = 0, None
     try:
@@ -166,10 +212,10 @@ def load_reporting(
         )
         bytes_read = plan.bytes_read
     except Exception as e:
-        if mesh is None:  # no collective follows: this rank's error is its own
+        if not agree:  # no collective follows: this rank's error is its own
             raise
         error = e
-    if mesh is not None:  # a rank's error reaches every rank before the exchange
+    if agree:  # a rank's error reaches every rank before the exchange
         coll.raise_together(error, process_group, f"load of {path}")
     if read_once:  # collective: every rank takes part, with or without replicated tensors
         from anyshard.api.redistribute import redistribute
@@ -292,8 +338,9 @@ def _replica_part(value: torch.Tensor):
 
 
 def _load_spec(
-    path, manifest, flat, spec, layout, coords, group, strict, cast, threads, verify
+    path, flat, spec, layout, coords, group, strict, cast, threads, verify
 ) -> LoadReport:
+    manifest = read_manifest(path)
     parsed = load_spec(spec)
     fills, problems, value_keys = spec_fills(
         manifest, flat, parsed, layout, coords, group, strict=strict, cast=cast

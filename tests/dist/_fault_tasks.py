@@ -211,9 +211,10 @@ def _damage(path: str, kind: str, rank_file: int) -> None:
 
 def fail_together_task(root: str, kind: str, entry: str) -> dict:
     """Save a state sharded over every rank (1 Mi floats: each rank's shard is several checksum
-    blocks), damage the last rank's data file (``kind``), then load it through ``entry``
-    ("read_once": anyshard.load with read_once; "dcp": dcp.load through AnyshardReader) on every
-    rank: what each raised and how long it took."""
+    blocks), damage the last rank's data file (``kind``), then load it through ``entry`` on every
+    rank ("load": anyshard.load; "read_once": the same with read_once; "spec": a load of plain
+    local tensors under a UCL spec; "dcp": dcp.load through AnyshardReader): what each raised and
+    how long it took."""
     import time
 
     import torch.distributed.checkpoint as dcp
@@ -225,12 +226,17 @@ def fail_together_task(root: str, kind: str, entry: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     n = (1 << 20) // world
-    w = DTensor.from_local(torch.arange(float(n)) + rank * n, mesh, [Shard(0)])
+    local = torch.arange(float(n)) + rank * n
+    spec = f'mesh tp;\n"w" -> "w" [{n * world}] : chunk(0, tp);\n'
     path = os.path.join(root, f"{kind}-{entry}")
     if entry == "dcp":
-        dcp.save({"w": w}, storage_writer=AnyshardWriter(path))
+        dcp.save(
+            {"w": DTensor.from_local(local, mesh, [Shard(0)])}, storage_writer=AnyshardWriter(path)
+        )
+    elif entry == "spec":
+        anyshard.save(path, {"w": local, "step": 1}, spec=spec, layout={"tp": world})
     else:
-        anyshard.save(path, {"w": w, "step": 1})
+        anyshard.save(path, {"w": DTensor.from_local(local, mesh, [Shard(0)]), "step": 1})
     dist.barrier()
     if rank == 0:
         _damage(path, kind, world - 1)
@@ -240,8 +246,10 @@ def fail_together_task(root: str, kind: str, entry: str) -> dict:
     try:
         if entry == "dcp":
             dcp.load({"w": into}, storage_reader=AnyshardReader(path))
+        elif entry == "spec":
+            anyshard.load(path, {"w": torch.zeros(n), "step": 0}, spec=spec, layout={"tp": world})
         else:
-            anyshard.load(path, {"w": into, "step": 0}, read_once=True)
+            anyshard.load(path, {"w": into, "step": 0}, read_once=entry == "read_once")
     except AnyshardError as e:
         raised = {"type": type(e).__name__, "text": str(e)}
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException

@@ -1,9 +1,9 @@
 """Every rank fails together: an error one rank meets inside a collective load reaches every
 rank as the same AnyshardError within seconds, not at the process group's time-out. The matrix:
 damage only the last rank meets (a flipped data byte, a cut, a damaged header, a missing file)
-x collective loads (anyshard.load with read_once; dcp.load through AnyshardReader, where DCP
-raises its CheckpointException, holding the AnyshardError, on every rank) x 2 and 4 ranks. A
-plain anyshard.load needs no collective: each rank reads and fails on its own.
+x loads every rank makes (anyshard.load of DTensors, the same with read_once, a spec load of
+plain local tensors, dcp.load through AnyshardReader, where DCP raises its CheckpointException,
+holding the AnyshardError, on every rank) x 2 and 4 ranks.
 
 Run: python -m pytest tests/dist/test_fail_together.py -q
 """
@@ -39,7 +39,7 @@ def test_a_damaged_byte_one_rank_fetches_under_read_once_fails_every_rank(
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("entry", ["read_once", "dcp"])
+@pytest.mark.parametrize("entry", ["load", "read_once", "spec", "dcp"])
 @pytest.mark.parametrize("kind", ["flip", "truncate", "header", "missing"])
 def test_damage_one_rank_meets_fails_every_rank_with_the_same_cause(
     dist_pools, tmp_path, world, entry, kind
@@ -52,7 +52,7 @@ def test_damage_one_rank_meets_fails_every_rank_with_the_same_cause(
         assert r["raised"] is not None, f"rank {rank} did not raise"
         assert r["seconds"] < 10, (rank, r["seconds"])
         assert last in r["raised"]["text"] and cause in r["raised"]["text"], (rank, r["raised"])
-        if entry == "read_once":  # the same AnyshardError class and cause on every rank
+        if entry != "dcp":  # the same AnyshardError class and cause on every rank
             assert r["raised"]["type"] == cause, (rank, r["raised"])
             assert r["raised"]["text"] == out[0]["raised"]["text"], (rank, r["raised"])
         else:  # DCP gathers every rank's read errors and raises them on every rank
