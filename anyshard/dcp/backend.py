@@ -32,10 +32,13 @@ Metadata(...)
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import os
+import uuid
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -45,6 +48,7 @@ from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
+    StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
 )
@@ -58,10 +62,12 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
 from anyshard._compat import flatten_state_dict, set_element
+from anyshard.api.open import open_checkpoint
 from anyshard.api.state import is_json_value, json_roundtrip
 from anyshard.errors import AnyshardError
 from anyshard.format import storage
@@ -72,17 +78,18 @@ from anyshard.format.commit import (
     build_manifest,
     commit_manifest,
     data_file_name,
-    refuse_committed,
 )
 from anyshard.format.datafile import write_datafile
 from anyshard.format.dtypes import DTYPE_TO_ST, ST_TO_DTYPE
-from anyshard.format.manifest import Manifest, MeshEntry, read_manifest
+from anyshard.format.manifest import MANIFEST_NAME, Manifest, MeshEntry, read_manifest
+from anyshard.format.steps import referenced_files
 from anyshard.geometry.boxes import Piece, full_box
 from anyshard.reshard.fill import Fill, fill_regions
 
-__all__ = ["AnyshardReader", "AnyshardWriter"]
+__all__ = ["AnyshardReader", "AnyshardWriter", "CheckpointExistsError"]
 
 Box = tuple[tuple[int, int], ...]
+_DCP_METADATA = ".metadata"  # what FileSystemWriter commits last
 
 
 def _path(checkpoint_id: str | os.PathLike | None, who: str) -> str:
@@ -105,10 +112,11 @@ def _done(value: Any) -> Future:
 @dataclass(frozen=True, slots=True)
 class _Stored:
     """What the global plan tells one rank to write: the chunks it stores (fqn, chunk offsets),
-    and the empty tensors it stores whole (fqn -> shape)."""
+    the empty tensors it stores whole (fqn -> shape), and its data file's name."""
 
     chunks: frozenset[tuple[str, tuple[int, ...]]]
     empty: dict[str, tuple[int, ...]]
+    file: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,34 +208,77 @@ def _place(fqn: str, items: list[tuple[int, WriteItem]]) -> tuple[_Placed, list[
     return _Placed(st, shape, mesh, mapping, tuple(sorted(set(ranks)))), list(boxes.values())
 
 
-class AnyshardWriter(StorageWriter):
+class AnyshardWriter(StorageWriter, BlockingAsyncStager):
     """DCP storage writer of an anyshard checkpoint at ``path`` (a directory or URL).
 
     ``dcp.save(state, storage_writer=AnyshardWriter(path))`` (or ``dcp.async_save``): every rank
-    writes its chunks into ``data/rank-NNNNN.safetensors`` with their checksums; the coordinator
-    commits ``manifest.json`` after every rank has written. Tensors are stored as DCP hands them
-    (one chunk per rank, tiling each tensor as a grid); non-tensor values as JSON.
+    writes its chunks into its own data file with their checksums; the coordinator commits
+    ``manifest.json`` after every rank has written. Tensors are stored as DCP hands them (one
+    chunk per rank, tiling each tensor as a grid); raw ``bytes`` and ``io.BytesIO`` values as
+    bytes; other non-tensor values as JSON.
+
+    It takes `FileSystemWriter`'s arguments. ``overwrite`` (default True, as DCP's) replaces a
+    checkpoint already committed at ``path`` safely: the new data files take new names, the old
+    checkpoint stays whole and loadable until the new manifest replaces its own in one atomic
+    write, and then the old files go (those a later incremental step references stay).
+    ``overwrite=False`` raises as DCP does. ``thread_count`` sets the writing threads;
+    ``single_file_per_rank``, ``sync_files`` and ``per_thread_copy_ahead`` are accepted and
+    change nothing (one file per rank, always synced before the commit; nothing is copied
+    ahead); ``cache_staged_state_dict`` is `BlockingAsyncStager`'s, as in DCP. Data files are
+    safetensors: ``serialization_format`` may be SAFETENSORS, not TORCH_SAVE; stream
+    ``_extensions`` (compression) are refused, since a compressed file cannot be read by the byte
+    ranges each rank needs.
     """
 
-    def __init__(self, path: str | os.PathLike | None = None, *, threads: int = 4) -> None:
-        super().__init__()
+    def __init__(
+        self,
+        path: str | os.PathLike | None = None,
+        single_file_per_rank: bool = True,
+        sync_files: bool = True,
+        thread_count: int | None = None,
+        per_thread_copy_ahead: int = 10_000_000,
+        cache_staged_state_dict: bool = False,
+        overwrite: bool = True,
+        _extensions: Sequence[Any] | None = None,
+        serialization_format: Any = None,
+        *,
+        threads: int = 4,
+    ) -> None:
+        StorageWriter.__init__(self)
+        BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
+        if _extensions:
+            names = ", ".join(type(e).__name__ for e in _extensions)
+            raise AnyshardError(
+                f"AnyshardWriter: _extensions ({names}) are not supported: a stream transform "
+                "such as compression turns a data file into one stream, which cannot be read by "
+                "the byte ranges each rank needs nor verified by checksum blocks. Leave "
+                "_extensions unset (or use FileSystemWriter for compressed checkpoints)"
+            )
+        fmt = getattr(serialization_format, "value", serialization_format)
+        if fmt not in (None, "safetensors"):
+            raise AnyshardError(
+                f"AnyshardWriter: serialization_format={fmt!r} is not supported: anyshard's data "
+                "files are safetensors (SerializationFormat.SAFETENSORS), never pickles"
+            )
         self.path = None if path is None else os.fspath(path)
-        self.threads = threads
+        self.threads = threads if thread_count is None else max(1, int(thread_count))
+        self.overwrite = overwrite
         self.rank = 0
         self.is_coordinator = False
         self._placed: dict[str, _Placed] = {}
+        self._planner_data: dict[str, tuple] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
-        self._placed = {}
+        self._placed, self._planner_data = {}, {}
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
 
-    def storage_meta(self):
-        return None
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.path) if self.path is not None else None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.path = _path(self.path, "AnyshardWriter")
@@ -241,14 +292,24 @@ class AnyshardWriter(StorageWriter):
                 "AnyshardWriter commits one manifest for all ranks, after all have written: "
                 "save with use_collectives=True"
             )
-        refuse_committed(self.path)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Decide, before any byte is written, where each chunk goes and how the manifest
-        describes it; refuse a state that the format cannot hold (naming the tensor)."""
+        """Decide, before any byte is written, where each chunk goes, the data files' names and
+        how the manifest describes them; refuse a state that the format cannot hold (naming the
+        tensor), or a committed checkpoint at the path without ``overwrite``."""
+        root = _path(self.path, "AnyshardWriter")
+        replacing = storage.exists(storage.join(root, MANIFEST_NAME))
+        if replacing and not self.overwrite:
+            raise CheckpointExistsError(
+                f"Checkpoint already exists and self.overwrite=False: {root} holds a committed "
+                "checkpoint. Pass overwrite=True to replace it, or save to another path"
+            )
+        # a replacement's files take new names: the committed checkpoint stays whole until the
+        # new manifest replaces its own
+        tag = f"-{uuid.uuid4().hex[:12]}" if replacing else ""
         by_fqn: dict[str, list[tuple[int, WriteItem]]] = defaultdict(list)
         for rank, plan in enumerate(plans):
             for item in plan.items:
@@ -264,8 +325,19 @@ class AnyshardWriter(StorageWriter):
                 chunks[rank].add((fqn, offsets))
             if not stored:
                 empty[placed.writers[0]][fqn] = placed.shape
+        self._planner_data = {}
+        for plan in plans:  # DCP's flatten mapping, kept for loads that rebuild the state dict
+            if isinstance(plan.planner_data, dict):
+                self._planner_data.update(plan.planner_data)
         return [
-            replace(plan, storage_data=_Stored(frozenset(chunks[r]), empty[r]))
+            replace(
+                plan,
+                storage_data=_Stored(
+                    frozenset(chunks[r]),
+                    empty[r],
+                    data_file_name(r).replace(".safetensors", f"{tag}.safetensors"),
+                ),
+            )
             for r, plan in enumerate(plans)
         ]
 
@@ -273,12 +345,25 @@ class AnyshardWriter(StorageWriter):
         stored: _Stored = plan.storage_data
         shards: list[tuple[str, torch.Tensor]] = []
         results: list[WriteResult] = []
-        file = data_file_name(self.rank)
+        file = stored.file
         for item in plan.items:
             fqn = item.index.fqn
             if item.type == WriteItemType.BYTE_IO:
                 value = _value_of(planner, item)
-                results.append(WriteResult(item.index, 0, {"value": value}))
+                if isinstance(value, _RawBytes):
+                    t = torch.tensor(list(value.data[:0]), dtype=torch.uint8)
+                    if value.data:
+                        t = torch.frombuffer(bytearray(value.data), dtype=torch.uint8)
+                    shards.append((fqn, t))
+                    results.append(
+                        WriteResult(
+                            item.index,
+                            t.nbytes,
+                            {"file": file, "bytes": value.kind, "length": t.numel()},
+                        )
+                    )
+                else:
+                    results.append(WriteResult(item.index, 0, {"value": value}))
                 continue
             if fqn in stored.empty:
                 t = torch.empty(stored.empty[fqn], dtype=_tensor_data(item).properties.dtype)
@@ -298,30 +383,88 @@ class AnyshardWriter(StorageWriter):
         if shards:
             root = _path(self.path, "AnyshardWriter")
             storage.makedirs(storage.join(root, DATA_DIR))
-            write_datafile(storage.join(root, *file.split("/")), shards, threads=self.threads)
+            target = storage.join(root, *file.split("/"))
+            try:
+                write_datafile(target, shards, threads=self.threads)
+            except BaseException:
+                with contextlib.suppress(Exception):  # a failed write keeps no partial file
+                    if storage.exists(target):
+                        storage.remove_file(target)
+                raise
         return _done(results)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Commit: the manifest from the global plan and what every rank wrote (coordinator)."""
+        """Commit (coordinator): the manifest from the global plan and what every rank wrote;
+        replacing a committed checkpoint, its own manifest in one atomic write, then the old
+        checkpoint's data files that nothing references any more."""
         reports = [SaveReport() for _ in results]
         values: dict[str, Any] = {}
+        byte_values: dict[str, str] = {}
+        placed = dict(self._placed)
         for rank, rank_results in enumerate(results):
             for res in rank_results:
                 data = res.storage_data
+                fqn = res.index.fqn
                 if "value" in data:
-                    values.setdefault(res.index.fqn, data["value"])
-                elif data["file"] is not None:
-                    rep = reports[rank]
-                    reports[rank] = replace(rep, file=data["file"], count=rep.count + 1)
-        for fqn, placed in self._placed.items():
-            rank = placed.writers[0]
-            tensor = ReportedTensor(
-                dtype=placed.dtype, shape=placed.shape, mesh=placed.mesh, mapping=placed.mapping
-            )
-            reports[rank].tensors[fqn] = tensor
+                    values.setdefault(fqn, data["value"])
+                    continue
+                if data["file"] is None:
+                    continue
+                rep = reports[rank]
+                reports[rank] = replace(rep, file=data["file"], count=rep.count + 1)
+                if "bytes" in data and fqn not in byte_values:
+                    byte_values[fqn] = data["bytes"]
+                    mesh = MeshEntry(dims=(), sizes=(), ranks=(rank,))
+                    placed[fqn] = _Placed("U8", (int(data["length"]),), mesh, "", (rank,))
+        for fqn, p in placed.items():
+            tensor = ReportedTensor(dtype=p.dtype, shape=p.shape, mesh=p.mesh, mapping=p.mapping)
+            reports[p.writers[0]].tensors[fqn] = tensor
         reports[0] = replace(reports[0], values={**values, **reports[0].values})
         root = _path(self.path, "AnyshardWriter")
-        commit_manifest(root, build_manifest(reports, root))
+        planner_data = self._planner_data or dict(getattr(metadata, "planner_data", None) or {})
+        manifest = replace(
+            build_manifest(reports, root),
+            byte_values=byte_values,
+            planner_data={
+                k: tuple(v) for k, v in planner_data.items() if k in placed or k in values
+            },
+        )
+        replacing = storage.exists(storage.join(root, MANIFEST_NAME))
+        if not replacing:
+            commit_manifest(root, manifest)
+            return
+        commit_manifest(root, manifest, overwrite=True)
+        _remove_unreferenced(root, set(manifest.files.values()))
+
+
+class CheckpointExistsError(AnyshardError, RuntimeError):
+    """A save with ``overwrite=False`` found a committed checkpoint at its path (a RuntimeError,
+    as DCP's FileSystemWriter raises)."""
+
+
+def _remove_unreferenced(root: str, files: set[str]) -> None:
+    """Remove the data files under ``root`` that its manifest (``files``) does not list and no
+    committed step beside it references: an overwritten checkpoint's, and a failed replacement's.
+    Best effort: the commit is done, and what stays is only unreferenced bytes."""
+    keep = referenced_files(storage.parent(root))
+    if keep is None:
+        return  # a committed manifest beside it cannot be read: what it references is unknown
+    data = storage.join(root, DATA_DIR)
+    for name in storage.listdir(data) if storage.exists(data) else []:
+        path = storage.join(data, name)
+        if f"{DATA_DIR}/{name}" in files or storage.normalize(path) in keep:
+            continue
+        if name.endswith(".safetensors"):
+            with contextlib.suppress(FileNotFoundError, OSError):
+                storage.remove_file(path)
+
+
+@dataclass(frozen=True, slots=True)
+class _RawBytes:
+    """A ``bytes`` or ``io.BytesIO`` value to store as its bytes (``kind``: its type's name)."""
+
+    data: bytes
+    kind: str
 
 
 def _value_of(planner: SavePlanner, item: WriteItem) -> Any:
@@ -334,11 +477,15 @@ def _value_of(planner: SavePlanner, item: WriteItem) -> Any:
             "DCP's DefaultSavePlanner or a subclass"
         )
     value = lookup(item.index)
+    if isinstance(value, (bytes, bytearray)):
+        return _RawBytes(bytes(value), "bytes")
+    if isinstance(value, io.BytesIO):
+        return _RawBytes(value.getvalue(), "BytesIO")
     if not is_json_value(value):
         raise AnyshardError(
             f"{item.index.fqn}: a value of type {type(value).__qualname__} cannot be stored; "
-            "anyshard stores tensors and JSON values (numbers, strings, lists, dicts) and never "
-            "pickles. Convert it to one of those before saving"
+            "anyshard stores tensors, bytes and JSON values (numbers, strings, lists, dicts) and "
+            "never pickles. Convert it to one of those before saving"
         )
     return json_roundtrip(value)
 
@@ -355,30 +502,43 @@ class AnyshardReader(StorageReader):
     """
 
     def __init__(
-        self, path: str | os.PathLike | None = None, *, threads: int = 8, verify: bool = True
+        self,
+        path: str | os.PathLike | None = None,
+        _extension_registry: Any = None,
+        *,
+        threads: int = 8,
+        verify: bool = True,
     ) -> None:
-        super().__init__()
+        super().__init__()  # _extension_registry decodes stream transforms, which anyshard
+        # never writes (AnyshardWriter refuses _extensions): there is nothing for it to decode
         self.path = None if path is None else os.fspath(path)
         self.threads = threads
         self.verify = verify
         self._manifest: Manifest | None = None
+        self._dcp: Any = None  # the view of a checkpoint FileSystemWriter wrote
         self._headers: dict = {}
         self._values: dict[str, Any] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
-        self._manifest, self._headers = None, {}
+        self._manifest, self._dcp, self._headers = None, None, {}
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         path = os.fspath(checkpoint_id)
-        return storage.exists(storage.join(path, "manifest.json"))
+        return storage.exists(storage.join(path, MANIFEST_NAME)) or storage.exists(
+            storage.join(path, _DCP_METADATA)
+        )
 
     def read_metadata(self) -> Metadata:
         """DCP's view of the checkpoint: every logical tensor as one chunk, every JSON value as
         bytes (nothing pickled is read: there is none)."""
         self.path = _path(self.path, "AnyshardReader")
+        if not storage.exists(storage.join(self.path, MANIFEST_NAME)) and storage.exists(
+            storage.join(self.path, _DCP_METADATA)
+        ):
+            return self._read_dcp_metadata()
         manifest = self._manifest = read_manifest(self.path)
         md: dict[str, Any] = {}
         for fqn, entry in manifest.tensors.items():
@@ -388,15 +548,48 @@ class AnyshardReader(StorageReader):
                 size=size,
                 chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(size)), sizes=size)],
             )
+        for fqn in manifest.byte_values:
+            md[fqn] = BytesStorageMetadata()
         self._values = _dcp_values(manifest.values)
         for name in self._values:
             md[name] = BytesStorageMetadata()
-        return Metadata(state_dict_metadata=md, storage_data={})
+        # DCP's flatten mapping as the writer had it; a name it does not cover stays as it is
+        planner_data = {k: manifest.planner_data.get(k, (k,)) for k in md}
+        return Metadata(
+            state_dict_metadata=md,
+            planner_data=planner_data,
+            storage_data={},
+            storage_meta=StorageMeta(checkpoint_id=self.path),
+        )
+
+    def _read_dcp_metadata(self) -> Metadata:
+        """A checkpoint FileSystemWriter wrote: its ``.metadata`` read by anyshard's allowlisting
+        unpickler (`DCPCheckpointView`), never by ``pickle.load``."""
+        view = self._dcp = open_checkpoint(_path(self.path, "AnyshardReader"))
+        md: dict[str, Any] = {}
+        for fqn in view.keys():
+            meta = view.metadata(fqn)
+            size = torch.Size(meta.shape)
+            md[fqn] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=meta.dtype),
+                size=size,
+                chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(size)), sizes=size)],
+            )
+        for name in view.value_keys():
+            md[name] = BytesStorageMetadata()
+        saved = getattr(view, "planner_data", {})
+        planner_data = {k: saved.get(k, (k,)) for k in md}
+        return Metadata(
+            state_dict_metadata=md,
+            planner_data=planner_data,
+            storage_data={},
+            storage_meta=StorageMeta(checkpoint_id=self.path),
+        )
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
-        if self._manifest is None:
+        if self._manifest is None and self._dcp is None:
             self.read_metadata()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -406,13 +599,24 @@ class AnyshardReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self._dcp is not None:
+            return self._read_dcp_data(plan, planner, self._dcp)
         manifest = self._manifest
         assert manifest is not None, "read_metadata first"
         fills: list[Fill] = []
         committed = []
+        raw: list[tuple[Any, torch.Tensor, str]] = []  # bytes values: (request, buffer, type)
         for req in plan.items:
+            fqn = req.storage_index.fqn
+            if req.type == LoadItemType.BYTE_IO and fqn in manifest.byte_values:
+                buf = torch.empty(manifest.tensors[fqn].shape, dtype=torch.uint8)
+                n = buf.numel()
+                if n:
+                    fills.append(Fill(fqn, buf, (Piece(0, (n,), ((0, n),), ((0, n),)),)))
+                raw.append((req, buf, manifest.byte_values[fqn]))
+                continue
             if req.type == LoadItemType.BYTE_IO:
-                _set_value(planner, req, self._values[req.storage_index.fqn])
+                _set_value(planner, req, self._values[fqn])
                 continue
             dest = planner.resolve_tensor(req).detach()
             lengths = tuple(int(n) for n in req.lengths)
@@ -438,6 +642,38 @@ class AnyshardReader(StorageReader):
                 verify=self.verify,
             )
         for req, dest in committed:
+            planner.commit_tensor(req, dest)
+        for req, buf, kind in raw:
+            data = buf.numpy().tobytes()
+            _set_value(planner, req, io.BytesIO(data) if kind == "BytesIO" else data)
+        return _done(None)
+
+    def _read_dcp_data(self, plan: LoadPlan, planner: LoadPlanner, view) -> Future[None]:
+        for req in plan.items:
+            fqn = req.storage_index.fqn
+            if req.type == LoadItemType.BYTE_IO:
+                try:
+                    value = view.get_value(fqn)
+                except AnyshardError as e:
+                    first = str(e).splitlines()[0] if str(e) else type(e).__name__
+                    raise AnyshardError(
+                        f"{fqn}: {first.split(' is unreadable')[0]} cannot be read without "
+                        "running its pickle: AnyshardReader reads the values FileSystemWriter "
+                        "pickled with torch.load(weights_only=True), which runs no code and admits "
+                        "tensors, numbers, strings and containers of them (not io.BytesIO or other "
+                        "objects). Load it with FileSystemReader if you trust the file"
+                    ) from None
+                _set_value(planner, req, value)
+                continue
+            dest = planner.resolve_tensor(req).detach()
+            lengths = tuple(int(n) for n in req.lengths)
+            box = tuple(
+                (int(o), int(o) + n) for o, n in zip(req.storage_offsets, lengths, strict=True)
+            )
+            if dest.is_contiguous():
+                view.read_region(fqn, box, out=dest)
+            else:
+                dest.copy_(view.read_region(fqn, box))
             planner.commit_tensor(req, dest)
         return _done(None)
 

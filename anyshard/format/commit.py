@@ -213,15 +213,19 @@ def refuse_committed(path: str) -> None:
         )
 
 
-def commit_manifest(path: str, manifest: Manifest, data: bytes | None = None) -> None:
+def commit_manifest(
+    path: str, manifest: Manifest, data: bytes | None = None, *, overwrite: bool = False
+) -> None:
     """Write ``manifest`` (serialised as ``data``, when given) into ``path``, atomically and
-    exclusively: a concurrent save to the same path cannot commit over it (`SaveError`)."""
+    exclusively: a concurrent save to the same path cannot commit over it (`SaveError`). With
+    ``overwrite``, it replaces a committed manifest in one atomic write (readers see the old one
+    or the new one, whole)."""
     storage.makedirs(path)  # a save of JSON values only has no data directory
     try:
         storage.write_bytes_atomic(
             storage.join(path, MANIFEST_NAME),
             manifest.dumps() if data is None else data,
-            exclusive=True,
+            exclusive=not overwrite,
         )
     except FileExistsError:
         raise SaveError(

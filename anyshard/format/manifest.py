@@ -71,6 +71,8 @@ FORMAT_VERSION = 4
 MANIFEST_NAME = "manifest.json"
 KNOWN_VERSIONS = (1, 2, 3, 4)
 SEALED_SINCE = 4
+# the Python types of raw bytes values (manifest field ``bytes``, format_version 4 and later)
+BYTE_VALUE_TYPES = ("bytes", "BytesIO")
 _SEAL_START = f'{{"format":"{FORMAT_NAME}","format_version":'.encode()
 _SEAL_PREFIX = _SEAL_START + f'{FORMAT_VERSION},"crc32c":"'.encode()  # what is written
 
@@ -359,6 +361,8 @@ class Ref:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Manifest:
+    """A checkpoint's manifest (docs/format.md); `Manifest.loads` checks every field."""
+
     world_size: int
     meshes: tuple[MeshEntry, ...]
     files: dict[int, str]
@@ -369,6 +373,11 @@ class Manifest:
     spec: SpecEntry | None = None
     # rank -> stored key -> where that shard lies in an earlier step (an incremental save)
     refs: dict[int, dict[str, Ref]] = field(default_factory=dict)
+    # stored key -> the Python type of a raw bytes value ("bytes" or "BytesIO"), whose bytes are
+    # the 1-d uint8 tensor of that name
+    byte_values: dict[str, str] = field(default_factory=dict)
+    # a DCP planner's flatten mapping (flattened key -> the path of keys and indices it came from)
+    planner_data: dict[str, tuple[str | int, ...]] = field(default_factory=dict)
     # the format_version it was read as (a new manifest: the one it is written as)
     read_version: int = field(default=FORMAT_VERSION, repr=False, compare=False)
     _ref_files: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
@@ -424,6 +433,10 @@ class Manifest:
                 str(r): {k: ref.to_json() for k, ref in sorted(per.items())}
                 for r, per in sorted(self.refs.items())
             }
+        if self.byte_values:
+            out["bytes"] = dict(sorted(self.byte_values.items()))
+        if self.planner_data:
+            out["planner_data"] = {k: list(v) for k, v in sorted(self.planner_data.items())}
         return out
 
     def spec_ranks(self, *, saved: bool = False) -> tuple[RankTensors, ...]:
@@ -560,6 +573,26 @@ class Manifest:
             }
         if refs and j.get("format_version", 0) < 3:
             raise FieldError("references need format_version 3 or later")
+        if ("bytes" in j or "planner_data" in j) and j.get("format_version", 0) < 4:
+            raise FieldError("bytes values and planner_data need format_version 4 or later")
+        byte_values = {
+            field_str(k, "a bytes value's key"): field_str(v, f"the type of bytes value {k!r:.60}")
+            for k, v in field_dict(j.get("bytes", {}), "bytes").items()
+        }
+        for k, kind in byte_values.items():
+            t = tensors.get(k)
+            if kind not in BYTE_VALUE_TYPES or t is None or t.dtype != "U8" or len(t.shape) != 1:
+                raise FieldError(
+                    f"bytes: {k!r:.60} must be one of {BYTE_VALUE_TYPES} stored as a 1-d U8 tensor"
+                )
+        planner_data: dict[str, tuple[str | int, ...]] = {}
+        for k, path in field_dict(j.get("planner_data", {}), "planner_data").items():
+            keys = field_list(path, f"the planner_data of {k!r:.60}")
+            if not keys or not all(
+                isinstance(x, str) or (isinstance(x, int) and not isinstance(x, bool)) for x in keys
+            ):
+                raise FieldError(f"planner_data: {k!r:.60} maps to {keys!r:.60}, not keys")
+            planner_data[field_str(k, "a planner_data key")] = tuple(keys)
         return cls(
             world_size=world,
             meshes=meshes,
@@ -570,6 +603,8 @@ class Manifest:
             library=field_str(j.get("library", ""), "library"),
             spec=SpecEntry.from_json(spec) if spec is not None else None,
             refs=refs,
+            byte_values=byte_values,
+            planner_data=planner_data,
         )
 
 

@@ -233,6 +233,12 @@ class DCPCheckpointView(BaseView):
             ) from None
         self._tensors: dict[str, _Tensor] = {}
         self._values: dict[str, tuple[str, int, int]] = {}
+        # DCP's flatten mapping (flattened key -> the keys and indices it came from), if saved
+        self.planner_data: dict[str, tuple[str | int, ...]] = {}
+        for k, keys in (getattr(md, "planner_data", None) or {}).items():
+            if isinstance(k, str) and isinstance(keys, tuple | list):
+                if all(isinstance(x, str | int) and not isinstance(x, bool) for x in keys):
+                    self.planner_data[k] = tuple(keys)
         try:
             self._index(md, where)
         except CorruptCheckpointError:

@@ -35,13 +35,20 @@ def dcp_save_task(layout: str, ckpt: str, truth_dir: str, seed: int) -> list[str
     )
 
 
-def dcp_async_save_task(layout: str, ckpt: str, seed: int) -> int:
-    """dcp.async_save through AnyshardWriter while the training state changes under it: the
-    checkpoint holds the state as it was at the call (torch's full tensors, taken before), and
-    dcp.load reads it back into another layout. Returns the tensors checked."""
+def dcp_async_save_task(layout: str, ckpt: str, seed: int, kind: str = "thread") -> int:
+    """dcp.async_save through AnyshardWriter (in a thread, or with ``kind`` "process" in DCP's
+    background process) while the training state changes under it: the checkpoint holds the
+    state as it was at the call (torch's full tensors, taken before), and dcp.load reads it back
+    into another layout. Returns the tensors checked."""
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
     state = train_state(layout, seed)
     before = {k: full(v).clone() for k, v in _flat(state) if isinstance(v, torch.Tensor)}
-    future = dcp.async_save(state, storage_writer=AnyshardWriter(ckpt))
+    future = dcp.async_save(
+        state,
+        storage_writer=AnyshardWriter(ckpt),
+        async_checkpointer_type=AsyncCheckpointerType[kind.upper()],
+    )
     for _, v in _flat(state):  # the caller may modify its tensors once async_save returns
         if isinstance(v, torch.Tensor) and v.is_floating_point():
             (v.to_local() if hasattr(v, "to_local") else v).add_(1000.0)

@@ -68,6 +68,27 @@ def test_dcp_async_save_writes_the_state_of_the_call(pool4, tmp_path):
     assert not os.path.exists(os.path.join(ckpt, ".metadata"))
 
 
+def test_dcp_async_save_in_dcp_s_background_process(tmp_path):
+    """AsyncCheckpointerType.PROCESS: the writer travels to DCP's own process and saves there."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ckpt = str(tmp_path / "step-3")
+    script = os.path.join(HERE, "_dcp_process_async.py")
+    out = subprocess.run(
+        [sys.executable, script, ckpt, str(port)], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    oks = sorted(line for line in out.stdout.splitlines() if " ok " in line)
+    assert [line.split(" ok ")[0] for line in oks] == ["rank 0", "rank 1"], out.stdout
+    assert all(int(line.split(" ok ")[1]) > 0 for line in oks)
+    assert cli(["verify", ckpt]) == 0
+
+
 def test_dcp_load_in_one_process(saved):
     ckpt, truth, _ = saved
     from _dcp_backend_tasks import one_process_load
@@ -126,12 +147,19 @@ def test_a_value_json_cannot_hold_is_refused_naming_it(tmp_path):
     assert not os.path.exists(os.path.join(ckpt, "manifest.json"))
 
 
-def test_the_writer_refuses_a_committed_checkpoint(tmp_path):
+def test_the_writer_replaces_a_committed_checkpoint_unless_told_not_to(tmp_path):
     ckpt = str(tmp_path / "c")
     anyshard.save(ckpt, {"w": torch.ones(2)})
     with pytest.raises(CheckpointException) as info:
-        dcp.save({"w": torch.ones(2)}, storage_writer=AnyshardWriter(ckpt), no_dist=True)
-    assert "already holds a committed checkpoint" in str(_cause(info))
+        dcp.save(
+            {"w": torch.ones(2) * 2},
+            storage_writer=AnyshardWriter(ckpt, overwrite=False),
+            no_dist=True,
+        )
+    assert "Checkpoint already exists and self.overwrite=False" in str(_cause(info))
+    assert torch.equal(anyshard.open(ckpt).get_tensor("w"), torch.ones(2))
+    dcp.save({"w": torch.ones(2) * 2}, storage_writer=AnyshardWriter(ckpt), no_dist=True)
+    assert torch.equal(anyshard.open(ckpt).get_tensor("w"), torch.ones(2) * 2)
 
 
 def test_no_pickle_on_either_path(tmp_path, monkeypatch):
