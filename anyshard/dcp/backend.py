@@ -111,12 +111,14 @@ def _done(value: Any) -> Future:
 
 @dataclass(frozen=True, slots=True)
 class _Stored:
-    """What the global plan tells one rank to write: the chunks it stores (fqn, chunk offsets),
-    the empty tensors it stores whole (fqn -> shape), and its data file's name."""
+    """What the global plan tells one rank to write: the chunks it stores ((fqn, chunk offsets)
+    -> the writer that stores it), the empty tensors it stores whole (fqn -> shape), and the data
+    file of each of its writers (its own, and one more for each further chunk of one tensor)."""
 
-    chunks: frozenset[tuple[str, tuple[int, ...]]]
+    chunks: dict[tuple[str, tuple[int, ...]], int]
     empty: dict[str, tuple[int, ...]]
-    file: str
+    files: dict[int, str]
+    rank: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,9 +157,27 @@ def _tensor_data(item: WriteItem) -> TensorWriteData:
     return td
 
 
-def _place(fqn: str, items: list[tuple[int, WriteItem]]) -> tuple[_Placed, list[tuple[int, tuple]]]:
-    """Where the chunks of ``fqn`` (rank, write item) go: its grid, and the (rank, offsets) of
-    the chunks that store it (each non-empty chunk once; duplicates dropped)."""
+class _Writers:
+    """Writer numbers: a rank's own (its rank), and past the world one more for each further
+    chunk of one tensor the rank holds (its k-th chunk of any tensor goes to its k-th writer, a
+    data file of its own, since a data file holds one shard of each tensor)."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.extra: dict[tuple[int, int], int] = {}  # (rank, k >= 1) -> writer
+
+    def of(self, rank: int, k: int) -> int:
+        if k == 0:
+            return rank
+        return self.extra.setdefault((rank, k), self.world + len(self.extra))
+
+
+def _place(
+    fqn: str, items: list[tuple[int, WriteItem]], writers: _Writers
+) -> tuple[_Placed, list[tuple[int, tuple, int]]]:
+    """Where the chunks of ``fqn`` (rank, write item) go: its grid over writers, and the (rank,
+    offsets, writer) of the chunks that store it (each non-empty chunk once; duplicates
+    dropped)."""
     td = _tensor_data(items[0][1])
     shape = tuple(int(n) for n in td.size)
     dtype = td.properties.dtype
@@ -190,7 +210,12 @@ def _place(fqn: str, items: list[tuple[int, WriteItem]]) -> tuple[_Placed, list[
     split = [d for d, p in enumerate(parts) if len(p) > 1]
     dims = tuple(f"c{d}" for d in split)
     sizes = tuple(len(parts[d]) for d in split)
-    ranks = [grid[cell] for cell in sorted(grid)]
+    held: dict[int, int] = defaultdict(int)  # rank -> chunks of this tensor placed so far
+    writer_of: dict[tuple[int, ...], int] = {}
+    for cell in sorted(grid):
+        writer_of[cell] = writers.of(grid[cell], held[grid[cell]])
+        held[grid[cell]] += 1
+    ranks = [writer_of[cell] for cell in sorted(grid)]
     mesh = (
         MeshEntry.from_rank_grid(dims, sizes, ranks)
         if dims
@@ -199,13 +224,11 @@ def _place(fqn: str, items: list[tuple[int, WriteItem]]) -> tuple[_Placed, list[
     mapping = " | ".join(
         f"split({d}, c{d}, [{', '.join(str(hi - lo) for lo, hi in parts[d])}])" for d in split
     )
-    if len(set(ranks)) != len(ranks):
-        r = next(r for r in ranks if ranks.count(r) > 1)
-        raise AnyshardError(
-            f"{fqn}: rank {r} saves {ranks.count(r)} chunks of it; AnyshardWriter stores one "
-            "chunk of a tensor per rank. Save this state with anyshard.save"
-        )
-    return _Placed(st, shape, mesh, mapping, tuple(sorted(set(ranks)))), list(boxes.values())
+    stored = [
+        (rank, offsets, writer_of[tuple(index[d][span] for d, span in enumerate(box))])
+        for box, (rank, offsets) in boxes.items()
+    ]
+    return _Placed(st, shape, mesh, mapping, tuple(sorted(set(ranks)))), stored
 
 
 class AnyshardWriter(StorageWriter, BlockingAsyncStager):
@@ -315,16 +338,21 @@ class AnyshardWriter(StorageWriter, BlockingAsyncStager):
             for item in plan.items:
                 if item.type != WriteItemType.BYTE_IO:
                     by_fqn[item.index.fqn].append((rank, item))
-        chunks: list[set] = [set() for _ in plans]
+        chunks: list[dict] = [{} for _ in plans]
         empty: list[dict] = [{} for _ in plans]
+        writers = _Writers(len(plans))
         self._placed = {}
         for fqn, items in by_fqn.items():
-            placed, stored = _place(fqn, items)
+            placed, stored = _place(fqn, items, writers)
             self._placed[fqn] = placed
-            for rank, offsets in stored:
-                chunks[rank].add((fqn, offsets))
+            for rank, offsets, writer in stored:
+                chunks[rank][(fqn, offsets)] = writer
             if not stored:
                 empty[placed.writers[0]][fqn] = placed.shape
+        stem = [data_file_name(r).removesuffix(".safetensors") for r in range(len(plans))]
+        files = [{r: f"{stem[r]}{tag}.safetensors"} for r in range(len(plans))]
+        for (rank, k), writer in writers.extra.items():
+            files[rank][writer] = f"{stem[rank]}-{k}{tag}.safetensors"
         self._planner_data = {}
         for plan in plans:  # DCP's flatten mapping, kept for loads that rebuild the state dict
             if isinstance(plan.planner_data, dict):
@@ -332,58 +360,52 @@ class AnyshardWriter(StorageWriter, BlockingAsyncStager):
         return [
             replace(
                 plan,
-                storage_data=_Stored(
-                    frozenset(chunks[r]),
-                    empty[r],
-                    data_file_name(r).replace(".safetensors", f"{tag}.safetensors"),
-                ),
+                storage_data=_Stored(chunks[r], empty[r], files[r], r),
             )
             for r, plan in enumerate(plans)
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         stored: _Stored = plan.storage_data
-        shards: list[tuple[str, torch.Tensor]] = []
+        own = stored.rank
+        by_writer: dict[int, list[tuple[str, torch.Tensor]]] = defaultdict(list)
         results: list[WriteResult] = []
-        file = stored.file
         for item in plan.items:
             fqn = item.index.fqn
+            writer = own
             if item.type == WriteItemType.BYTE_IO:
                 value = _value_of(planner, item)
-                if isinstance(value, _RawBytes):
-                    t = torch.tensor(list(value.data[:0]), dtype=torch.uint8)
-                    if value.data:
-                        t = torch.frombuffer(bytearray(value.data), dtype=torch.uint8)
-                    shards.append((fqn, t))
-                    results.append(
-                        WriteResult(
-                            item.index,
-                            t.nbytes,
-                            {"file": file, "bytes": value.kind, "length": t.numel()},
-                        )
-                    )
-                else:
+                if not isinstance(value, _RawBytes):
                     results.append(WriteResult(item.index, 0, {"value": value}))
-                continue
-            if fqn in stored.empty:
+                    continue
+                t = torch.empty(0, dtype=torch.uint8)
+                if value.data:
+                    t = torch.frombuffer(bytearray(value.data), dtype=torch.uint8)
+                info = {"writer": own, "bytes": value.kind, "length": t.numel()}
+            elif fqn in stored.empty:
                 t = torch.empty(stored.empty[fqn], dtype=_tensor_data(item).properties.dtype)
-                shards.append((fqn, t))
+                info = {"writer": own}
             else:
                 offsets = tuple(int(o) for o in _tensor_data(item).chunk.offsets)
                 if (fqn, offsets) not in stored.chunks:
-                    results.append(WriteResult(item.index, 0, {"file": None}))
+                    results.append(WriteResult(item.index, 0, {"writer": None}))
                     continue
+                writer = stored.chunks[(fqn, offsets)]
                 data = planner.resolve_data(item)
                 assert isinstance(data, torch.Tensor)
                 t = data.detach()
                 if t.device.type != "cpu" or not t.is_contiguous():
                     t = t.to("cpu", memory_format=torch.contiguous_format)
-                shards.append((fqn, t))
-            results.append(WriteResult(item.index, t.nbytes, {"file": file}))
-        if shards:
-            root = _path(self.path, "AnyshardWriter")
+                info = {"writer": writer}
+            by_writer[writer].append((fqn, t))
+            results.append(
+                WriteResult(item.index, t.nbytes, {**info, "file": stored.files[writer]})
+            )
+        root = _path(self.path, "AnyshardWriter")
+        if by_writer:
             storage.makedirs(storage.join(root, DATA_DIR))
-            target = storage.join(root, *file.split("/"))
+        for writer, shards in sorted(by_writer.items()):
+            target = storage.join(root, *stored.files[writer].split("/"))
             try:
                 write_datafile(target, shards, threads=self.threads)
             except BaseException:
@@ -397,25 +419,35 @@ class AnyshardWriter(StorageWriter, BlockingAsyncStager):
         """Commit (coordinator): the manifest from the global plan and what every rank wrote;
         replacing a committed checkpoint, its own manifest in one atomic write, then the old
         checkpoint's data files that nothing references any more."""
-        reports = [SaveReport() for _ in results]
+        writers = 1 + max(
+            [len(results) - 1]
+            + [
+                r.storage_data["writer"]
+                for per in results
+                for r in per
+                if r.storage_data.get("writer") is not None
+            ]
+        )
+        reports = [SaveReport() for _ in range(writers)]
         values: dict[str, Any] = {}
         byte_values: dict[str, str] = {}
         placed = dict(self._placed)
-        for rank, rank_results in enumerate(results):
+        for rank_results in results:
             for res in rank_results:
                 data = res.storage_data
                 fqn = res.index.fqn
                 if "value" in data:
                     values.setdefault(fqn, data["value"])
                     continue
-                if data["file"] is None:
+                writer = data["writer"]
+                if writer is None:
                     continue
-                rep = reports[rank]
-                reports[rank] = replace(rep, file=data["file"], count=rep.count + 1)
+                rep = reports[writer]
+                reports[writer] = replace(rep, file=data["file"], count=rep.count + 1)
                 if "bytes" in data and fqn not in byte_values:
                     byte_values[fqn] = data["bytes"]
-                    mesh = MeshEntry(dims=(), sizes=(), ranks=(rank,))
-                    placed[fqn] = _Placed("U8", (int(data["length"]),), mesh, "", (rank,))
+                    mesh = MeshEntry(dims=(), sizes=(), ranks=(writer,))
+                    placed[fqn] = _Placed("U8", (int(data["length"]),), mesh, "", (writer,))
         for fqn, p in placed.items():
             tensor = ReportedTensor(dtype=p.dtype, shape=p.shape, mesh=p.mesh, mapping=p.mapping)
             reports[p.writers[0]].tensors[fqn] = tensor

@@ -145,3 +145,73 @@ def big_save_load_task(ckpt: str) -> dict[str, int]:
     read = _io()["rchar"] - before
     assert torch.equal(state["w"].to_local(), distribute_tensor(w, mesh, [Shard(0)]).to_local())
     return {"read": read, "needed": state["w"].to_local().nbytes}
+
+
+def several_chunks_task(ckpt: str, spec_kind: str) -> dict:
+    """A ShardedTensor whose sharding spec places several chunks on one rank (ChunkShardingSpec
+    with repeated placements, or an EnumerableShardingSpec), saved through AnyshardWriter, the
+    same through FileSystemWriter; both loaded back (as ShardedTensors of the same spec, as a
+    DTensor sharded over the ranks, and whole in one process on rank 0), every load bit-exact
+    against the tensor each rank built whole. Returns the data files written and bytes checked."""
+    from torch.distributed._shard import sharded_tensor
+    from torch.distributed._shard.sharding_spec import (
+        ChunkShardingSpec,
+        EnumerableShardingSpec,
+        ShardMetadata,
+    )
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    whole = torch.arange(8.0 * 6).reshape(8, 6) * 3 + 1
+    if spec_kind == "chunk":  # rows in 4 chunks, ranks 0, 1, 0, 1
+        spec = ChunkShardingSpec(dim=0, placements=[f"rank:{i % world}/cpu" for i in range(4)])
+    else:  # a 2 x 2 grid of blocks: three on rank 0, the last on rank 1
+        spec = EnumerableShardingSpec(
+            [
+                ShardMetadata([r, c], [4, 3], f"rank:{int(r == 4 and c == 3)}/cpu")
+                for r in (0, 4)
+                for c in (0, 3)
+            ]
+        )
+
+    def sharded(fill: torch.Tensor | None):
+        st = sharded_tensor.empty(spec, 8, 6)
+        for shard in st.local_shards():
+            off = shard.metadata.shard_offsets
+            size = shard.metadata.shard_sizes
+            box = tuple(slice(o, o + n) for o, n in zip(off, size, strict=True))
+            shard.tensor.copy_(fill[box] if fill is not None else torch.zeros(size))
+        return st
+
+    def gathered(st) -> torch.Tensor:
+        out = torch.zeros(8, 6)
+        for shard in st.local_shards():
+            off, size = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+            out[tuple(slice(o, o + n) for o, n in zip(off, size, strict=True))] = shard.tensor
+        dist.all_reduce(out)
+        return out
+
+    held = len(sharded(whole).local_shards())
+    assert held >= 2 or spec_kind == "enum", held  # the case under test: several on one rank
+    theirs = ckpt + "-fs"
+    dcp.save({"w": sharded(whole)}, storage_writer=AnyshardWriter(ckpt))
+    dcp.save({"w": sharded(whole)}, storage_writer=FileSystemWriter(theirs))
+    for reader in (AnyshardReader(ckpt), FileSystemReader(theirs)):
+        back = {"w": sharded(None)}
+        dcp.load(back, storage_reader=reader)
+        assert torch.equal(gathered(back["w"]), whole), type(reader).__name__
+    mesh = init_device_mesh("cpu", (world,))
+    n = 8 // world
+    into = {"w": DTensor.from_local(torch.zeros(n, 6), mesh, [Shard(0)])}
+    dcp.load(into, storage_reader=AnyshardReader(ckpt))
+    assert torch.equal(into["w"].to_local(), whole[rank * n : (rank + 1) * n])
+    dist.barrier()
+    if rank == 0:
+        one = {"w": torch.zeros(8, 6)}
+        dcp.load(one, storage_reader=AnyshardReader(ckpt), no_dist=True)
+        assert torch.equal(one["w"], whole)
+        assert torch.equal(anyshard.open(ckpt).get_tensor("w"), whole)
+    dist.barrier()
+    return {"files": sorted(os.listdir(os.path.join(ckpt, "data"))), "held": held}

@@ -89,6 +89,30 @@ def test_dcp_async_save_in_dcp_s_background_process(tmp_path):
     assert cli(["verify", ckpt]) == 0
 
 
+@pytest.mark.parametrize("kind", ["chunk", "enum"])
+def test_several_chunks_of_a_tensor_on_one_rank(pool2, tmp_path, kind):
+    out = pool2.run(TASKS, "several_chunks_task", str(tmp_path / kind), kind)
+    files = out[0]["files"]
+    # each rank's second chunk of the tensor in a data file of its own
+    if kind == "chunk":
+        assert out[0]["held"] == out[1]["held"] == 2
+        assert files == [
+            "rank-00000-1.safetensors",
+            "rank-00000.safetensors",
+            "rank-00001-1.safetensors",
+            "rank-00001.safetensors",
+        ], files
+    else:
+        assert [r["held"] for r in out] == [3, 1], out
+        assert files == [
+            "rank-00000-1.safetensors",
+            "rank-00000-2.safetensors",
+            "rank-00000.safetensors",
+            "rank-00001.safetensors",
+        ], files
+    assert cli(["verify", str(tmp_path / kind)]) == 0
+
+
 def test_dcp_load_in_one_process(saved):
     ckpt, truth, _ = saved
     from _dcp_backend_tasks import one_process_load
