@@ -222,7 +222,7 @@ def save(
     only read the parameters and optimizer states, overlap the copy.
 
     With ``base`` (a committed step in the same root: ``path``'s sibling directory), the save is
-    incremental: each rank hashes the shards it would write (SHA-256) and references, instead
+    incremental: each rank hashes the shards it would write (xxh3-128) and references, instead
     of writing, those that the same rank stored under the same name in ``base`` with the same
     bytes (the manifest records the referenced file, offsets and hash; retention and ``anyshard
     gc`` keep a referenced file as long as a step references it). Stored names in ``frozen``
@@ -460,10 +460,11 @@ def _write_and_commit(path: str, plan: _LocalPlan, error: BaseException | None, 
     writes = plan.writes
     refs: dict[str, Ref] = {}
     hashes: dict[str, str] | None = None
+    crcs: dict[str, list[int]] | None = None  # computed with the hashes, in the same pass
     spans: dict[str, tuple[int, int]] = {}
     if error is None and plan.incremental is not None:
         try:
-            writes, refs, hashes = plan.incremental.split(path, me, plan.writes)
+            writes, refs, hashes, crcs = plan.incremental.split(path, me, plan.writes)
             refs.update((k, b.ref) for k, b in plan.held.items())
         except Exception as e:
             error = e
@@ -471,7 +472,13 @@ def _write_and_commit(path: str, plan: _LocalPlan, error: BaseException | None, 
         try:
             storage.makedirs(storage.join(path, DATA_DIR))
             file = begun = data_file_name(me)  # written even when it references every shard
-            write_datafile(storage.join(path, *file.split("/")), writes, hashes=hashes, spans=spans)
+            write_datafile(
+                storage.join(path, *file.split("/")),
+                writes,
+                hashes=hashes,
+                spans=spans,
+                crcs_of=crcs,
+            )
         except Exception as e:
             error, file = e, None
     report = SaveReport(

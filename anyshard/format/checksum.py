@@ -1,4 +1,5 @@
-"""crc32c checksums, combining the checksums of adjacent byte ranges, and sealed documents.
+"""crc32c checksums, combining the checksums of adjacent byte ranges, sealed documents, and
+content hashes (what incremental saves compare).
 
 A sealed document (a manifest, a data file's JSON header) carries the crc32c of its own bytes:
 it begins with a fixed prefix and 8 hex digits, the crc32c of the whole document as written
@@ -12,11 +13,25 @@ with a table of x^(2^k) mod P (the method of zlib's crc32_combine).
 
 from __future__ import annotations
 
+import hashlib
+
 import crc32c as _crc32c
+import xxhash as _xxhash
 
 from anyshard.errors import ChecksumError
 
-__all__ = ["check_seal", "crc32c", "crc32c_combine", "seal"]
+__all__ = [
+    "HASH_WRITTEN",
+    "Digester",
+    "check_seal",
+    "crc32c",
+    "crc32c_combine",
+    "digest_and_crcs",
+    "digest_of",
+    "is_digest",
+    "same_algorithm",
+    "seal",
+]
 
 _UNSEALED = b"00000000"
 
@@ -94,3 +109,66 @@ def check_seal(data: bytes, prefix: bytes, where: str, what: str) -> None:
             f"{stored.decode('ascii', 'replace')!r}); the file is corrupt. Restore it from a "
             "replica or load an earlier step"
         )
+
+
+# --------------------------------------------------------------------------- content hashes
+
+# A content hash is written as "ALGORITHM:HEX". Saves write xxh3-128 (12-14 GB/s a core here,
+# against 1.2 for SHA-256); SHA-256 digests that earlier versions recorded (bare hex) are read
+# as "sha256:HEX". Two digests are compared only under the same algorithm.
+HASH_WRITTEN = "xxh3-128"
+_HEX_DIGITS = {"xxh3-128": 32, "sha256": 64}
+
+
+def _hasher(algorithm: str):
+    if algorithm == "xxh3-128":
+        return _xxhash.xxh3_128()
+    return hashlib.sha256()
+
+
+def is_digest(value: object) -> bool:
+    """Whether ``value`` is a content hash as this version writes it: "ALGORITHM:HEX"."""
+    if not isinstance(value, str) or ":" not in value:
+        return False
+    algorithm, _, hexdigits = value.partition(":")
+    n = _HEX_DIGITS.get(algorithm)
+    return n is not None and len(hexdigits) == n and all(c in "0123456789abcdef" for c in hexdigits)
+
+
+def same_algorithm(a: str, b: str) -> bool:
+    return a.partition(":")[0] == b.partition(":")[0]
+
+
+def digest_of(data, algorithm: str = HASH_WRITTEN) -> str:
+    """The content hash of ``data`` (a buffer) under ``algorithm``, as "ALGORITHM:HEX"."""
+    h = _hasher(algorithm)
+    h.update(data)
+    return f"{algorithm}:{h.hexdigest()}"
+
+
+class Digester:
+    """A content hash fed in parts: ``update`` each part in order, then ``digest``."""
+
+    def __init__(self, algorithm: str = HASH_WRITTEN) -> None:
+        self.algorithm = algorithm
+        self._h = _hasher(algorithm)
+
+    def update(self, data) -> None:
+        self._h.update(data)
+
+    def digest(self) -> str:
+        return f"{self.algorithm}:{self._h.hexdigest()}"
+
+
+def digest_and_crcs(data: memoryview, block: int) -> tuple[str, list[int]]:
+    """One pass over ``data``: its content hash (`HASH_WRITTEN`) and the crc32c of every
+    ``block`` bytes (one, of nothing, when it is empty), each block hashed while in cache."""
+    h = Digester()
+    if not data.nbytes:
+        return h.digest(), [0]
+    crcs = []
+    for a in range(0, data.nbytes, block):
+        part = data[a : a + block]
+        crcs.append(_crc32c.crc32c(part))
+        h.update(part)
+    return h.digest(), crcs

@@ -29,7 +29,7 @@ import torch
 
 from anyshard.errors import ChecksumError, CorruptCheckpointError, FormatVersionError
 from anyshard.format import storage, strict_json
-from anyshard.format.checksum import check_seal, seal
+from anyshard.format.checksum import check_seal, is_digest, seal
 from anyshard.format.dtypes import DTYPE_TO_ST, ST_TO_DTYPE
 from anyshard.format.manifest import Manifest, is_sha256
 from anyshard.format.pool import io_pool
@@ -73,7 +73,7 @@ class ShardEntry:
     stop: int
     block: int
     crcs: tuple[int, ...]
-    sha256: str | None = None  # hex, when the writer recorded it
+    digest: str | None = None  # content hash, "ALGORITHM:HEX", when the writer recorded it
 
     def block_span(self, k: int) -> tuple[int, int]:
         """Absolute bytes ``[a, b)`` of block ``k``."""
@@ -125,7 +125,7 @@ def header_bytes(
 ) -> bytes:
     """The JSON header of a data file holding ``shards`` (name, safetensors dtype, shape), back
     to back in that order, with ``crcs[name]`` the crc32c of each checksum block of each and
-    ``hashes[name]``, where given, its SHA-256 (hex)."""
+    ``hashes[name]``, where given, its content hash ("ALGORITHM:HEX")."""
     # first, so that the seal is the header's beginning; `seal` fills the placeholder in
     header: dict[str, object] = {"__metadata__": {"anyshard_crc32c": "00000000"}}
     offset = 0
@@ -143,7 +143,7 @@ def header_bytes(
             "crc32c": crcs[name],
         }
         if hashes and name in hashes:
-            blocks[name]["sha256"] = hashes[name]
+            blocks[name]["hash"] = hashes[name]
     meta = {"format_version": DATAFILE_VERSION, "blocks": blocks}
     header["__metadata__"] = {
         "anyshard_crc32c": "00000000",
@@ -160,14 +160,24 @@ def write_datafile(
     threads: int = 4,
     hashes: dict[str, str] | None = None,
     spans: dict[str, tuple[int, int]] | None = None,
+    crcs_of: dict[str, list[int]] | None = None,
 ) -> int:
     """Write ``shards`` (contiguous CPU tensors) into a new safetensors file, recording
-    ``hashes[name]`` (SHA-256, hex) where given; returns its size, and fills ``spans`` (when
-    given) with each shard's absolute byte range in the file."""
+    ``hashes[name]`` (content hashes) where given; returns its size, and fills ``spans`` (when
+    given) with each shard's absolute byte range in the file. ``crcs_of[name]``, where given,
+    are the shard's block checksums, computed with its hash in one pass (`digest_and_crcs`)."""
     views = [tensor_bytes(t) for _, t in shards]
     blocks = [block_size(tuple(t.shape), t.element_size()) for _, t in shards]
-    pool = io_pool(threads)
-    crcs = list(pool.map(block_crcs, views, blocks))
+    known = crcs_of or {}
+    todo = [i for i, (name, _) in enumerate(shards) if name not in known]
+    computed = dict(
+        zip(
+            todo,
+            io_pool(threads).map(block_crcs, [views[i] for i in todo], [blocks[i] for i in todo]),
+            strict=True,
+        )
+    )
+    crcs = [known[name] if i not in computed else computed[i] for i, (name, _) in enumerate(shards)]
     layout = [(name, DTYPE_TO_ST[t.dtype], tuple(t.shape)) for name, t in shards]
     raw = header_bytes(layout, dict(zip((n for n, _ in shards), crcs, strict=True)), hashes)
     offset = sum(mv.nbytes for mv in views)
@@ -257,12 +267,17 @@ def read_header(path: str) -> DataFileHeader:
 def _blocks_of(
     meta: dict, name: str, version: int, nbytes: int
 ) -> tuple[int, tuple[int, ...], str | None]:
-    """The block size, block checksums and SHA-256 (or None) of shard ``name`` (checked by the
-    caller)."""
+    """The block size, block checksums and content hash (or None) of shard ``name`` (checked by
+    the caller: None also for a malformed hash)."""
     if version == 1:
         return max(nbytes, 1), (meta["crc32c"][name],), None
     entry = meta["blocks"][name]
-    return entry["bytes"], tuple(entry["crc32c"]), entry.get("sha256")
+    if "hash" in entry:  # version 3
+        return entry["bytes"], tuple(entry["crc32c"]), entry["hash"]
+    if "sha256" in entry:  # version 2: a bare SHA-256
+        sha = entry["sha256"]
+        return entry["bytes"], tuple(entry["crc32c"]), f"sha256:{sha}" if is_sha256(sha) else sha
+    return entry["bytes"], tuple(entry["crc32c"]), None
 
 
 def _shard_entries(
@@ -282,7 +297,7 @@ def _shard_entries(
                 and block >= 1
                 and len(crcs) == max(1, -(-(end - begin) // block))
                 and end - begin == math.prod(shape) * ST_TO_DTYPE[dtype].itemsize
-                and (sha is None or is_sha256(sha))
+                and (sha is None or is_digest(sha))
             )
         except (KeyError, TypeError, ValueError) as ex:
             raise CorruptCheckpointError(
@@ -301,7 +316,7 @@ def _shard_entries(
             stop=base + end,
             block=block,
             crcs=crcs,
-            sha256=sha,
+            digest=sha,
         )
     return shards
 

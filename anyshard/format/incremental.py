@@ -1,9 +1,10 @@
 """Incremental saves: a stored shard whose bytes an earlier step of the same root already holds
 is referenced there rather than written again.
 
-A save with a base step hashes each shard it would write (SHA-256; crc32c is no identity) and
-compares it with the shard the same rank stored under the same key in the base: in the base's
-own data file (whose header records the SHA-256 when that save hashed) or, when the base itself
+A save with a base step hashes each shard it would write (xxh3-128, in the same pass as its
+crc32c block checksums; crc32c is no identity) and compares it with the shard the same rank
+stored under the same key in the base: in the base's own data file (whose header records the
+hash when that save hashed) or, when the base itself
 referenced it, where the base's reference points, so that references always name the file that
 holds the bytes and never chain. A base shard without a recorded hash is read and compared byte
 for byte. Names the caller declares frozen skip the hashing when the base records their hash.
@@ -11,7 +12,9 @@ for byte. Names the caller declares frozen skip the hashing when the base record
 Everything here is per rank: no collective, nothing read beyond the base's manifest and the
 headers of the data files this rank's base shards lie in; and not even those when this process
 saved the base itself (the Checkpointer's case): its index is remembered, keyed by the SHA-256 of
-the manifest it committed, and used when the base's manifest still has those bytes.
+the manifest it committed, and used when the base's manifest still has those bytes. A base hash
+under another algorithm (SHA-256, as format_version 3 recorded it) is no match: the shard is
+then compared byte for byte.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ import torch
 from anyshard._lru import LRU
 from anyshard.errors import AnyshardError, CorruptCheckpointError
 from anyshard.format import storage
-from anyshard.format.datafile import data_path, read_header, tensor_bytes
+from anyshard.format.checksum import digest_and_crcs, same_algorithm
+from anyshard.format.datafile import block_size, data_path, read_header, tensor_bytes
 from anyshard.format.dtypes import DTYPE_TO_ST
 from anyshard.format.manifest import (
     MANIFEST_NAME,
@@ -38,7 +42,7 @@ from anyshard.format.manifest import (
 )
 from anyshard.format.pool import io_pool
 
-__all__ = ["Incremental", "sha256_of"]
+__all__ = ["Incremental", "hash_shard"]
 
 _POOL_BYTES = 4 << 20  # shards at least this large are hashed in the I/O pool, others inline
 _REMEMBERED = 8  # indexes of steps this process saved, kept for the saves based on them
@@ -47,8 +51,9 @@ _REMEMBERED = 8  # indexes of steps this process saved, kept for the saves based
 _index_cache: LRU[tuple[str, int], tuple[str, dict[str, _BaseShard]]] = LRU(_REMEMBERED)
 
 
-def sha256_of(data: memoryview) -> str:
-    return hashlib.sha256(data).hexdigest()
+def hash_shard(data: memoryview, block: int) -> tuple[str, list[int]]:
+    """A shard's content hash and its crc32c block checksums, in one pass over its bytes."""
+    return digest_and_crcs(data, block)
 
 
 def _basename(path: str) -> str:
@@ -59,7 +64,7 @@ def _basename(path: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class _BaseShard:
-    ref: Ref  # where the bytes lie, relative to a sibling step (sha256 "" when not recorded)
+    ref: Ref  # where the bytes lie, relative to a sibling step (digest "" when not recorded)
     dtype: str
     shape: tuple[int, ...]
 
@@ -102,7 +107,7 @@ class Incremental:
             if (
                 key in self.frozen
                 and b is not None
-                and b.ref.sha256
+                and b.ref.digest
                 and b.dtype == DTYPE_TO_ST[t.dtype]
                 and b.shape == tuple(t.shape)
             ):
@@ -113,32 +118,46 @@ class Incremental:
 
     def split(
         self, path: str, rank: int, writes: Sequence[tuple[str, torch.Tensor]], *, threads: int = 4
-    ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Ref], dict[str, str]]:
+    ) -> tuple[
+        list[tuple[str, torch.Tensor]], dict[str, Ref], dict[str, str], dict[str, list[int]]
+    ]:
         """``writes`` (this rank's stored shards, contiguous host tensors) split into those to
-        write, with their SHA-256, and references to the base's copies of the others."""
+        write, with their content hashes and crc32c block checksums (one pass over each shard),
+        and references to the base's copies of the others."""
         base = self._base_shards(path, rank) if self.base is not None else {}
         todo, held = self._frozen_part(base, writes)
         refs: dict[str, Ref] = {k: b.ref for k, b in held.items()}
         views = [tensor_bytes(t) for _, t in todo]
+        blocks = [block_size(tuple(t.shape), t.element_size()) for _, t in todo]
         large = [i for i, v in enumerate(views) if v.nbytes >= _POOL_BYTES]
-        hashed = io_pool(threads).map(sha256_of, [views[i] for i in large])
+        hashed = io_pool(threads).map(
+            hash_shard, [views[i] for i in large], [blocks[i] for i in large]
+        )
         pooled = dict(zip(large, hashed, strict=True))
-        digests = [pooled[i] if i in pooled else sha256_of(v) for i, v in enumerate(views)]
+        results = [
+            pooled[i] if i in pooled else hash_shard(v, blocks[i]) for i, v in enumerate(views)
+        ]
         out: list[tuple[str, torch.Tensor]] = []
         hashes: dict[str, str] = {}
-        for (key, t), view, digest in zip(todo, views, digests, strict=True):
+        crcs: dict[str, list[int]] = {}
+        for (key, t), view, (digest, block_crcs) in zip(todo, views, results, strict=True):
             b = base.get(key)
             if (
                 b is not None
                 and b.dtype == DTYPE_TO_ST[t.dtype]
                 and b.shape == tuple(t.shape)
-                and (b.ref.sha256 == digest if b.ref.sha256 else self._same_bytes(path, b, view))
+                and (
+                    b.ref.digest == digest
+                    if b.ref.digest and same_algorithm(b.ref.digest, digest)
+                    else self._same_bytes(path, b, view)
+                )
             ):
-                refs[key] = Ref(file=b.ref.file, start=b.ref.start, stop=b.ref.stop, sha256=digest)
+                refs[key] = Ref(file=b.ref.file, start=b.ref.start, stop=b.ref.stop, digest=digest)
                 continue
             out.append((key, t))
             hashes[key] = digest
-        return out, refs, hashes
+            crcs[key] = block_crcs
+        return out, refs, hashes, crcs
 
     def _base_shards(self, path: str, rank: int) -> dict[str, _BaseShard]:
         """Rank ``rank``'s stored shards in the base: key -> where the bytes lie."""
@@ -179,7 +198,7 @@ class Incremental:
             header = read_header(data_path(base, manifest, rank))
             for key, e in header.shards.items():
                 if key not in refs:
-                    ref = Ref(file=rel, start=e.start, stop=e.stop, sha256=e.sha256 or "")
+                    ref = Ref(file=rel, start=e.start, stop=e.stop, digest=e.digest or "")
                     out[key] = _BaseShard(ref, e.dtype, e.shape)
         headers: dict[int, object] = {}
         for key, ref in refs.items():
@@ -210,7 +229,7 @@ class Incremental:
             rel = f"../{_basename(path)}/{file}"
             for key, t in writes:
                 start, stop = spans[key]
-                ref = Ref(file=rel, start=start, stop=stop, sha256=hashes[key])
+                ref = Ref(file=rel, start=start, stop=stop, digest=hashes[key])
                 index[key] = _BaseShard(ref, DTYPE_TO_ST[t.dtype], tuple(t.shape))
         for key, ref in refs.items():
             index[key] = _BaseShard(ref, *ref_kinds[key])

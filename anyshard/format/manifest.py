@@ -38,7 +38,7 @@ from anyshard.errors import (
     UCLError,
 )
 from anyshard.format import storage, strict_json
-from anyshard.format.checksum import check_seal, seal
+from anyshard.format.checksum import check_seal, is_digest, seal
 from anyshard.format.dtypes import ST_TO_DTYPE
 from anyshard.format.strict_json import (
     FieldError,
@@ -333,15 +333,16 @@ def check_ref_file(name: object, where: str) -> str:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Ref:
     """A stored shard held in a data file of an earlier step: ``file`` relative to the
-    checkpoint (``../STEP/data/FILE``), its bytes ``[start, stop)`` there, and their SHA-256."""
+    checkpoint (``../STEP/data/FILE``), its bytes ``[start, stop)`` there, and their content
+    hash (``digest``, "ALGORITHM:HEX": xxh3-128, or sha256 as format_version 3 recorded it)."""
 
     file: str
     start: int
     stop: int
-    sha256: str
+    digest: str
 
     def to_json(self) -> dict[str, Any]:
-        return {"file": self.file, "offsets": [self.start, self.stop], "sha256": self.sha256}
+        return {"file": self.file, "offsets": [self.start, self.stop], "hash": self.digest}
 
     @classmethod
     def from_json(cls, j: Any, where: str) -> Ref:
@@ -350,13 +351,17 @@ class Ref:
         if len(offsets) != 2:
             raise FieldError(f"a reference's offsets {offsets!r:.60} are not [start, stop]")
         start, stop = (field_int(x, "a reference offset", 0, MAX_BYTES) for x in offsets)
-        if stop < start or not is_sha256(j["sha256"]):
+        if "hash" in j:  # format_version 4
+            digest = j["hash"]
+            valid = is_digest(digest)
+        else:  # format_version 3: a bare SHA-256
+            digest = f"sha256:{j['sha256']}"
+            valid = is_sha256(j["sha256"])
+        if stop < start or not valid:
             raise FieldError(
-                f"a reference's offsets {[start, stop]} or sha256 {j['sha256']!r:.80} are invalid"
+                f"a reference's offsets {[start, stop]} or hash {digest!r:.80} are invalid"
             )
-        return cls(
-            file=check_ref_file(j["file"], where), start=start, stop=stop, sha256=j["sha256"]
-        )
+        return cls(file=check_ref_file(j["file"], where), start=start, stop=stop, digest=digest)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

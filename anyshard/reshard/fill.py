@@ -10,6 +10,7 @@ import torch
 
 from anyshard.errors import ChecksumError, CorruptCheckpointError
 from anyshard.format import storage
+from anyshard.format.checksum import same_algorithm
 from anyshard.format.datafile import DataFileHeader, ShardEntry, data_path, read_headers
 from anyshard.format.dtypes import ST_TO_DTYPE
 from anyshard.format.manifest import Manifest
@@ -134,10 +135,15 @@ def check_stored(
             f"{ref.start}..{ref.stop} of this file, but it lies at {stored.start}..{stored.stop}; "
             "the referenced file was replaced. Load another step"
         )
-    if ref is not None and stored.sha256 is not None and stored.sha256 != ref.sha256:
+    if (
+        ref is not None
+        and stored.digest is not None
+        and same_algorithm(stored.digest, ref.digest)
+        and stored.digest != ref.digest
+    ):
         raise ChecksumError(
-            f"{header.path}: {path} references the stored tensor {key!r} with SHA-256 "
-            f"{ref.sha256[:16]}..., but this file records {stored.sha256[:16]}...; the "
+            f"{header.path}: {path} references the stored tensor {key!r} with hash "
+            f"{ref.digest[:24]}..., but this file records {stored.digest[:24]}...; the "
             "referenced file was replaced. Load another step"
         )
     return stored

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from anyshard.errors import ChecksumError, CorruptCheckpointError
 from anyshard.format import storage
-from anyshard.format.checksum import crc32c
+from anyshard.format.checksum import Digester, crc32c
 from anyshard.format.datafile import data_path, read_headers
 from anyshard.format.manifest import read_manifest
 from anyshard.geometry.boxes import box_numel, intersect
@@ -51,13 +50,14 @@ def _coverage(manifest, fqn: str, entry) -> Iterator[tuple[int, str, tuple[int, 
 
 
 def _check_blocks(
-    reader: storage.FileReader, s, file: str, fqn: str, sha256: str | None = None
+    reader: storage.FileReader, s, file: str, fqn: str, expected: str | None = None
 ) -> int:
     """Read shard ``s`` in parts of about `_BLOCK` bytes (whole checksum blocks) and check the
-    crc32c of each of its blocks and, when given, the SHA-256 of the whole; the bytes read."""
+    crc32c of each of its blocks and, when given, the content hash of the whole ("ALGORITHM:HEX");
+    the bytes read."""
     per = max(1, _BLOCK // s.block) * s.block
     k = 0
-    digest = hashlib.sha256() if sha256 else None
+    digest = Digester(expected.partition(":")[0]) if expected else None
     for a in range(s.start, s.stop, per):
         buf = memoryview(bytearray(min(per, s.stop - a)))
         try:
@@ -74,9 +74,9 @@ def _check_blocks(
             k += 1
         if digest is not None:
             digest.update(buf)
-    if digest is not None and digest.hexdigest() != sha256:
+    if digest is not None and digest.digest() != expected:
         raise ChecksumError(
-            f"{file}: SHA-256 mismatch in the stored shard of {fqn!r} (bytes {s.start}..{s.stop} "
+            f"{file}: content hash mismatch in the stored shard of {fqn!r} (bytes {s.start}..{s.stop} "
             "of the file); the file is corrupt or was replaced. Restore it or load an earlier step"
         )
     return s.stop - s.start
@@ -113,7 +113,7 @@ def verify_checkpoint(
             for rank, key, shape in sorted(by_source[src], key=lambda x: x[1]):
                 s = check_stored(path, manifest, rank, key, header, dtypes[(rank, key)], shape)
                 ref = manifest.refs.get(rank, {}).get(key)
-                digest = ref.sha256 if ref is not None else s.sha256
+                digest = ref.digest if ref is not None else s.digest
                 done += _check_blocks(reader, s, file, key, digest)
                 if progress:
                     progress(done, total)

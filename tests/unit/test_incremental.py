@@ -109,8 +109,10 @@ def test_frozen_names_skip_hashing(tmp_path, monkeypatch):
     s1, s2 = str(tmp_path / "step-1"), str(tmp_path / "step-2")
     anyshard.save(s1, state, content_hash=True)
     hashed = []
-    real = incremental.sha256_of
-    monkeypatch.setattr(incremental, "sha256_of", lambda mv: hashed.append(mv.nbytes) or real(mv))
+    real = incremental.hash_shard
+    monkeypatch.setattr(
+        incremental, "hash_shard", lambda mv, block: hashed.append(mv.nbytes) or real(mv, block)
+    )
     _step(state, 1)
     anyshard.save(s2, state, base=s1, frozen=["base.emb", "base.proj"])
     assert sorted(hashed) == [8 * 64 * 4, 64 * 8 * 4]  # only the adapters
@@ -287,14 +289,14 @@ def test_a_flipped_bit_in_a_referenced_file_is_a_checksum_error(tmp_path):
 
 
 def _strip_hashes(path: str) -> None:
-    """Remove the SHA-256 entries from a data file's header, keeping its length (spaces pad
+    """Remove the content hashes from a data file's header, keeping its length (spaces pad
     the header), so that its offsets and crc32c stay valid: a file written without hashes."""
     with open(path, "r+b") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
         meta = json.loads(header["__metadata__"]["anyshard"])
         for entry in meta["blocks"].values():
-            entry.pop("sha256", None)
+            entry.pop("hash", None)
         header["__metadata__"]["anyshard"] = json.dumps(meta, separators=(",", ":"))
         raw = header_bytes(header)
         assert len(raw) <= n
@@ -304,7 +306,7 @@ def _strip_hashes(path: str) -> None:
 
 def test_a_replaced_referenced_file_is_a_checksum_error(tmp_path):
     """The base's data file swapped for another valid one of the same layout (every crc32c
-    consistent, the same offsets): the SHA-256 the reference records tells them apart."""
+    consistent, the same offsets): the content hash the reference records tells them apart."""
     s1, s2, state = _incremental_pair(tmp_path)
     other = _state(seed=11)
     anyshard.save(str(tmp_path / "other"), other, content_hash=True)
@@ -318,7 +320,7 @@ def test_a_replaced_referenced_file_is_a_checksum_error(tmp_path):
     # a file that records none: verify hashes the referenced bytes
     _strip_hashes(str(swapped))
     shutil.copy(swapped, os.path.join(s1, "data"))
-    with pytest.raises(ChecksumError, match="SHA-256 mismatch"):
+    with pytest.raises(ChecksumError, match="content hash mismatch"):
         verify_checkpoint(s2)
     assert cli(["verify", s2]) != 0
 
@@ -386,3 +388,60 @@ def test_an_async_save_never_stages_the_frozen_shards_its_base_holds(tmp_path, m
     assert sorted(staged) == ["lora.a", "lora.b"]
     assert sorted(_manifest(s2)["refs"]["0"]) == ["base.emb", "base.proj"]
     _assert_state(s2, state)
+
+
+def test_hashes_are_xxh3_128_computed_in_one_pass_with_the_block_checksums(tmp_path):
+    """The content hash recorded in the header and in the references is xxh3-128 of the shard's
+    bytes (recomputed here with xxhash itself), and the crc32c blocks written beside it are the
+    ones a plain save computes."""
+    import xxhash
+
+    from anyshard.format.datafile import read_header
+
+    s1, s2, state = _incremental_pair(tmp_path)
+    header = read_header(os.path.join(s1, "data", "rank-00000.safetensors"))
+    plain = str(tmp_path / "plain")
+    anyshard.save(plain, state)
+    header_plain = read_header(os.path.join(plain, "data", "rank-00000.safetensors"))
+    with open(os.path.join(s1, "data", "rank-00000.safetensors"), "rb") as f:
+        raw = f.read()
+    for key, e in header.shards.items():
+        assert e.digest == "xxh3-128:" + xxhash.xxh3_128(raw[e.start : e.stop]).hexdigest(), key
+    emb = header.shards["base.emb"]
+    assert emb.crcs == header_plain.shards["base.emb"].crcs and len(emb.crcs) > 1
+    refs = _manifest(s2)["refs"]["0"]
+    assert refs and all(r["hash"].startswith("xxh3-128:") for r in refs.values())
+
+
+def test_a_base_that_recorded_sha256_is_compared_byte_for_byte(tmp_path):
+    """A base whose header records SHA-256 (as data-file version 2 did): no hash to compare
+    with, so the unchanged shards are read back and compared, then referenced under xxh3-128."""
+    import hashlib
+
+    state = _state()
+    s1, s2 = str(tmp_path / "step-1"), str(tmp_path / "step-2")
+    anyshard.save(s1, state, content_hash=True)
+    data = os.path.join(s1, "data", "rank-00000.safetensors")
+    with open(data, "r+b") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        f.seek(0)
+        raw = f.read()
+        meta = json.loads(header["__metadata__"]["anyshard"])
+        for name, entry in meta["blocks"].items():
+            a, b = header[name]["data_offsets"]
+            entry.pop("hash")
+            entry["sha256"] = hashlib.sha256(raw[8 + n + a : 8 + n + b]).hexdigest()
+        header["__metadata__"]["anyshard"] = json.dumps(meta, separators=(",", ":"))
+        new = header_bytes(header)
+        new += b" " * (-len(new) % 8)  # a longer header: the data moves with it
+        f.seek(0)
+        f.write(struct.pack("<Q", len(new)) + new + raw[8 + n :])
+    incremental._index_cache.clear()  # as another process would: the base read from storage
+    _step(state, 1)
+    anyshard.save(s2, state, base=s1)
+    refs = _manifest(s2)["refs"]["0"]
+    assert sorted(refs) == ["base.emb", "base.proj"]
+    assert all(r["hash"].startswith("xxh3-128:") for r in refs.values())
+    _assert_state(s2, state)
+    assert verify_checkpoint(s2).bytes_checked > 0
