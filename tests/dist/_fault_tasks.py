@@ -275,3 +275,59 @@ def save_over_committed_task(path: str) -> dict:
     into = DTensor.from_local(torch.zeros(64), mesh, [Shard(0)])
     anyshard.load(path, {"w": into})
     return {"raised": raised, "intact": bool(torch.equal(into.to_local(), first))}
+
+
+def fault_soak_task(root: str, seed: int, rounds: int) -> dict:
+    """Seeded storage faults, the same choices on every rank: each round commits a step, then
+    saves the next while a fault (ENOSPC, EIO or EACCES) is injected on some ranks (sync or
+    async), then saves that step again once the fault has cleared. Counts the faults, the saves
+    that failed on every rank as an AnyshardError within 10 s, the files they left, the saves
+    that succeeded after the fault cleared, and every committed step loaded back at the end
+    (lost: missing or failing; wrong: loaded values that differ)."""
+    import random
+    import time
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rng = random.Random(seed)
+    out = {"faults": 0, "failed": 0, "slow": 0, "left": 0, "retried": 0, "lost": 0, "wrong": 0}
+    committed: dict[str, dict] = {}
+
+    key = f"w{rank}"  # per-rank state, under per-rank names
+
+    def state(step: int) -> dict:
+        g = torch.Generator().manual_seed(seed * 1000 + step * 10 + rank)
+        return {key: torch.rand(4096 + 512 * rank, generator=g), "step": step}
+
+    for i in range(rounds):
+        good, bad = f"{root}/step-{2 * i + 1}", f"{root}/step-{2 * i + 2}"
+        anyshard.save(good, state(2 * i + 1))
+        committed[good] = state(2 * i + 1)
+        kind = rng.choice(sorted(CODES))
+        ranks = rng.sample(range(world), rng.randint(1, world))
+        mode = rng.choice(["sync", "async"])
+        out["faults"] += 1
+        t0, raised = time.monotonic(), False
+        with inject(kind if rank in ranks else None):
+            try:
+                handle = anyshard.save(bad, state(2 * i + 2), async_=mode == "async")
+                if handle is not None:
+                    handle.result()
+            except AnyshardError:
+                raised = True
+        out["failed"] += raised
+        out["slow"] += time.monotonic() - t0 > 10
+        dist.barrier()
+        out["left"] += len(_files(bad)) if os.path.exists(bad) else 0
+        dist.barrier()
+        anyshard.save(bad, state(2 * i + 2))  # the fault has cleared: no manual step
+        committed[bad] = state(2 * i + 2)
+        out["retried"] += 1
+    for path, want in committed.items():
+        got = {key: torch.zeros_like(want[key]), "step": 0}
+        try:
+            anyshard.load(path, got, strict=False)
+        except AnyshardError:
+            out["lost"] += 1
+            continue
+        out["wrong"] += not (torch.equal(got[key], want[key]) and got["step"] == want["step"])
+    return out

@@ -98,12 +98,37 @@ def test_a_skipping_checkpointer_trains_on_through_failed_saves_and_raises_at_th
     at = {"sync": 4, "async": 5}[mode]  # async: step 4's failure surfaces at step 5's save
     for r in out:
         assert r["raised"] is not None and r["raised"]["step"] == at, r
-        assert "3 checkpoint saves" in r["raised"]["text"] and "failed in a row" in r["raised"]["text"]
+        assert (
+            "3 checkpoint saves" in r["raised"]["text"] and "failed in a row" in r["raised"]["text"]
+        )
         assert r["failures"] == [2, 3, 4] and r["committed"][0] == 1 and r["debris"] == [], r
 
 
 def test_a_save_to_a_committed_path_is_refused_on_every_rank_and_touches_nothing(pool2, tmp_path):
     out = pool2.run(TASKS, "save_over_committed_task", str(tmp_path / "step-1"))
     for r in out:
-        assert r["raised"] is not None and "already holds a committed checkpoint" in r["raised"]["text"]
+        assert (
+            r["raised"] is not None
+            and "already holds a committed checkpoint" in r["raised"]["text"]
+        )
         assert r["intact"], r  # no rank wrote into it, nothing of it was removed
+
+
+def test_a_seeded_fault_soak_loses_nothing_and_every_next_save_succeeds(pool2, tmp_path):
+    """``ANYSHARD_FAULT_ROUNDS`` rounds (default 4; tools/crash_soak.py --faults runs more) of
+    seeded faults (``ANYSHARD_FAULT_SEED``): every faulted save fails on every rank within 10 s
+    and leaves no file; the save after the fault clears succeeds; every commit loads bit-exact."""
+    rounds = int(os.environ.get("ANYSHARD_FAULT_ROUNDS", "4"))
+    seed = int(os.environ.get("ANYSHARD_FAULT_SEED", "7"))
+    out = pool2.run(
+        TASKS, "fault_soak_task", str(tmp_path / "soak"), seed, rounds, timeout=60 + 30 * rounds
+    )
+    for rank, r in enumerate(out):
+        assert r["faults"] == r["failed"] == r["retried"] == rounds, (rank, r)
+        assert r["slow"] == r["left"] == r["lost"] == r["wrong"] == 0, (rank, r)
+    print(
+        f"fault-soak: seed {seed}: {rounds} faults x {len(out)} ranks, "
+        f"{sum(r['failed'] for r in out)} saves failed together, {out[0]['left']} files left, "
+        f"{out[0]['retried']} saves succeeded after the fault cleared, {out[0]['lost']} commits "
+        f"lost, {out[0]['slow']} hangs, {out[0]['wrong']} wrong loads"
+    )
