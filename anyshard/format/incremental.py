@@ -30,7 +30,7 @@ import torch
 from anyshard._lru import LRU
 from anyshard.errors import AnyshardError, CorruptCheckpointError
 from anyshard.format import storage
-from anyshard.format.checksum import digest_and_crcs, same_algorithm
+from anyshard.format.checksum import HASH_WRITTEN, digest_and_crcs, digest_of, same_algorithm
 from anyshard.format.datafile import block_size, data_path, read_header, tensor_bytes
 from anyshard.format.dtypes import DTYPE_TO_ST
 from anyshard.format.manifest import (
@@ -51,9 +51,23 @@ _REMEMBERED = 8  # indexes of steps this process saved, kept for the saves based
 _index_cache: LRU[tuple[str, int], tuple[str, dict[str, _BaseShard]]] = LRU(_REMEMBERED)
 
 
-def hash_shard(data: memoryview, block: int) -> tuple[str, list[int]]:
-    """A shard's content hash and its crc32c block checksums, in one pass over its bytes."""
+def hash_shard(data: memoryview, block: int | None) -> tuple[str, list[int] | None]:
+    """A shard's content hash and, given its checksum ``block``, its crc32c block checksums,
+    in one pass over its bytes."""
+    if block is None:
+        return digest_of(data), None
     return digest_and_crcs(data, block)
+
+
+def _comparable(b: _BaseShard | None, t: torch.Tensor) -> bool:
+    """Whether the base shard ``b`` can be matched to ``t`` by the content hash written now."""
+    return (
+        b is not None
+        and b.dtype == DTYPE_TO_ST[t.dtype]
+        and b.shape == tuple(t.shape)
+        and bool(b.ref.digest)
+        and same_algorithm(b.ref.digest, HASH_WRITTEN + ":")
+    )
 
 
 def _basename(path: str) -> str:
@@ -128,7 +142,12 @@ class Incremental:
         todo, held = self._frozen_part(base, writes)
         refs: dict[str, Ref] = {k: b.ref for k, b in held.items()}
         views = [tensor_bytes(t) for _, t in todo]
-        blocks = [block_size(tuple(t.shape), t.element_size()) for _, t in todo]
+        # a shard the base likely holds is hashed alone (its checksums are only needed if it
+        # changed: then the write computes them); any other is hashed in the checksums' pass
+        blocks = [
+            None if _comparable(base.get(key), t) else block_size(tuple(t.shape), t.element_size())
+            for key, t in todo
+        ]
         large = [i for i, v in enumerate(views) if v.nbytes >= _POOL_BYTES]
         hashed = io_pool(threads).map(
             hash_shard, [views[i] for i in large], [blocks[i] for i in large]
@@ -156,7 +175,8 @@ class Incremental:
                 continue
             out.append((key, t))
             hashes[key] = digest
-            crcs[key] = block_crcs
+            if block_crcs is not None:
+                crcs[key] = block_crcs
         return out, refs, hashes, crcs
 
     def _base_shards(self, path: str, rank: int) -> dict[str, _BaseShard]:
