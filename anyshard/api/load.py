@@ -175,6 +175,10 @@ def load_reporting(
             state_dict, process_group=process_group, spec=spec, coords=coords, read_once=read_once
         )
     if spec is not None:
+        if read_once is None:
+            read_once = read_once_pays(path, process_group)
+        # read once: ranks that need the same stored region share one read
+        once = bool(read_once) and coll.world_size(process_group) > 1
         report, error = None, None
         try:
             report = _load_spec(
@@ -188,12 +192,13 @@ def load_reporting(
                 cast,
                 threads,
                 verify,
+                once,
             )
         except Exception as e:
-            if not collective:
+            if not collective or once:  # read once agrees on every error it raises
                 raise
             error = e
-        if collective:
+        if collective and not once:
             coll.raise_together(error, process_group, f"load of {path}")
         assert report is not None
         return report
@@ -338,22 +343,57 @@ def _replica_part(value: torch.Tensor):
 
 
 def _load_spec(
-    path, flat, spec, layout, coords, group, strict, cast, threads, verify
+    path, flat, spec, layout, coords, group, strict, cast, threads, verify, once=False
 ) -> LoadReport:
-    manifest = read_manifest(path)
-    parsed = load_spec(spec)
-    fills, problems, value_keys = spec_fills(
-        manifest, flat, parsed, layout, coords, group, strict=strict, cast=cast
-    )
-    for k in value_keys:
-        if k not in manifest.values and strict:
-            problems.append(f"{k}: a JSON value the checkpoint lacks")
-    if problems:
-        raise StateDictMismatchError(
-            f"{path}: the state dict does not match the checkpoint:\n  " + "\n  ".join(problems)
+    """A spec load; with ``once``, collective: each stored region that several ranks need is
+    read by one of them and sent to the others (`anyshard.api.read_once`)."""
+    error = manifest = None
+    try:
+        manifest = read_manifest(path)
+        parsed = load_spec(spec)
+        fills, problems, value_keys = spec_fills(
+            manifest, flat, parsed, layout, coords, group, strict=strict, cast=cast
         )
-    plan = fill_regions(path, manifest, fills, threads=threads, verify=verify)
+        for k in value_keys:
+            if k not in manifest.values and strict:
+                problems.append(f"{k}: a JSON value the checkpoint lacks")
+        if problems:
+            raise StateDictMismatchError(
+                f"{path}: the state dict does not match the checkpoint:\n  " + "\n  ".join(problems)
+            )
+    except Exception as e:
+        if not once:
+            raise
+        error = e
+    if once:  # every rank's error, before any collective that could wait for it
+        coll.raise_together(error, group, f"load of {path}")
+    assert manifest is not None
+    if once:
+        from anyshard.api import read_once as ro
+
+        wanted = [[fqn, [list(r) for r in box]] for fqn, box in ro.needs_of(fills)]
+        everyone = [
+            [(fqn, tuple((lo, hi) for lo, hi in box)) for fqn, box in needs]
+            for needs in coll.all_gather_json(wanted, group)
+        ]
+        peers = [
+            dist.get_global_rank(group, r) if group is not None else r
+            for r in range(coll.world_size(group))
+        ]
+        bytes_read = ro.fill_once(
+            path,
+            manifest,
+            fills,
+            ro.assign(everyone, manifest),
+            coll.rank(group),
+            peers,
+            group=group,
+            threads=threads,
+            verify=verify,
+        )
+    else:
+        bytes_read = fill_regions(path, manifest, fills, threads=threads, verify=verify).bytes_read
     for k in value_keys:
         if k in manifest.values:
             flat[k].replace(manifest.values[k])
-    return LoadReport(bytes_read=plan.bytes_read)
+    return LoadReport(bytes_read=bytes_read)

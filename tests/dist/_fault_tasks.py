@@ -213,8 +213,8 @@ def fail_together_task(root: str, kind: str, entry: str) -> dict:
     """Save a state sharded over every rank (1 Mi floats: each rank's shard is several checksum
     blocks), damage the last rank's data file (``kind``), then load it through ``entry`` on every
     rank ("load": anyshard.load; "read_once": the same with read_once; "spec": a load of plain
-    local tensors under a UCL spec; "dcp": dcp.load through AnyshardReader): what each raised and
-    how long it took."""
+    local tensors under a UCL spec, "spec_read_once" the same with read_once; "dcp": dcp.load
+    through AnyshardReader): what each raised and how long it took."""
     import time
 
     import torch.distributed.checkpoint as dcp
@@ -233,7 +233,7 @@ def fail_together_task(root: str, kind: str, entry: str) -> dict:
         dcp.save(
             {"w": DTensor.from_local(local, mesh, [Shard(0)])}, storage_writer=AnyshardWriter(path)
         )
-    elif entry == "spec":
+    elif entry.startswith("spec"):
         anyshard.save(path, {"w": local, "step": 1}, spec=spec, layout={"tp": world})
     else:
         anyshard.save(path, {"w": DTensor.from_local(local, mesh, [Shard(0)]), "step": 1})
@@ -246,8 +246,10 @@ def fail_together_task(root: str, kind: str, entry: str) -> dict:
     try:
         if entry == "dcp":
             dcp.load({"w": into}, storage_reader=AnyshardReader(path))
-        elif entry == "spec":
-            anyshard.load(path, {"w": torch.zeros(n), "step": 0}, spec=spec, layout={"tp": world})
+        elif entry.startswith("spec"):
+            state = {"w": torch.zeros(n), "step": 0}
+            once = entry == "spec_read_once"
+            anyshard.load(path, state, spec=spec, layout={"tp": world}, read_once=once)
         else:
             anyshard.load(path, {"w": into, "step": 0}, read_once=entry == "read_once")
     except AnyshardError as e:

@@ -40,15 +40,21 @@ def save_megatron(path: str, seed: int, sizes: dict) -> int:
     return len(state)
 
 
-def load_megatron(path: str, seed: int, sizes: dict) -> int:
+def load_megatron(path: str, seed: int, sizes: dict, read_once: bool = False) -> int:
+    """Load the spec locals of ``sizes`` bit-exact; the bytes this rank read from storage
+    (``read_once``: the regions other ranks also need are read by one of them)."""
+    from anyshard.api.load import load_reporting
+
     want = _locals(seed, sizes, dist.get_rank())
     got = {k: torch.zeros_like(v) for k, v in want.items()}
     got["iteration"] = 0
-    anyshard.load(path, got, spec="megatron_gpt", layout={**sizes, **CFG})
+    report = load_reporting(
+        path, got, spec="megatron_gpt", layout={**sizes, **CFG}, read_once=read_once
+    )
     for k, v in want.items():
         assert torch.equal(got[k], v), k
     assert got["iteration"] == 12
-    return len(want)
+    return report.bytes_read
 
 
 # Hugging Face names as DTensors on a (dp, tp) mesh: column- and row-parallel, replicated norms

@@ -39,7 +39,7 @@ def test_a_damaged_byte_one_rank_fetches_under_read_once_fails_every_rank(
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("entry", ["load", "read_once", "spec", "dcp"])
+@pytest.mark.parametrize("entry", ["load", "read_once", "spec", "spec_read_once", "dcp"])
 @pytest.mark.parametrize("kind", ["flip", "truncate", "header", "missing"])
 def test_damage_one_rank_meets_fails_every_rank_with_the_same_cause(
     dist_pools, tmp_path, world, entry, kind

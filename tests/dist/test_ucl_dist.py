@@ -31,6 +31,25 @@ def test_megatron_locals_saved_by_4_ranks_load_under_other_layouts(pool4, tmp_pa
     assert pool4.run(TASKS, "load_as_dtensors", path, 5) == [len(logical(5))] * 4
 
 
+def test_a_spec_load_reads_each_stored_region_once_per_job(pool4, tmp_path):
+    """dp=2 x tp=2 locals: the two data-parallel replicas need the same regions. Read per rank,
+    each is read twice; with read_once, once, and the loads stay bit-exact."""
+    path = str(tmp_path / "meg")
+    pool4.run(TASKS, "save_megatron", path, 5, {"pp": 2, "tp": 2})
+    from anyshard.format.datafile import read_header
+
+    stored = sum(  # the tensors' bytes in the data files
+        e.stop - e.start
+        for f in os.listdir(path + "/data")
+        for e in read_header(os.path.join(path, "data", f)).shards.values()
+    )
+    each = pool4.run(TASKS, "load_megatron", path, 5, {"dp": 2, "tp": 2})
+    once = pool4.run(TASKS, "load_megatron", path, 5, {"dp": 2, "tp": 2}, True)
+    assert sum(each) >= 2 * stored, (each, stored)  # every byte, by both replicas
+    assert sum(once) <= 1.02 * stored, (once, each, stored)
+    assert all(n > 0 for n in once), once  # the reading is spread over the ranks
+
+
 def test_average_over_replicas_saves_the_mean(pool4, tmp_path):
     path = str(tmp_path / "avg")
     pool4.run(TASKS, "save_averaged", path)

@@ -1,0 +1,152 @@
+"""Reading each stored region once per job, for loads whose targets are plain local tensors (a
+spec load, the DCP reader): the ranks that need the same region of a logical tensor agree on one
+of them to read it; that rank reads it (verified, as any read) and sends it to the others.
+
+The agreement is deterministic from what every rank needs (`assign`): each region goes to the
+rank needing it that has been given the fewest bytes so far, so the reading is spread over the
+ranks that share it. Regions are shared when they are the same box of the same logical tensor;
+regions that only overlap are read by each rank that needs them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from anyshard.api import collectives as coll
+from anyshard.format.dtypes import ST_TO_DTYPE
+from anyshard.format.manifest import Manifest
+from anyshard.geometry.boxes import Box, Piece, box_shape, full_box
+from anyshard.reshard.fill import Fill, fill_regions
+from anyshard.reshard.stored import stored_shards
+
+__all__ = ["Region", "assign", "fill_once", "needs_of", "place"]
+
+Region = tuple[str, Box]  # a logical tensor's name and a box of it
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    """Who reads ``region`` and who receives it from that rank."""
+
+    region: Region
+    reader: int
+    receivers: tuple[int, ...]
+
+
+def needs_of(fills: Sequence[Fill]) -> list[Region]:
+    """The distinct regions ``fills`` need, sorted."""
+    return sorted({(f.fqn, p.logical_box) for f in fills for p in f.pieces})
+
+
+def assign(needs: Sequence[Sequence[Region]], manifest: Manifest) -> list[Assignment]:
+    """Who reads each region that rank ``r`` needs (``needs[r]``): a region one rank needs is
+    its own. The regions read from the same stored shards that the same ranks need go together
+    (their reads coalesce, and a checksum block they share is read once) to the one of those
+    ranks given the fewest bytes so far (then the lowest rank), largest groups first. The same
+    on every rank that computes it."""
+    holders: dict[Region, tuple[int, ...]] = {}
+    for r, regions in enumerate(needs):
+        for region in regions:
+            holders[region] = (*holders.get(region, ()), r)
+
+    def nbytes(region: Region) -> int:
+        fqn, box = region
+        return math.prod(box_shape(box)) * ST_TO_DTYPE[manifest.tensors[fqn].dtype].itemsize
+
+    groups: dict[tuple, list[Region]] = {}
+    for region, ranks in holders.items():
+        fqn, box = region
+        # the stored shards it is read from (a fused local tensor holds several logical ones)
+        sources = tuple(sorted({(s.rank, s.key) for s in stored_shards(manifest, fqn, box)}))
+        groups.setdefault((sources, ranks), []).append(region)
+    size = {g: sum(map(nbytes, regions)) for g, regions in groups.items()}
+    load = [0] * len(needs)
+    out = []
+    for g in sorted(groups, key=lambda g: (-size[g], g)):
+        ranks = g[1]
+        reader = min(ranks, key=lambda r: (load[r], r))
+        load[reader] += size[g]
+        rest = tuple(r for r in ranks if r != reader)
+        out += [Assignment(region, reader, rest) for region in groups[g]]
+    return sorted(out, key=lambda a: a.region)
+
+
+def place(dest: torch.Tensor, piece: Piece, src: torch.Tensor) -> None:
+    """Copy ``src`` (the whole of ``piece.logical_box``) into where ``piece`` lies in ``dest``."""
+    index = tuple(slice(lo, hi) for lo, hi in piece.array_box)
+    if piece.base == 0 and tuple(dest.shape) == piece.array_shape:
+        dest[index].copy_(src)
+        return
+    n = math.prod(piece.array_shape)
+    flat = dest.view(-1)[piece.base : piece.base + n].view(piece.array_shape)
+    flat[index].copy_(src)
+
+
+def fill_once(
+    path: str,
+    manifest: Manifest,
+    fills: Sequence[Fill],
+    plan: Sequence[Assignment],
+    me: int,
+    peers: Sequence[int],
+    *,
+    group=None,
+    threads: int = 8,
+    verify: bool = True,
+    headers: dict | None = None,
+) -> int:
+    """Fill ``fills`` (this rank's, rank ``me`` of ``plan``) reading only the regions ``plan``
+    gives this rank and receiving the others from their readers; ``peers[r]`` is rank ``r``'s
+    global rank (for point-to-point messages). Collective over the ranks of ``plan``: a read
+    error on any of them is raised on all (over ``group``) before anything is sent. Returns the
+    bytes this rank read."""
+    by_fqn: dict[str, list[Box]] = {}
+    for a in plan:
+        if a.reader == me:
+            by_fqn.setdefault(a.region[0], []).append(a.region[1])
+    got: dict[Region, torch.Tensor] = {}
+    reads = []
+    for fqn, boxes in by_fqn.items():  # one flat buffer a tensor: its reads plan together
+        sizes = [math.prod(box_shape(box)) for box in boxes]
+        flat = torch.empty(sum(sizes), dtype=ST_TO_DTYPE[manifest.tensors[fqn].dtype])
+        pieces, at = [], 0
+        for box, n in zip(boxes, sizes, strict=True):
+            shape = box_shape(box)
+            pieces.append(Piece(at, shape, full_box(shape), box))
+            got[(fqn, box)] = flat[at : at + n].view(shape)
+            at += n
+        reads.append(Fill(fqn, flat, tuple(pieces)))
+    error, bytes_read = None, 0
+    try:
+        if reads:
+            done = fill_regions(
+                path, manifest, reads, threads=threads, verify=verify, headers=headers
+            )
+            bytes_read = done.bytes_read
+    except Exception as e:
+        error = e
+    coll.raise_together(error, group, f"load of {path}")
+    device = coll.device(group)
+    ops = []
+    wanted = {(f.fqn, p.logical_box) for f in fills for p in f.pieces}
+    for a in plan:  # the same order on every rank
+        fqn, box = a.region
+        if a.reader == me and a.receivers:
+            sent = got[a.region].to(device)
+            ops += [dist.P2POp(dist.isend, sent, peers[r]) for r in a.receivers]
+        elif me in a.receivers and a.region in wanted:
+            buf = torch.empty(box_shape(box), dtype=ST_TO_DTYPE[manifest.tensors[fqn].dtype])
+            got[a.region] = buf = buf.to(device)
+            ops.append(dist.P2POp(dist.irecv, buf, peers[a.reader]))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    for f in fills:
+        for p in f.pieces:
+            place(f.dest, p, got[(f.fqn, p.logical_box)].to(f.dest.device))
+    return bytes_read
