@@ -45,10 +45,11 @@ def needs_of(fills: Sequence[Fill]) -> list[Region]:
 
 def assign(needs: Sequence[Sequence[Region]], manifest: Manifest) -> list[Assignment]:
     """Who reads each region that rank ``r`` needs (``needs[r]``): a region one rank needs is
-    its own. The regions read from the same stored shards that the same ranks need go together
-    (their reads coalesce, and a checksum block they share is read once) to the one of those
-    ranks given the fewest bytes so far (then the lowest rank), largest groups first. The same
-    on every rank that computes it."""
+    its own. The regions read from the same stored shards go together (their reads coalesce,
+    and a checksum block they share is read once, even by column splits of row blocks) to the
+    one of the ranks needing them given the fewest bytes so far (then the lowest rank), largest
+    groups first; it sends each region to the others that need it. The same on every rank that
+    computes it."""
     holders: dict[Region, tuple[int, ...]] = {}
     for r, regions in enumerate(needs):
         for region in regions:
@@ -59,20 +60,22 @@ def assign(needs: Sequence[Sequence[Region]], manifest: Manifest) -> list[Assign
         return math.prod(box_shape(box)) * ST_TO_DTYPE[manifest.tensors[fqn].dtype].itemsize
 
     groups: dict[tuple, list[Region]] = {}
-    for region, ranks in holders.items():
+    for region in holders:
         fqn, box = region
         # the stored shards it is read from (a fused local tensor holds several logical ones)
         sources = tuple(sorted({(s.rank, s.key) for s in stored_shards(manifest, fqn, box)}))
-        groups.setdefault((sources, ranks), []).append(region)
+        groups.setdefault(sources, []).append(region)
     size = {g: sum(map(nbytes, regions)) for g, regions in groups.items()}
     load = [0] * len(needs)
     out = []
     for g in sorted(groups, key=lambda g: (-size[g], g)):
-        ranks = g[1]
+        ranks = sorted({r for region in groups[g] for r in holders[region]})
         reader = min(ranks, key=lambda r: (load[r], r))
         load[reader] += size[g]
-        rest = tuple(r for r in ranks if r != reader)
-        out += [Assignment(region, reader, rest) for region in groups[g]]
+        out += [
+            Assignment(region, reader, tuple(r for r in holders[region] if r != reader))
+            for region in groups[g]
+        ]
     return sorted(out, key=lambda a: a.region)
 
 
@@ -99,12 +102,14 @@ def fill_once(
     threads: int = 8,
     verify: bool = True,
     headers: dict | None = None,
+    error: BaseException | None = None,
 ) -> int:
     """Fill ``fills`` (this rank's, rank ``me`` of ``plan``) reading only the regions ``plan``
     gives this rank and receiving the others from their readers; ``peers[r]`` is rank ``r``'s
     global rank (for point-to-point messages). Collective over the ranks of ``plan``: a read
-    error on any of them is raised on all (over ``group``) before anything is sent. Returns the
-    bytes this rank read."""
+    error on any of them is raised on all (over ``group``) before anything is sent, as is
+    ``error``, one this rank met before (it then reads nothing). Returns the bytes this rank
+    read."""
     by_fqn: dict[str, list[Box]] = {}
     for a in plan:
         if a.reader == me:
@@ -121,9 +126,9 @@ def fill_once(
             got[(fqn, box)] = flat[at : at + n].view(shape)
             at += n
         reads.append(Fill(fqn, flat, tuple(pieces)))
-    error, bytes_read = None, 0
+    bytes_read = 0
     try:
-        if reads:
+        if reads and error is None:
             done = fill_regions(
                 path, manifest, reads, threads=threads, verify=verify, headers=headers
             )

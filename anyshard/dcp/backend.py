@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import filesystem as _dcp_filesystem
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -67,6 +68,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from anyshard._compat import flatten_state_dict, set_element
+from anyshard.api import read_once
 from anyshard.api.open import open_checkpoint
 from anyshard.api.state import is_json_value, json_roundtrip
 from anyshard.errors import AnyshardError
@@ -90,6 +92,9 @@ __all__ = ["AnyshardReader", "AnyshardWriter", "CheckpointExistsError"]
 
 Box = tuple[tuple[int, int], ...]
 _DCP_METADATA = ".metadata"  # what FileSystemWriter commits last
+# the version of DCP's metadata conventions (its planners read planner_data by it): those of the
+# torch that runs, whose planner made the planner_data the writer keeps
+_DCP_VERSION = getattr(_dcp_filesystem, "CURRENT_DCP_VERSION", None)
 
 
 def _path(checkpoint_id: str | os.PathLike | None, who: str) -> str:
@@ -286,6 +291,7 @@ class AnyshardWriter(StorageWriter, BlockingAsyncStager):
         self.path = None if path is None else os.fspath(path)
         self.threads = threads if thread_count is None else max(1, int(thread_count))
         self.overwrite = overwrite
+        self.save_id = str(uuid.uuid4())  # as DCP's writers: one per save, in storage_meta
         self.rank = 0
         self.is_coordinator = False
         self._placed: dict[str, _Placed] = {}
@@ -295,13 +301,14 @@ class AnyshardWriter(StorageWriter, BlockingAsyncStager):
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
         self._placed, self._planner_data = {}, {}
+        self.save_id = str(uuid.uuid4())
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
 
     def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=self.path) if self.path is not None else None
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.path = _path(self.path, "AnyshardWriter")
@@ -456,6 +463,7 @@ class AnyshardWriter(StorageWriter, BlockingAsyncStager):
         planner_data = self._planner_data or dict(getattr(metadata, "planner_data", None) or {})
         manifest = replace(
             build_manifest(reports, root),
+            save_id=self.save_id,
             byte_values=byte_values,
             planner_data={
                 k: tuple(v) for k, v in planner_data.items() if k in placed or k in values
@@ -531,6 +539,11 @@ class AnyshardReader(StorageReader):
     ``dcp.load(state, storage_reader=AnyshardReader(path))`` fills ``state`` (tensors or
     DTensors of any layout) reading only the regions each rank holds, with ``threads`` parallel
     reads; ``verify=False`` skips the checksums (reading exactly the needed bytes).
+
+    With ``read_once`` (default: from an object store, when DCP loads on more than one rank of
+    the default process group), a region several ranks need (data-parallel replicas) is read by
+    one of them and sent to the others (`anyshard.api.read_once`), as DCP's coordinator plans
+    it from every rank's requests. ``bytes_read``: what this rank read in its last load.
     """
 
     def __init__(
@@ -540,12 +553,16 @@ class AnyshardReader(StorageReader):
         *,
         threads: int = 8,
         verify: bool = True,
+        read_once: bool | None = None,
     ) -> None:
         super().__init__()  # _extension_registry decodes stream transforms, which anyshard
         # never writes (AnyshardWriter refuses _extensions): there is nothing for it to decode
         self.path = None if path is None else os.fspath(path)
         self.threads = threads
         self.verify = verify
+        self.read_once = read_once
+        self.bytes_read = 0
+        self.load_id = str(uuid.uuid4())  # as DCP's readers: one per load, in storage_meta
         self._manifest: Manifest | None = None
         self._dcp: Any = None  # the view of a checkpoint FileSystemWriter wrote
         self._headers: dict = {}
@@ -555,6 +572,7 @@ class AnyshardReader(StorageReader):
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
         self._manifest, self._dcp, self._headers = None, None, {}
+        self.load_id = str(uuid.uuid4())
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -591,7 +609,10 @@ class AnyshardReader(StorageReader):
             state_dict_metadata=md,
             planner_data=planner_data,
             storage_data={},
-            storage_meta=StorageMeta(checkpoint_id=self.path),
+            storage_meta=StorageMeta(
+                checkpoint_id=self.path, save_id=manifest.save_id or None, load_id=self.load_id
+            ),
+            version=_DCP_VERSION,
         )
 
     def _read_dcp_metadata(self) -> Metadata:
@@ -615,7 +636,12 @@ class AnyshardReader(StorageReader):
             state_dict_metadata=md,
             planner_data=planner_data,
             storage_data={},
-            storage_meta=StorageMeta(checkpoint_id=self.path),
+            storage_meta=StorageMeta(
+                checkpoint_id=self.path,
+                save_id=getattr(view, "save_id", None),
+                load_id=self.load_id,
+            ),
+            version=getattr(view, "version", None),
         )
 
     def set_up_storage_reader(
@@ -625,19 +651,92 @@ class AnyshardReader(StorageReader):
             self.read_metadata()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+        return replace(plan, storage_data={"global_rank": rank})
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        """With read once (coordinator): who reads each region that several ranks request, and
+        who receives it, in each rank's plan."""
+        manifest, n = self._manifest, len(plans)
+        once = self.read_once
+        if once is None:
+            once = storage.is_url(_path(self.path, "AnyshardReader"))
+        ranks = [(p.storage_data or {}).get("global_rank") for p in plans]
+        # the default group, rank for rank: point-to-point messages and the agreement on errors
+        # go over it (DCP does not tell a reader its process group)
+        whole = dist.is_available() and dist.is_initialized() and dist.get_world_size() == n
+        if not (once and manifest is not None and n > 1 and whole and ranks == list(range(n))):
+            return plans
+        needs = [
+            sorted(
+                {
+                    (r.storage_index.fqn, _box_of(r))
+                    for r in p.items
+                    if r.type != LoadItemType.BYTE_IO
+                }
+            )
+            for p in plans
+        ]
+        assigned = read_once.assign(needs, manifest)
+        return [
+            replace(
+                p,
+                storage_data={
+                    "once": [a for a in assigned if a.reader == me or me in a.receivers],
+                },
+            )
+            for me, p in enumerate(plans)
+        ]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if self._dcp is not None:
             return self._read_dcp_data(plan, planner, self._dcp)
         manifest = self._manifest
         assert manifest is not None, "read_metadata first"
+        once = (plan.storage_data or {}).get("once")
         fills: list[Fill] = []
-        committed = []
+        committed: list[tuple[Any, torch.Tensor]] = []
         raw: list[tuple[Any, torch.Tensor, str]] = []  # bytes values: (request, buffer, type)
+        try:
+            self._plan_fills(plan, planner, manifest, fills, committed, raw)
+        except Exception as e:
+            if once is None:
+                raise
+            fills, committed, raw = [], [], []
+            self.bytes_read = read_once.fill_once(
+                _path(self.path, "AnyshardReader"), manifest, [], once, dist.get_rank(),
+                list(range(dist.get_world_size())), error=e,
+            )  # fmt: skip
+        path = _path(self.path, "AnyshardReader")
+        if once is not None:
+            tensors = [f for f in fills if f.fqn not in manifest.byte_values]
+            self.bytes_read = read_once.fill_once(
+                path, manifest, tensors, once, dist.get_rank(), list(range(dist.get_world_size())),
+                threads=self.threads, verify=self.verify, headers=self._headers,
+            )  # fmt: skip
+            fills = [f for f in fills if f.fqn in manifest.byte_values]
+        elif fills:
+            self.bytes_read = 0
+        if fills:
+            done = fill_regions(
+                path,
+                manifest,
+                fills,
+                headers=self._headers,
+                threads=self.threads,
+                verify=self.verify,
+            )
+            self.bytes_read += done.bytes_read
+        for req, dest in committed:
+            planner.commit_tensor(req, dest)
+        for req, buf, kind in raw:
+            data = buf.numpy().tobytes()
+            _set_value(planner, req, io.BytesIO(data) if kind == "BytesIO" else data)
+        return _done(None)
+
+    def _plan_fills(self, plan, planner, manifest, fills, committed, raw) -> None:
+        """This rank's fills: the tensors its requests resolve to, the raw bytes values it
+        reads, and the values it sets from the manifest."""
         for req in plan.items:
             fqn = req.storage_index.fqn
             if req.type == LoadItemType.BYTE_IO and fqn in manifest.byte_values:
@@ -664,21 +763,6 @@ class AnyshardReader(StorageReader):
                 Fill(req.storage_index.fqn, dest, (Piece(0, lengths, full_box(lengths), box),))
             )
             committed.append((req, dest))
-        if fills:
-            fill_regions(
-                _path(self.path, "AnyshardReader"),
-                manifest,
-                fills,
-                headers=self._headers,
-                threads=self.threads,
-                verify=self.verify,
-            )
-        for req, dest in committed:
-            planner.commit_tensor(req, dest)
-        for req, buf, kind in raw:
-            data = buf.numpy().tobytes()
-            _set_value(planner, req, io.BytesIO(data) if kind == "BytesIO" else data)
-        return _done(None)
 
     def _read_dcp_data(self, plan: LoadPlan, planner: LoadPlanner, view) -> Future[None]:
         for req in plan.items:
@@ -708,6 +792,11 @@ class AnyshardReader(StorageReader):
                 dest.copy_(view.read_region(fqn, box))
             planner.commit_tensor(req, dest)
         return _done(None)
+
+
+def _box_of(req) -> Box:
+    lengths = tuple(int(n) for n in req.lengths)
+    return tuple((int(o), int(o) + n) for o, n in zip(req.storage_offsets, lengths, strict=True))
 
 
 def _dcp_values(values: dict[str, Any]) -> dict[str, Any]:

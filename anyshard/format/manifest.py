@@ -383,6 +383,8 @@ class Manifest:
     byte_values: dict[str, str] = field(default_factory=dict)
     # a DCP planner's flatten mapping (flattened key -> the path of keys and indices it came from)
     planner_data: dict[str, tuple[str | int, ...]] = field(default_factory=dict)
+    # the id of the save that wrote it (DCP's StorageMeta.save_id), when the writer gave one
+    save_id: str = ""
     # the format_version it was read as (a new manifest: the one it is written as)
     read_version: int = field(default=FORMAT_VERSION, repr=False, compare=False)
     _ref_files: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
@@ -442,6 +444,8 @@ class Manifest:
             out["bytes"] = dict(sorted(self.byte_values.items()))
         if self.planner_data:
             out["planner_data"] = {k: list(v) for k, v in sorted(self.planner_data.items())}
+        if self.save_id:
+            out["save_id"] = self.save_id
         return out
 
     def spec_ranks(self, *, saved: bool = False) -> tuple[RankTensors, ...]:
@@ -610,6 +614,7 @@ class Manifest:
             refs=refs,
             byte_values=byte_values,
             planner_data=planner_data,
+            save_id=field_str(j.get("save_id", ""), "save_id"),
         )
 
 

@@ -235,6 +235,10 @@ class DCPCheckpointView(BaseView):
         self._values: dict[str, tuple[str, int, int]] = {}
         # DCP's flatten mapping (flattened key -> the keys and indices it came from), if saved
         self.planner_data: dict[str, tuple[str | int, ...]] = {}
+        version = getattr(md, "version", None)
+        self.version: str | None = version if isinstance(version, str) else None
+        save_id = getattr(getattr(md, "storage_meta", None), "save_id", None)
+        self.save_id: str | None = save_id if isinstance(save_id, str) else None
         for k, keys in (getattr(md, "planner_data", None) or {}).items():
             if isinstance(k, str) and isinstance(keys, tuple | list):
                 if all(isinstance(x, str | int) and not isinstance(x, bool) for x in keys):

@@ -215,3 +215,35 @@ def several_chunks_task(ckpt: str, spec_kind: str) -> dict:
         assert torch.equal(anyshard.open(ckpt).get_tensor("w"), whole)
     dist.barrier()
     return {"files": sorted(os.listdir(os.path.join(ckpt, "data"))), "held": held}
+
+
+def read_once_task(ckpt: str) -> dict:
+    """dcp.load of tensors replicated over data parallelism ((dp=2, tp=2): Replicate, Shard)
+    through AnyshardReader, read per rank and read once: bytes each rank read, loads checked
+    bit-exact against the saved tensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    g = torch.Generator().manual_seed(3)
+    full_w, full_b = torch.randn(512, 256, generator=g), torch.randn(4096, generator=g)
+    tp4 = init_device_mesh("cpu", (4,))
+    dcp.save(
+        {
+            "w": distribute_tensor(full_w, tp4, [Shard(0)]),
+            "b": distribute_tensor(full_b, tp4, [Shard(0)]),
+        },
+        storage_writer=AnyshardWriter(ckpt),
+    )
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    out = {}
+    for once in (False, True):
+        target = {
+            "w": distribute_tensor(torch.zeros(512, 256), mesh, [Replicate(), Shard(1)]),
+            "b": distribute_tensor(torch.zeros(4096), mesh, [Replicate(), Shard(0)]),
+        }
+        reader = AnyshardReader(ckpt, read_once=once)
+        dcp.load(target, storage_reader=reader)
+        assert torch.equal(target["w"].full_tensor(), full_w), once
+        assert torch.equal(target["b"].full_tensor(), full_b), once
+        out["once" if once else "each"] = reader.bytes_read
+    return out

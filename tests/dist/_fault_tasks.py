@@ -214,7 +214,8 @@ def fail_together_task(root: str, kind: str, entry: str) -> dict:
     blocks), damage the last rank's data file (``kind``), then load it through ``entry`` on every
     rank ("load": anyshard.load; "read_once": the same with read_once; "spec": a load of plain
     local tensors under a UCL spec, "spec_read_once" the same with read_once; "dcp": dcp.load
-    through AnyshardReader): what each raised and how long it took."""
+    through AnyshardReader, "dcp_read_once" the same reading once): what each raised and how
+    long it took."""
     import time
 
     import torch.distributed.checkpoint as dcp
@@ -229,7 +230,7 @@ def fail_together_task(root: str, kind: str, entry: str) -> dict:
     local = torch.arange(float(n)) + rank * n
     spec = f'mesh tp;\n"w" -> "w" [{n * world}] : chunk(0, tp);\n'
     path = os.path.join(root, f"{kind}-{entry}")
-    if entry == "dcp":
+    if entry.startswith("dcp"):
         dcp.save(
             {"w": DTensor.from_local(local, mesh, [Shard(0)])}, storage_writer=AnyshardWriter(path)
         )
@@ -244,8 +245,9 @@ def fail_together_task(root: str, kind: str, entry: str) -> dict:
     into = DTensor.from_local(torch.zeros(n), mesh, [Shard(0)])
     t0, raised = time.monotonic(), None
     try:
-        if entry == "dcp":
-            dcp.load({"w": into}, storage_reader=AnyshardReader(path))
+        if entry.startswith("dcp"):
+            reader = AnyshardReader(path, read_once=entry == "dcp_read_once")
+            dcp.load({"w": into}, storage_reader=reader)
         elif entry.startswith("spec"):
             state = {"w": torch.zeros(n), "step": 0}
             once = entry == "spec_read_once"

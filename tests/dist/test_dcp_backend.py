@@ -113,6 +113,19 @@ def test_several_chunks_of_a_tensor_on_one_rank(pool2, tmp_path, kind):
     assert cli(["verify", str(tmp_path / kind)]) == 0
 
 
+def test_the_reader_reads_each_region_once_per_job(pool4, tmp_path):
+    """Targets replicated over dp=2, and w split by columns: read per rank, the job reads the
+    stored bytes twice (a column split reads whole row blocks); read once, once."""
+    out = pool4.run(TASKS, "read_once_task", str(tmp_path / "c"))
+    stored = (512 * 256 + 4096) * 4
+    each, once = sum(r["each"] for r in out), sum(r["once"] for r in out)
+    assert each >= 2 * stored, (out, stored)
+    assert stored <= once <= 1.02 * stored, (out, stored)
+    # spread by stored shards: w's column halves share every stored shard (one reader); b's
+    # halves share none (two more)
+    assert sum(r["once"] > 0 for r in out) == 3, out
+
+
 def test_dcp_load_in_one_process(saved):
     ckpt, truth, _ = saved
     from _dcp_backend_tasks import one_process_load
