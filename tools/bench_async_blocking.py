@@ -23,18 +23,18 @@ import tempfile
 import benchkit as h
 from bench_goodput import step_times, train
 
+HEADING = "## Async saves that do not stall a step (`tools/bench_async_blocking.py`)"
+
+BACKGROUND = "--checkpoint.stage_in_background"
 MODES = {
     "sync": ["--checkpoint.async_", "false"],
-    "async, staging blocks the step": ["--checkpoint.async_", "true",
-                                       "--checkpoint.stage_in_background", "false"],
-    "async, staged during the step": ["--checkpoint.async_", "true",
-                                      "--checkpoint.stage_in_background", "true"],
-}  # fmt: skip
-BASES = {"tmpfs": "/dev/shm", "disk": tempfile.gettempdir()}
+    "async, staging blocks the step": ["--checkpoint.async_", "true", BACKGROUND, "false"],
+    "async, staged during the step": ["--checkpoint.async_", "true", BACKGROUND, "true"],
+}
 
 
 def run(args, root: str, mode: str, rep: int, tmp: str) -> dict:
-    where = tempfile.mkdtemp(prefix="bench-async-", dir=BASES.get(root, tmp))
+    where = tempfile.mkdtemp(prefix="bench-async-", dir=h.BASES.get(root, tmp))
     every = str(args.every if root != "-" else 10**6)
     opts = ["--parallel.pp", "2", "--parallel.dp_shard", "2", "--train.steps", str(args.steps)]
     opts += ["--checkpoint.every_steps", every, "--checkpoint.keep_last", "2"]
@@ -48,11 +48,11 @@ def run(args, root: str, mode: str, rep: int, tmp: str) -> dict:
     finally:
         shutil.rmtree(where, ignore_errors=True)
     (end,) = [e for e in r["events"] if e["event"] == "end"]
-    times = [x["time"] for x in r["losses"]]
+    losses, saves = r["losses"], end["saves"]
     return {"root": root, "mode": mode, "rep": rep, "wall_s": r["wall_s"], "cpu_s": r["cpu_s"],
-            "steps": step_times(r["losses"]), "train_s": times[-1] - times[0],
-            "losses": [x["loss"] for x in r["losses"]], "saves": end["saves"],
-            "per_save_s": end["ckpt_blocked_s"] / max(1, end["saves"]), "ckpt_bytes": size}  # fmt: skip
+            "steps": step_times(losses), "train_s": losses[-1]["time"] - losses[0]["time"],
+            "losses": [x["loss"] for x in losses], "saves": saves,
+            "per_save_s": end["ckpt_blocked_s"] / max(1, saves), "ckpt_bytes": size}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,9 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     text = (f"{args.steps} steps, a save every {args.every}, checkpoints of {size:.1f} MiB; "
             f"median [min-max] of {args.reps} run(s); trainer seed {args.seed}, options "
             f"{' '.join(args.trainer) or '-'}")  # fmt: skip
-    heading = "## Async saves that do not stall a step (`tools/bench_async_blocking.py`)"
-    dirs = {r: BASES[r] for r in roots if r in BASES}
-    h.report(args, argv, __file__, "async_blocking", text, [(head, rows)], load, heading=heading,
+    dirs = {r: h.BASES[r] for r in roots if r in h.BASES}
+    h.report(args, argv, __file__, "async_blocking", text, [(head, rows)], load, heading=HEADING,
              dirs=dirs, data=records.rows)  # fmt: skip
     return 0
 

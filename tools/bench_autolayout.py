@@ -30,12 +30,21 @@ from bench_goodput import step_times, train
 POOR = {2: "tp=2", 4: "pp=2,tp=2"}
 # the heading its sections go under in docs/benchmarks.md
 UNDER = "## Autolayout: the job picks its layout (`tools/bench_autolayout.py`)"
+ONLINE = ["--parallel.auto", "online"]
 
 
 def _dims(layout: str) -> list[str]:
     """``tp=2,dp_shard=2`` (or ``tp=2 x dp_shard=2``) as trainer options."""
     items = [x.strip() for x in layout.replace(" x ", ",").split(",") if x.strip()]
     return [w for x in items for w in (f"--parallel.{x.split('=')[0]}", x.split("=")[1])]
+
+
+def _layouts(cfg, world: int, rates=None, **kw) -> dict:
+    """The cost model's table of the valid layouts (``tp=2,dp_shard=2``: its row), fastest first."""
+    from anyshard.trainer_integration.gpt.costmodel import Rates, rank_layouts
+
+    rows = rank_layouts(cfg, world, rates or Rates.nominal(), **kw).rows
+    return {r.layout.replace(" x ", ","): r for r in rows}
 
 
 def end_to_end_s(run: dict) -> float:
@@ -48,23 +57,65 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     """Rank correlation of two equally long lists (average ranks for ties)."""
 
     def ranks(v: list[float]) -> list[float]:
-        order = sorted(range(len(v)), key=lambda i: v[i])
-        r = [0.0] * len(v)
-        i = 0
-        while i < len(v):
-            j = i
-            while j + 1 < len(v) and v[order[j + 1]] == v[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                r[order[k]] = (i + j) / 2
-            i = j + 1
-        return r
+        s = sorted(v)
+        return [s.index(x) + (s.count(x) - 1) / 2 for x in v]
 
-    a, b = ranks(xs), ranks(ys)
-    ma, mb = statistics.mean(a), statistics.mean(b)
-    num = sum((x - ma) * (y - mb) for x, y in zip(a, b, strict=True))
-    den = (sum((x - ma) ** 2 for x in a) * sum((y - mb) ** 2 for y in b)) ** 0.5
-    return num / den if den else float("nan")
+    try:
+        return statistics.correlation(ranks(xs), ranks(ys))
+    except statistics.StatisticsError:  # fewer than two values, or all alike
+        return float("nan")
+
+
+class Runs:
+    """The trainer's runs of one invocation, by name, and those that failed."""
+
+    def __init__(self, args, opts: list[str], records: h.Records):
+        self.args, self.opts, self.records, self.runs, self.failed = args, opts, records, {}, []
+
+    def job(self, tmp: str, name: str, rep: int, layout: str, more=(), env: str = "") -> None:
+        run_dir = os.path.join(tmp, f"{name}-{rep}".replace("=", "").replace(",", "-"))
+        if env:
+            os.environ["ANYSHARD_SLOW"] = env
+        try:
+            run = train(run_dir, [*_dims(layout), *self.opts, *more], nproc=self.args.world)
+        finally:
+            os.environ.pop("ANYSHARD_SLOW", None)
+        rec = {
+            "e2e_s": end_to_end_s(run),
+            "step_ms": statistics.median(step_times(run["losses"])[1:]) * 1e3,
+            "final_loss": run["losses"][-1]["loss"],
+            "final_layout": run["losses"][-1]["layout"],
+            "decisions": [e for e in run["events"] if e["event"].startswith("auto_")],
+        }
+        if os.path.exists(rates := os.path.join(run_dir, "rates.json")):
+            rec["rates"] = open(rates).read()
+        rec = self.records.add(rec, system=name, rep=rep, layout=layout)
+        self.runs.setdefault(name, []).append(rec)
+
+    def alternate(self, systems: dict[str, tuple], reps: int, strict: bool = False) -> None:
+        """Each of ``systems`` (name: layout, trainer options, ANYSHARD_SLOW) ``reps`` times in
+        rotated order; a failed trainer ends the run where ``strict``, else it is reported (its
+        error lines and the log's tail) and not counted."""
+        with tempfile.TemporaryDirectory(prefix="bench-autolayout-") as tmp:
+            for rep, order in h.rotations(list(systems), reps):
+                for name in order:
+                    try:
+                        self.job(tmp, name, rep, *systems[name])
+                    except SystemExit as e:
+                        if strict:
+                            raise
+                        self.failed.append(f"{name} (repetition {rep})")
+                        print(f"{self.failed[-1]} failed:\n{e}", file=sys.stderr, flush=True)
+
+    def med(self, name: str, key: str = "e2e_s") -> float:
+        return h.median_of(self.runs[name], key) if name in self.runs else float("nan")
+
+    def spread(self, name: str) -> str:
+        return h.fmt_spread([r["e2e_s"] for r in self.runs[name]], ".1f")
+
+    def fixed(self) -> dict[str, float]:
+        """The median step seconds of each layout run fixed (``fixed LAYOUT``)."""
+        return {n[6:]: self.med(n, "step_ms") / 1e3 for n in self.runs if n.startswith("fixed ")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,30 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slow-factor", type=float, default=2.0, help="the straggler's factor (2)")
     p.add_argument("--oracle-reps", type=int, default=1, help="fixed runs of each layout (1)")
     p.add_argument("--global-batch", type=int, help="the trainer's train.global_batch")
-    p.add_argument(
-        "--straggler-only",
-        metavar="LAYOUT",
-        help="instead: only the straggler pair on LAYOUT, beside the same layout fixed without it",
-    )
-    p.add_argument(
-        "--accuracy-only",
-        action="store_true",
-        help="instead: only the cost model's accuracy: every valid layout run fixed (each also "
-        "calibrating at start, auto=start with no trial), predictions from the first run's "
-        "calibration against the measured median steps",
-    )
-    p.add_argument(
-        "--config",
-        help="the trainer's TOML config (default: its defaults); options this tool does not "
-        "know go to the trainer as they are",
-    )
-    p.add_argument(
-        "--memory-gib",
-        type=float,
-        help="instead: the memory budget (GiB per rank, parallel.auto_memory_gib): every layout "
-        "run fixed for a few steps (its RSS growth against what the model counts), then online "
-        "from the poor layout under the budget",
-    )
+    only = "instead: only the straggler pair on LAYOUT, beside the same layout without it"
+    p.add_argument("--straggler-only", metavar="LAYOUT", help=only)
+    only = "instead: the cost model's accuracy alone, every valid layout run fixed"
+    p.add_argument("--accuracy-only", action="store_true", help=only)
+    p.add_argument("--config", help="the trainer's TOML config; unknown options go to the trainer")
+    only = "instead: each layout's RSS growth, then online under this budget (GiB per rank)"
+    p.add_argument("--memory-gib", type=float, help=only)
     args, extra = p.parse_known_args(argv)
     if args.global_batch:
         extra += ["--train.global_batch", str(args.global_batch)]
@@ -107,257 +141,172 @@ def main(argv: list[str] | None = None) -> int:
     poor = args.poor or POOR[args.world]
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     from anyshard.trainer_integration.gpt.config import load_config
-    from anyshard.trainer_integration.gpt.costmodel import Rates, rank_layouts
 
     cfg = load_config(args.config, extra, environ={})
     if args.config:
         extra += ["--config", args.config]
     records, load = h.Records(args.jsonl, "autolayout"), h.RunLoad()
     opts = ["--train.steps", str(args.steps), "--checkpoint.every_steps", str(10**6), *extra]
-    online = ["--parallel.auto", "online"]
+    if args.memory_gib is not None:
+        return memory(args, argv, cfg, poor, opts, records, load)
+    runs, trainer = Runs(args, opts, records), " ".join(extra) or "-"
+    if args.accuracy_only:
+        return accuracy_only(args, argv, cfg, runs, trainer, load)
     slow_from = args.steps // 2
     slow = f"1:{args.slow_factor:g}:{slow_from}"
-    runs: dict[str, list[dict]] = {}
-    if args.memory_gib is not None:
-        return _memory(args, argv, cfg, poor, opts, records, load)
-
-    def job(tmp: str, name: str, rep: int, layout: str, more: list[str], env: str = "") -> dict:
-        run_dir = os.path.join(tmp, f"{name}-{rep}".replace("=", "").replace(",", "-"))
-        if env:
-            os.environ["ANYSHARD_SLOW"] = env
-        try:
-            run = train(run_dir, [*_dims(layout), *opts, *more], nproc=args.world)
-        finally:
-            os.environ.pop("ANYSHARD_SLOW", None)
-        rec = {
-            "e2e_s": end_to_end_s(run),
-            "step_ms": statistics.median(step_times(run["losses"])[1:]) * 1e3,
-            "final_loss": run["losses"][-1]["loss"],
-            "final_layout": run["losses"][-1]["layout"],
-            "decisions": [e for e in run["events"] if e["event"].startswith("auto_")],
-        }
-        rates = os.path.join(run_dir, "rates.json")
-        if os.path.exists(rates):
-            rec["rates"] = open(rates).read()
-        runs.setdefault(name, []).append(records.add(rec, system=name, rep=rep, layout=layout))
-        return rec
-
-    failed: list[str] = []
-
-    def attempt(tmp: str, name: str, rep: int, layout: str, more: list[str], env: str = "") -> None:
-        """`job`, a failed trainer reported (its error lines and the log's tail), not counted."""
-        try:
-            job(tmp, name, rep, layout, more, env)
-        except SystemExit as e:
-            failed.append(f"{name} (repetition {rep})")
-            print(f"{name} (repetition {rep}) failed:\n{e}", file=sys.stderr, flush=True)
-
-    if args.straggler_only:
-        lay = args.straggler_only
+    straggler = f"straggler rank 1 x{args.slow_factor:g} from step {slow_from}"
+    if lay := args.straggler_only:
         pair = {"fixed": (lay, [], ""), "straggler fixed": (lay, [], slow),
-                "straggler online": (lay, online, slow)}  # fmt: skip
-        with tempfile.TemporaryDirectory(prefix="bench-autolayout-") as tmp:
-            for rep, order in h.rotations(list(pair), args.reps):
-                for name in order:
-                    job(tmp, name, rep, *pair[name])
-        e2e = {n: statistics.median(r["e2e_s"] for r in runs[n]) for n in pair}
-        lost = e2e["straggler fixed"] - e2e["fixed"]
-        back = (e2e["straggler fixed"] - e2e["straggler online"]) / lost if lost > 0 else 0.0
+                "straggler online": (lay, ONLINE, slow)}  # fmt: skip
+        runs.alternate(pair, args.reps, strict=True)
+        lost = runs.med("straggler fixed") - runs.med("fixed")
+        back = runs.med("straggler fixed") - runs.med("straggler online")
+        back = back / lost if lost > 0 else 0.0
         head = ["run", "end to end s (median, min-max)", "median step ms", "final shares"]
-        rows = [
-            [n, h.fmt_spread([r["e2e_s"] for r in runs[n]], ".1f"),
-             f"{statistics.median(r['step_ms'] for r in runs[n]):.0f}",
-             next((str(d.get("shares")) for d in reversed(runs[n][-1]["decisions"])
-                   if d["event"] == "auto_rebalance"), "even")]
-            for n in pair
-        ]  # fmt: skip
-        checks = h.check_lines([
-            ("a 2x straggler: online recovers >= 25% of what fixed loses", back >= 0.25,
-             f"{back:.0%} of {lost:.1f} s"),
-        ])  # fmt: skip
+        rows = [[n, runs.spread(n), f"{runs.med(n, 'step_ms'):.0f}",
+                 next((str(d.get("shares")) for d in reversed(runs.runs[n][-1]["decisions"])
+                       if d["event"] == "auto_rebalance"), "even")] for n in pair]  # fmt: skip
+        checks = [("a 2x straggler: online recovers >= 25% of what fixed loses", back >= 0.25,
+                   f"{back:.0%} of {lost:.1f} s")]  # fmt: skip
         text = (f"{args.world} ranks, {lay}, {args.steps} steps a run, {args.reps} alternating "
-                f"repetitions, straggler rank 1 x{args.slow_factor:g} from step {slow_from}, "
-                f"trainer options {' '.join(extra) or '-'}")  # fmt: skip
-        h.report(args, argv, __file__, f"autolayout_straggler_{args.world}", text,
-                 [(head, rows), "\n".join(checks)], load, under=UNDER, data=records.rows)  # fmt: skip
+                f"repetitions, {straggler}, trainer options {trainer}")  # fmt: skip
+        blocks, name = [(head, rows), h.targets(checks)], f"autolayout_straggler_{args.world}"
+        h.report(args, argv, __file__, name, text, blocks, load, under=UNDER, data=records.rows)
         return 0
 
-    candidates = [
-        r.layout.replace(" x ", ",") for r in rank_layouts(cfg, args.world, Rates.nominal()).rows
-    ]
-    if args.accuracy_only:
-        return _accuracy(args, argv, cfg, candidates, attempt, failed, runs, extra, records, load)
-
-    with tempfile.TemporaryDirectory(prefix="bench-autolayout-") as tmp:
-        for rep, order in h.rotations(candidates, args.oracle_reps):  # the oracle
-            for layout in order:
-                attempt(tmp, f"fixed {layout}", rep, layout, [])
-        oracle = {
-            c: statistics.median(r["e2e_s"] for r in runs[f"fixed {c}"])
-            for c in candidates
-            if f"fixed {c}" in runs
-        }
-        best = min(oracle, key=lambda c: oracle[c])
-        # the straggler runs where shares can move: the best layout with data parallelism
-        best_dp = min((c for c in oracle if "dp_" in c and "pp=" not in c), key=oracle.get)
-        systems = {
-            "poor fixed": (poor, [], ""),
-            "poor online": (poor, online, ""),
-            "best fixed": (best, [], ""),
-            "best online": (best, online, ""),
-            "straggler fixed": (best_dp, [], slow),
-            "straggler online": (best_dp, online, slow),
-        }
-        for rep, order in h.rotations(list(systems), args.reps):
-            for name in order:
-                layout, more, env = systems[name]
-                attempt(tmp, name, rep, layout, more, env)
-
-    def med(name: str, key: str = "e2e_s") -> float:
-        return statistics.median(r[key] for r in runs[name]) if name in runs else float("nan")
-
-    def spr(name: str) -> str:
-        return h.fmt_spread([r["e2e_s"] for r in runs[name]], ".1f")
-
+    runs.alternate({f"fixed {c}": (c, []) for c in _layouts(cfg, args.world)}, args.oracle_reps)
+    oracle = {n[6:]: runs.med(n) for n in runs.runs}
+    best = min(oracle, key=oracle.__getitem__)
+    # the straggler runs where shares can move: the best layout with data parallelism
+    best_dp = min((c for c in oracle if "dp_" in c and "pp=" not in c), key=oracle.__getitem__)
+    systems = {
+        "poor fixed": (poor, [], ""),
+        "poor online": (poor, ONLINE, ""),
+        "best fixed": (best, [], ""),
+        "best online": (best, ONLINE, ""),
+        "straggler fixed": (best_dp, [], slow),
+        "straggler online": (best_dp, ONLINE, slow),
+    }
+    runs.alternate(systems, args.reps)
     # accuracy: the start-up calibration's predictions (no trial refined them) against the
     # oracle's measured median steps
-    predicted, measured, both, rho, mape = accuracy(cfg, args.world, runs["poor online"][0], runs)
-    speedup = med("poor fixed") / med("poor online")
-    vs_oracle = med("poor online") / oracle[best]
-    best_cost = med("best online") / med("best fixed")
-    lost = med("straggler fixed") - oracle[best_dp]
-    recovered = (
-        (med("straggler fixed") - med("straggler online")) / lost if lost > 0 else float("nan")
-    )
-    loss_gap = abs(med("poor online", "final_loss") - med("best fixed", "final_loss")) / med(
-        "best fixed", "final_loss"
-    )
+    calibrated = runs.runs["poor online"][0]
+    predicted, measured, both, rho, mape = accuracy(cfg, args.world, calibrated, runs)
+    speedup = runs.med("poor fixed") / runs.med("poor online")
+    vs_oracle = runs.med("poor online") / oracle[best]
+    best_cost = runs.med("best online") / runs.med("best fixed")
+    lost = runs.med("straggler fixed") - oracle[best_dp]
+    recovered = runs.med("straggler fixed") - runs.med("straggler online")
+    recovered = recovered / lost if lost > 0 else float("nan")
+    loss = runs.med("best fixed", "final_loss")
+    loss_gap = abs(runs.med("poor online", "final_loss") - loss) / loss
     head = ["run", "end to end s (median, min-max)", "median step ms", "final layout", "final loss"]
-    rows = [
-        [n, spr(n), f"{med(n, 'step_ms'):.0f}", runs[n][-1]["final_layout"],
-         f"{med(n, 'final_loss'):.4f}"]
-        for n in systems
-        if n in runs
-    ]  # fmt: skip
+    rows = [[n, runs.spread(n), f"{runs.med(n, 'step_ms'):.0f}", runs.runs[n][-1]["final_layout"],
+             f"{runs.med(n, 'final_loss'):.4f}"] for n in systems if n in runs.runs]  # fmt: skip
     oracle_head = ["layout (fixed)", "end to end s", "measured step ms", "predicted step ms"]
-    oracle_rows = [
-        [c, f"{oracle[c]:.1f}", f"{measured[c] * 1e3:.0f}",
-         f"{predicted[c] * 1e3:.0f}" if c in predicted else "-"]
-        for c in sorted(oracle, key=lambda c: oracle[c])
-    ]  # fmt: skip
-    checks = h.check_lines([
+    oracle_rows = [[c, f"{oracle[c]:.1f}", f"{measured[c] * 1e3:.0f}",
+                    f"{predicted[c] * 1e3:.0f}" if c in predicted else "-"]
+                   for c in sorted(oracle, key=oracle.__getitem__)]  # fmt: skip
+    checks = [
         ("online from the poor layout >= 1.18x its fixed run", speedup >= 1.18, f"{speedup:.2f}x"),
         ("within 10% of the oracle's best fixed layout", vs_oracle <= 1.10,
          f"{vs_oracle:.2f}x the oracle ({best}, {oracle[best]:.1f} s)"),
         ("<= 5% slower than fixed when configured best", best_cost <= 1.05, f"{best_cost:.2f}x"),
-        ("rank correlation >= 0.8 (start-up calibration alone)", rho >= 0.8,
-         f"Spearman {rho:.2f} over {len(both)} layouts"),
-        ("mean absolute percentage error <= 15%", mape <= 0.15, f"{mape:.0%}"),
+        *accuracy_checks(rho, mape, both),
         ("a 2x straggler: online recovers >= 25% of what fixed loses", recovered >= 0.25,
          f"{recovered:.0%} of {lost:.1f} s"),
         ("final loss within 1% of the fixed run's", loss_gap <= 0.01, f"{loss_gap:.2%}"),
-        ("runs that failed (not counted)", None, ", ".join(failed) or "none"),
-    ])  # fmt: skip
+        ("runs that failed (not counted)", None, ", ".join(runs.failed) or "none"),
+    ]  # fmt: skip
     run = (
         f"{args.world} ranks, {args.steps} steps a run, {args.reps} alternating repetitions, "
-        f"oracle {args.oracle_reps} run(s) per layout, straggler rank 1 x{args.slow_factor:g} "
-        f"from step {slow_from}, trainer options {' '.join(extra) or '-'}"
+        f"oracle {args.oracle_reps} run(s) per layout, {straggler}, trainer options {trainer}"
     )
-    blocks = [(head, rows), (oracle_head, oracle_rows), "\n".join(checks)]
+    blocks = [(head, rows), (oracle_head, oracle_rows), h.targets(checks)]
     name = f"autolayout_{args.world}"
     h.report(args, argv, __file__, name, run, blocks, load, under=UNDER, data=records.rows)
     return 0
 
 
-def accuracy(cfg, world: int, calibrated: dict, runs: dict[str, list[dict]]):
+def accuracy(cfg, world: int, calibrated: dict, runs: Runs):
     """The step times the cost model predicts from ``calibrated``'s start-up rates, against the
-    median steps of the layouts run fixed (``runs["fixed LAYOUT"]``): predicted and measured (s,
-    by layout), the layouts in both, Spearman's rho and the mean absolute percentage error."""
-    from anyshard.trainer_integration.gpt.costmodel import Rates, rank_layouts
+    median steps of the layouts run fixed: predicted and measured (s, by layout), the layouts in
+    both, Spearman's rho and the mean absolute percentage error."""
+    from anyshard.trainer_integration.gpt.costmodel import Rates
 
     rates = Rates.from_json(calibrated["rates"])
-    predicted = {
-        r.layout.replace(" x ", ","): r.step_s for r in rank_layouts(cfg, world, rates).rows
-    }
-    measured = {
-        n[len("fixed ") :]: statistics.median(r["step_ms"] for r in rs) / 1e3
-        for n, rs in runs.items()
-        if n.startswith("fixed ")
-    }
+    predicted = {c: r.step_s for c, r in _layouts(cfg, world, rates).items()}
+    measured = runs.fixed()
     both = [c for c in measured if c in predicted]
     rho = spearman([predicted[c] for c in both], [measured[c] for c in both])
     mape = statistics.mean(abs(predicted[c] - measured[c]) / measured[c] for c in both)
     return predicted, measured, both, rho, mape
 
 
-def _accuracy(args, argv, cfg, candidates, attempt, failed, runs, extra, records, load) -> int:
-    """Every valid layout run fixed, each calibrating at its start (``auto = start`` with no
-    trial keeps the layout); the first run's calibration predicts all of them. A layout whose
-    run fails is reported, not counted."""
+def accuracy_checks(rho: float, mape: float, both: list) -> list[tuple]:
+    return [
+        ("rank correlation >= 0.8 (start-up calibration alone)", rho >= 0.8,
+         f"Spearman {rho:.2f} over {len(both)} layouts"),
+        ("mean absolute percentage error <= 15%", mape <= 0.15, f"{mape:.0%}"),
+    ]  # fmt: skip
+
+
+def accuracy_only(args, argv, cfg, runs: Runs, trainer: str, load) -> int:
+    """The cost model's accuracy alone: every valid layout run fixed, each calibrating at its start
+    (``auto = start`` with no trial keeps the layout); the first run's calibration predicts all of
+    them, against the measured median steps. A layout whose run fails is reported, not counted."""
+    from anyshard.trainer_integration.gpt.costmodel import Rates, Refiner, predict
+
     fixed = ["--parallel.auto", "start", "--parallel.auto_trials", "0"]
-    with tempfile.TemporaryDirectory(prefix="bench-autolayout-accuracy-") as tmp:
-        for rep, order in h.rotations(candidates, args.oracle_reps):
-            for layout in order:
-                attempt(tmp, f"fixed {layout}", rep, layout, fixed)
-    lead = next(c for c in candidates if f"fixed {c}" in runs)  # the first that ran
-    first = runs[f"fixed {lead}"][0]
+    candidates = list(_layouts(cfg, args.world))
+    runs.alternate({f"fixed {c}": (c, fixed) for c in candidates}, args.oracle_reps)
+    lead = next(c for c in candidates if f"fixed {c}" in runs.runs)  # the first that ran
+    first = runs.runs[f"fixed {lead}"][0]
     predicted, measured, both, rho, mape = accuracy(cfg, args.world, first, runs)
     # what the scheduler predicts before its first trial: the model refined by the running
     # layout's measured steps (one scale for every term)
-    from anyshard.trainer_integration.gpt.costmodel import Rates, Refiner, predict, rank_layouts
-
     rates = Rates.from_json(first["rates"])
-    par = {
-        r.layout.replace(" x ", ","): r.parallel for r in rank_layouts(cfg, args.world, rates).rows
-    }
+    par = {c: r.parallel for c, r in _layouts(cfg, args.world, rates).items()}
     refiner = Refiner(cfg, rates)
     refiner.add(par[lead], measured[lead])
     refined = {c: predict(cfg, par[c], rates, refiner.scales()).step_s for c in both}
     mape1 = statistics.mean(abs(refined[c] - measured[c]) / measured[c] for c in both)
     head = ["layout (fixed)", "measured step ms (median)", "predicted step ms", "error",
             f"refined by {lead}'s steps", "error"]  # fmt: skip
-    rows = [
-        [c, f"{measured[c] * 1e3:.0f}", f"{predicted[c] * 1e3:.0f}",
-         f"{(predicted[c] - measured[c]) / measured[c]:+.0%}", f"{refined[c] * 1e3:.0f}",
-         f"{(refined[c] - measured[c]) / measured[c]:+.0%}"]
-        for c in sorted(both, key=lambda c: measured[c])
-    ]  # fmt: skip
-    checks = h.check_lines([
-        ("rank correlation >= 0.8 (start-up calibration alone)", rho >= 0.8,
-         f"Spearman {rho:.2f} over {len(both)} layouts"),
-        ("mean absolute percentage error <= 15%", mape <= 0.15, f"{mape:.0%}"),
+    rows = [[c, f"{measured[c] * 1e3:.0f}"] for c in sorted(both, key=measured.__getitem__)]
+    for row in rows:
+        for x in (predicted, refined):
+            c = row[0]
+            row += [f"{x[c] * 1e3:.0f}", f"{(x[c] - measured[c]) / measured[c]:+.0%}"]
+    checks = [
+        *accuracy_checks(rho, mape, both),
         ("after the first layout's steps (the model the first trial is chosen by): MAPE", None,
          f"{mape1:.0%}; Spearman unchanged (one scale for all)"),
         ("contention measured at calibration (ranks sharing cores)", None,
          f"{rates.contention:.2f}"),
-        ("runs that failed (not counted)", None, ", ".join(failed) or "none"),
-    ])  # fmt: skip
+        ("runs that failed (not counted)", None, ", ".join(runs.failed) or "none"),
+    ]  # fmt: skip
     text = (f"{args.world} ranks, every valid layout fixed for {args.steps} steps "
             f"({args.oracle_reps} run(s) each, alternating), predictions from the calibration at "
-            f"the start of the first run ({lead}); "
-            f"trainer options {' '.join(extra) or '-'}")  # fmt: skip
-    h.report(args, argv, __file__, f"autolayout_accuracy_{args.world}", text,
-             [(head, rows), "\n".join(checks)], load, under=UNDER, data=records.rows)  # fmt: skip
-    return 0 if not failed else 1
+            f"the start of the first run ({lead}); trainer options {trainer}")  # fmt: skip
+    blocks, name = [(head, rows), h.targets(checks)], f"autolayout_accuracy_{args.world}"
+    h.report(args, argv, __file__, name, text, blocks, load, under=UNDER, data=runs.records.rows)
+    return 0 if not runs.failed else 1
 
 
-def _memory(args, argv, cfg, poor: str, opts: list[str], records, load) -> int:
+def memory(args, argv, cfg, poor: str, opts: list[str], records, load) -> int:
     """The memory budget: each layout (fitting or not) run fixed for the memory event's steps,
     its ranks' RSS growth (peak over the first steps less the RSS before the model was built)
     against `costmodel.memory_per_rank`; then ``auto = online`` from ``poor`` under the budget:
     the layouts it ran and its ranks' largest RSS growth over the whole run."""
-    from anyshard.trainer_integration.gpt.costmodel import Rates, rank_layouts
     from anyshard.trainer_integration.gpt.train import MEMORY_STEPS
 
     budget = int(args.memory_gib * 2**30)
-    table = rank_layouts(cfg, args.world, Rates.nominal(), memory_bytes=budget)
-    fits = {r.layout.replace(" x ", ",") for r in table.rows}
-    everything = rank_layouts(cfg, args.world, Rates.nominal(), memory_bytes=1 << 50)
+    fits = set(_layouts(cfg, args.world, memory_bytes=budget))
     short = [*opts, "--train.steps", str(MEMORY_STEPS + 1)]  # the later --train.steps wins
     rows, worst = [], 0.0
     with tempfile.TemporaryDirectory(prefix="bench-autolayout-memory-") as tmp:
-        for r in everything.rows:
-            layout = r.layout.replace(" x ", ",")
+        for layout in _layouts(cfg, args.world, memory_bytes=1 << 50):
             run_dir = os.path.join(tmp, layout.replace("=", "").replace(",", "-"))
             run = train(run_dir, [*_dims(layout), *short], nproc=args.world)
             (ev,) = [e for e in run["events"] if e["event"] == "memory"]
@@ -370,16 +319,13 @@ def _memory(args, argv, cfg, poor: str, opts: list[str], records, load) -> int:
             rows.append([layout, "yes" if layout in fits else "no",
                          f"{ev['counted_bytes'] / 2**20:.0f}",
                          " / ".join(f"{g / 2**20:.0f}" for g in growth), f"{err:.0%}"])  # fmt: skip
-        run_dir = os.path.join(tmp, "online")
-        more = ["--parallel.auto", "online", "--parallel.auto_memory_gib", str(args.memory_gib)]
-        run = train(run_dir, [*_dims(poor), *opts, *more], nproc=args.world)
+        more = [*ONLINE, "--parallel.auto_memory_gib", str(args.memory_gib)]
+        run = train(os.path.join(tmp, "online"), [*_dims(poor), *opts, *more], nproc=args.world)
     ran = [poor] + [e["to"].replace(" x ", ",") for e in run["events"] if e["event"] == "relayout"]
     (end,) = [e for e in run["events"] if e["event"] == "end"]
     decisions = [e for e in run["events"] if e["event"].startswith("auto_")]
-    records.add(
-        {"ran": ran, "rss_growth_max": end["rss_growth_max"], "decisions": decisions},
-        system="online",
-    )
+    rec = {"ran": ran, "rss_growth_max": end["rss_growth_max"], "decisions": decisions}
+    records.add(rec, system="online")
     said = "; ".join(
         f"step {e['step']} {e['event'][5:]}" + (f" {e['to']}" if e.get("to") else "")
         + f" ({e['reason']})"
@@ -387,7 +333,7 @@ def _memory(args, argv, cfg, poor: str, opts: list[str], records, load) -> int:
     )  # fmt: skip
     outside = [x for x in ran if x not in fits]
     head = ["layout", "fits the budget", "counted MiB", "RSS growth MiB (per rank)", "error"]
-    checks = h.check_lines([
+    checks = [
         ("no layout outside the budget is run", not outside,
          f"online ran {', '.join(dict.fromkeys(ran))}" + (f"; outside: {outside}" if outside else "")),
         ("no run exceeds the budget", end["rss_growth_max"] <= budget,
@@ -396,15 +342,15 @@ def _memory(args, argv, cfg, poor: str, opts: list[str], records, load) -> int:
         ("the count within 25% of the measured RSS growth (layouts that fit)", worst <= 0.25,
          f"worst {worst:.0%}"),
         ("the online run's decisions", None, said or "none"),
-    ])  # fmt: skip
+    ]  # fmt: skip
     run_text = (
         f"{args.world} ranks, budget {args.memory_gib:g} GiB per rank, each layout fixed for "
         f"{MEMORY_STEPS + 1} steps (growth: peak RSS over {MEMORY_STEPS} steps less the RSS before "
         f"the model was built), then online from {poor} for {args.steps} steps; trainer options "
         f"{' '.join(opts[4:]) or '-'}"
     )
-    h.report(args, argv, __file__, f"autolayout_memory_{args.world}", run_text,
-             [(head, rows), "\n".join(checks)], load, under=UNDER, data=records.rows)  # fmt: skip
+    blocks, name = [(head, rows), h.targets(checks)], f"autolayout_memory_{args.world}"
+    h.report(args, argv, __file__, name, run_text, blocks, load, under=UNDER, data=records.rows)
     return 0
 
 

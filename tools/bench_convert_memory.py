@@ -18,8 +18,8 @@ import shutil
 import sys
 import tempfile
 import time
-import zlib
 
+import bench_reshard as rs
 import benchkit as h
 
 SAVE_WORLD = 4  # the sharded layout: (dp_shard=2, tp=2)
@@ -32,6 +32,19 @@ TOOLS = {
     "anyshard_gpt": "anyshard convert --to anyshard --spec gpt",
 }
 HEADING = "## Memory of converting a DCP checkpoint (`tools/bench_convert_memory.py`)"
+METHOD = """Method: every conversion runs alone in a fresh `python` process that imports what it
+needs (torch and DCP's `format_utils`; torch, `torch.distributed.checkpoint.metadata` (which
+reading DCP's pickled metadata imports), `anyshard.loaders` and `anyshard.cli`), records VmRSS
+(baseline), converts, and records VmHWM (peak RSS, imports included; the parent's `os.wait4`
+ru_maxrss agrees). DCP is `dcp_to_torch_save(src, out.pt)`; anyshard is the console script's entry
+point `anyshard.cli.main(['convert', src, dst, '--to', ...])`, the gpt row with `--spec gpt
+--layout pp=1,dp=2,tp=2,...`. Wall time is the conversion alone; CPU seconds (user + sys) and bytes
+read and written (/proc/PID/io) are the whole child process's, the same counters
+(tools/benchkit.py) for every tool. Outputs are checked one tensor at a time outside the measured
+processes: the `.pt` (`torch.load(mmap=True, weights_only=True)`) against the tensors regenerated
+from their seeds, the Hugging Face files (`safe_open`) and anyshard checkpoints (`anyshard.open`)
+against the `.pt`. Target: peak RSS <= 2 x largest tensor + 256 MiB, checked on the raw peak and
+on peak - baseline."""
 
 
 def model_dims(gib: float, largest_mib: int, hidden: int, heads: int, kv_heads: int) -> dict:
@@ -39,54 +52,32 @@ def model_dims(gib: float, largest_mib: int, hidden: int, heads: int, kv_heads: 
     ``largest_mib`` MiB each."""
     ffn = 256 * math.ceil(hidden * 8 / 3 / 256)  # as LLaMA rounds 8/3 x hidden
     vocab = max(64, (largest_mib * h.MiB // (hidden * 4)) // 64 * 64)
-    w, hd = hidden, hidden // heads
-    per_layer = 4 * (2 * w * heads * hd + 2 * w * kv_heads * hd + 3 * ffn * w + 2 * w)
+    w, kv = hidden, kv_heads * (hidden // heads)
+    per_layer = 4 * (2 * w * w + 2 * w * kv + 3 * ffn * w + 2 * w)
     layers = max(1, math.ceil((gib * h.GiB - 4 * (2 * vocab * w + w)) / per_layer))
     return dict(hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab, layers=layers)
 
 
 def model_shapes(d: dict) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, shape, kind); tp shards ``col`` on dim 0, ``row`` on dim 1, replicates ``norm``."""
-    h_, hd, ffn = d["hidden"], d["hidden"] // d["heads"], d["ffn"]
-    q, kv = d["heads"] * hd, d["kv_heads"] * hd
-    out, qkv = (
-        [("tok_embeddings.weight", (d["vocab"], h_), "col")],
-        (("q", q), ("k", kv), ("v", kv)),
-    )
-    for i in range(d["layers"]):
-        p = f"layers.{i}."
-        out += [(p + "attention_norm.weight", (h_,), "norm")]
-        out += [(p + f"attention.w{x}.weight", (n, h_), "col") for x, n in qkv]
-        out += [(p + "attention.wo.weight", (h_, q), "row"), (p + "ffn_norm.weight", (h_,), "norm")]
-        out += [(p + f"feed_forward.w{x}.weight", (ffn, h_), "col") for x in "13"]
-        out += [(p + "feed_forward.w2.weight", (h_, ffn), "row")]
-    return out + [("norm.weight", (h_,), "norm"), ("output.weight", (d["vocab"], h_), "col")]
-
-
-def full_tensor(name: str, shape: tuple[int, ...]):
-    import torch
-
-    return torch.rand(shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
+    kv = d["kv_heads"] * (d["hidden"] // d["heads"])
+    return rs.gpt_shapes(d["hidden"], d["ffn"], d["vocab"], d["layers"], kv, embedding="col")
 
 
 def save_whole(dst: str, dims: dict) -> None:
     import torch.distributed.checkpoint as dcp
 
-    state = {name: full_tensor(name, shape) for name, shape, _ in model_shapes(dims)}
+    state = {name: rs.full_tensor(name, shape) for name, shape, _ in model_shapes(dims)}
     dcp.save(state, checkpoint_id=dst, no_dist=True)
 
 
 def save_rank(rank: int, world: int, dst: str, dims: dict) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
-    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_shard", "tp"))
-    placements = {"col": [Shard(0), Shard(0)], "row": [Shard(0), Shard(1)]}
-    placements["norm"] = [Shard(0), Replicate()]
-    state = {}
+    mesh, state = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_shard", "tp")), {}
     for name, shape, kind in model_shapes(dims):
-        full, pl = full_tensor(name, shape), placements[kind]
+        full, pl = rs.full_tensor(name, shape), rs.placements_for("src", kind)
         local = distribute_tensor(full, mesh, pl, src_data_rank=None).to_local().clone()
         kw = {"run_check": False, "shape": full.shape, "stride": full.stride()}
         state[name] = DTensor.from_local(local, mesh, pl, **kw)
@@ -130,7 +121,8 @@ def child(tool: str, src: str, dst: str, layout_arg: str, result: str) -> int:
     base, t0 = h.status_kib("VmRSS"), time.perf_counter()
     run()
     wall = time.perf_counter() - t0
-    h.dump_json(result, {"baseline_kib": base, "hwm_kib": h.status_kib("VmHWM"), "wall_s": wall})
+    with open(result, "w") as f:
+        json.dump({"baseline_kib": base, "hwm_kib": h.status_kib("VmHWM"), "wall_s": wall}, f)
     return 0
 
 
@@ -159,7 +151,7 @@ def verify(tool: str, out: str, pt: str, dims: dict) -> str | None:
     sd = torch.load(pt, mmap=True, weights_only=True)
     if tool == "dcp":
         want = {n: s for n, s, _ in model_shapes(dims)}
-        get = lambda n: full_tensor(n, want[n])  # noqa: E731
+        get = lambda n: rs.full_tensor(n, want[n])  # noqa: E731
     elif tool == "hf":
         index = os.path.join(out, "model.safetensors.index.json")
         if os.path.exists(index):
@@ -218,7 +210,7 @@ def bench_layout(layout: str, dims: dict, tools: list[str], root: str, records: 
     return info
 
 
-def table(results: dict, largest: int, markdown: bool) -> str:
+def table(results: dict, largest: int) -> tuple[list, list]:
     target = 2 * largest / h.MiB + TARGET_SLACK_MIB
     head = ["source layout", "tool", "peak RSS MiB", "baseline MiB", "peak - baseline MiB"]
     head += ["target MiB", "peak <= target", "peak - baseline <= target", "wall s", "CPU s"]
@@ -232,45 +224,12 @@ def table(results: dict, largest: int, markdown: bool) -> str:
             rows[-1] += ["pass" if x <= target else "FAIL" for x in (peak, over)]
             rows[-1] += [f"{r['wall_s']:.1f}", f"{r['cpu_s']:.1f}", f"{r['rchar'] / h.MiB:.0f}"]
             rows[-1] += [f"{r['wchar'] / h.MiB:.0f}", "equal" if r["verified"] else "WRONG"]
-    return h.table(head, rows, markdown)
-
-
-METHOD = """Method: every conversion runs alone in a fresh `python` process that imports what it
-needs (torch and DCP's `format_utils`; torch, `torch.distributed.checkpoint.metadata` (which
-reading DCP's pickled metadata imports), `anyshard.loaders` and `anyshard.cli`), records VmRSS
-(baseline), converts, and records VmHWM (peak RSS, imports included; the parent's `os.wait4`
-ru_maxrss agrees). DCP is `dcp_to_torch_save(src, out.pt)`; anyshard is the console script's entry
-point `anyshard.cli.main(['convert', src, dst, '--to', ...])`, the gpt row with `--spec gpt
---layout pp=1,dp=2,tp=2,...`. Wall time is the conversion alone; CPU seconds (user + sys) and bytes
-read and written (/proc/PID/io) are the whole child process's, the same counters
-(tools/benchkit.py) for every tool. Outputs are checked one tensor at a time outside the measured
-processes: the `.pt` (`torch.load(mmap=True, weights_only=True)`) against the tensors regenerated
-from their seeds, the Hugging Face files (`safe_open`) and anyshard checkpoints (`anyshard.open`)
-against the `.pt`. Target: peak RSS <= 2 x largest tensor + 256 MiB, checked on the raw peak and
-on peak - baseline."""
-
-
-def docs_section(argv, results: dict, dims: dict, largest: int, root: str, note: str) -> list:
-    shapes = model_shapes(dims)
-    total = sum(4 * math.prod(s) for _, s, _ in shapes)
-    how = {"whole": "`dcp.save(..., no_dist=True)` from one process (every tensor one chunk)"}
-    how["sharded"] = f"`dcp.save` from {SAVE_WORLD} gloo ranks holding DTensors on a "
-    how["sharded"] += "(dp_shard=2, tp=2) mesh"
-    run = f"{total / h.GiB:.2f} GiB fp32 in {len(shapes)} tensors, GPT-shaped: hidden "
-    run += f"{dims['hidden']}, {dims['layers']} layers, ffn {dims['ffn']}, vocab {dims['vocab']}; "
-    run += f"largest tensor {largest / h.MiB:.0f} MiB"
-    sources = [
-        f"- `{layout}`: saved by {how[layout]}; {info['src_bytes'] / h.GiB:.2f} GiB on disk, "
-        f"{info['chunks']} chunks, the largest {info['largest_chunk'] / h.MiB:.0f} MiB"
-        for layout, info in results.items()
-    ]
-    lines = h.docs_header(__file__, argv, run, {"files": root}, note)
-    lines += ["", "Source checkpoints:", "", *sources, "", METHOD, ""]
-    return lines + [table(results, largest, markdown=True)]
+    return head, rows
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = h.parser(__doc__, quick="--gib 0.1 --largest-mib 8 --hidden 512")
+    quick = {"gib": 0.1, "largest_mib": 8, "hidden": 512, "heads": 8, "kv_heads": 2}
+    p = h.parser(__doc__, quick=quick)
     p.add_argument("--gib", type=float, default=2.25, help="size of the state, at least (2.25 GiB)")
     p.add_argument("--largest-mib", type=int, default=256, help="the vocab matrices (256 MiB)")
     p.add_argument("--hidden", type=int, default=2048, help="model width (2048)")
@@ -283,8 +242,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.child:
         return child(*args.child)
-    if args.quick:
-        args.gib, args.largest_mib, args.hidden, args.heads, args.kv_heads = 0.1, 8, 512, 8, 2
     layouts = h.words(p, "--layouts", args.layouts, LAYOUTS)
     tools = h.words(p, "--tools", args.tools, TOOLS)
     dims = model_dims(args.gib, args.largest_mib, args.hidden, args.heads, args.kv_heads)
@@ -296,12 +253,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"state: {state}; largest tensor {mib:.0f} MiB; target peak RSS <= {target}", flush=True)
     records = h.Records(args.jsonl, "convert_memory")
     results = {layout: bench_layout(layout, dims, tools, args.dir, records) for layout in layouts}
-    note = load.note()
-    print(f"\n{note}\n\n{table(results, largest, markdown=False)}")
-    h.dump_json(args.json, {"dims": dims, "largest": largest, "results": results})
-    if args.write_docs:
-        section = docs_section(argv, results, dims, largest, args.dir, note)
-        h.write_section(args.write_docs, "convert_memory", section, heading=HEADING)
+    how = {"whole": "`dcp.save(..., no_dist=True)` from one process (every tensor one chunk)"}
+    how["sharded"] = f"`dcp.save` from {SAVE_WORLD} gloo ranks holding DTensors on a "
+    how["sharded"] += "(dp_shard=2, tp=2) mesh"
+    sources = [
+        f"- `{layout}`: saved by {how[layout]}; {info['src_bytes'] / h.GiB:.2f} GiB on disk, "
+        f"{info['chunks']} chunks, the largest {info['largest_chunk'] / h.MiB:.0f} MiB"
+        for layout, info in results.items()
+    ]
+    run = f"{sum(sizes) / h.GiB:.2f} GiB fp32 in {len(sizes)} tensors, GPT-shaped: hidden "
+    run += f"{dims['hidden']}, {dims['layers']} layers, ffn {dims['ffn']}, vocab {dims['vocab']}; "
+    run += f"largest tensor {mib:.0f} MiB"
+    blocks = ["\n".join(["Source checkpoints:", "", *sources]), METHOD, table(results, largest)]
+    data = {"dims": dims, "largest": largest, "results": results}
+    h.report(args, argv, __file__, "convert_memory", run, blocks, load, under=HEADING,
+             dirs={"files": args.dir}, data=data)  # fmt: skip
     return 1 if any(not r["verified"] for i in results.values() for r in i["tools"].values()) else 0
 
 

@@ -1,17 +1,11 @@
 """Goodput of the reference trainer with injected faults: recovery, stalls, lost steps, heals.
 
-Each of ``--modes`` runs ``--steps`` steps (a checkpoint every ``--every``) without faults and
-with one per ``--fault-every`` steps, ``--reps`` pairs in alternating order: ``restart`` (a) 4
-ranks pp=2 x dp_shard=2 under the elastic agent (``--launcher``), rank 3 SIGKILLed, the group
-restarts from its checkpoint; FT-HSDP, 2 replica groups x 2 ranks, group 1's rank 1 SIGKILLed,
-group 1 alone restarts and heals from group 0: ``ft`` (b) into its layout, ``ft-relayout`` (c)
-into tp=2, ``ft-relayout-dp`` (c) from tp=2 into dp_shard=2 (the (c) modes also pair a
-fault-free run whose group 1 switches layout at the first fault's step); ``elastic`` (d) group
-1's node lost for ``--back-s`` (4 -> 2 -> 4 ranks). Goodput: steps x the pair's fault-free
-median step over the job's wall time. Healthy ranks restarted per fault: the rank processes
-(this process's descendants, sampled every 0.1 s) alive at the fault whose forkserver or agent
-starts new ranks before the next, less the rank it killed.
-``--heal-gib``: the heal rate of an fp32 state between two 2-rank groups, in fresh processes.
+Each of ``--modes`` (`MODES`: (a) a whole-group restart, (b) and (c) FT-HSDP heals into the same
+or another layout, (d) an elastic 4 -> 2 -> 4) runs ``--steps`` steps without faults and with one
+per ``--fault-every`` steps, ``--reps`` pairs in alternating order. Goodput: steps x the pair's
+fault-free median step over the job's wall time. Healthy ranks restarted per fault: the rank
+processes alive at the fault whose forkserver or agent starts new ranks before the next, less the
+rank it killed. ``--heal-gib``: the heal rate of an fp32 state between two 2-rank groups.
 
     python tools/bench_goodput.py --reps 3 --write-docs
     python tools/bench_goodput.py --modes restart --steps 8 --fault-every 8 --heal-gib 0 \\
@@ -23,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import statistics
 import sys
 import tempfile
 import threading
@@ -31,7 +24,11 @@ import time
 
 import benchkit as h
 
-MODES = {  # title, ranks, mesh dim of 2, heal layout, a lost node
+# title, ranks, mesh dim of 2, heal layout, a lost node. restart: 4 ranks under the elastic agent,
+# rank 3 SIGKILLed; the others: 2 replica groups x 2 ranks, group 1's rank 1 SIGKILLed (elastic:
+# its node lost for --back-s) and group 1 alone restarts and heals from group 0; the (c) modes
+# also pair a fault-free run whose group 1 switches layout at the first fault's step
+MODES = {
     "restart": ("(a) whole-group restart", "4: pp=2 x dp_shard=2", None, None, False),
     "ft": ("(b) heal, same layout", "2 x 2 (dp_shard=2)", "dp_shard", None, False),
     "ft-relayout": ("(c) heal into tp=2", "2 x 2 (dp_shard=2)", "dp_shard", "tp=2", False),
@@ -173,7 +170,7 @@ def job(args, mode: str, kind: str, run_dir: str) -> dict:
 
 
 def median_step(run: dict) -> float:
-    return h.spread(step_times(run["losses"]))["median"]
+    return h.median(step_times(run["losses"]))
 
 
 PER_FAULT = [  # label, key, format: per fault of every faulty run
@@ -294,8 +291,8 @@ def heal_rates(args, records: h.Records) -> list[list[str]]:
             got[(frm, into)].append(records.add(rec, heal=f"{frm} -> {into}", rep=rep))
     for (frm, into), recs in got.items():
         secs, gib = [r["wall_s"] for r in recs], recs[0]["gib"]
-        per_gib = f"{statistics.median(secs) / gib:.2f}"
-        rows.append([f"{frm} -> {into}", f"{gib:.2f}", h.fmt_spread(secs), per_gib])
+        per_gib = h.median(secs) / gib
+        rows.append([f"{frm} -> {into}", f"{gib:.2f}", h.fmt_spread(secs), f"{per_gib:.2f}"])
     return rows
 
 
@@ -305,9 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fault-every", type=int, default=50, help="a fault mid-way in every N steps")
     p.add_argument("--sync", dest="async_", action="store_false", help="synchronous checkpoints")
     p.add_argument("--every", type=int, default=2, help="checkpoint every N steps (2)")
-    p.add_argument("--launcher", choices=["warm", "torchrun"], default="warm",
-                   help="restart mode: warm (ranks forked from a process with torch imported, as "
-                   "the demo runs) or torchrun (new interpreters)")  # fmt: skip
+    how = "restart mode: warm (forked ranks, as the demo runs) or torchrun (new interpreters)"
+    p.add_argument("--launcher", choices=["warm", "torchrun"], default="warm", help=how)
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated: {', '.join(MODES)}")
     p.add_argument("--back-s", type=float, default=5.0, help="elastic: seconds a lost node is away")
     p.add_argument("--heartbeat-ms", type=int, default=1000, help="FT-HSDP: lighthouse timeout")

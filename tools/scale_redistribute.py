@@ -19,7 +19,6 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import benchkit as h  # noqa: E402
@@ -56,9 +55,7 @@ def measure(n: int) -> list:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--n", type=int, nargs="+", default=[8, 64, 256, 1024], help="rank counts")
     args = p.parse_args(argv)
     if bad := [n for n in args.n if n % 8]:

@@ -7,23 +7,18 @@ For each N the model is saved under one layout (pp x dp_shard x tp, FSDP2 over T
 over pipeline stages) and loaded under another. The save derives every tensor's mapping as
 ``anyshard.save`` does (``hold_mapping``, ``stored_mapping``) into the real manifest; for a
 sample of target ranks the load plans as ``anyshard.load`` does (``match_shards``,
-``plan_reads``) against data-file headers laid out as the saving ranks write them. Reported per
-N: manifest bytes; what PyTorch DCP's metadata would hold for the same save (chunk entries;
-pickled bytes where building it is feasible); data-file headers each loading rank reads;
-planning time per rank (one core); byte runs before and read calls after coalescing; bytes read
-over bytes needed; rank 0's commit check.
+``plan_reads``) against data-file headers laid out as the saving ranks write them; against what
+PyTorch DCP's metadata would hold for the same save (`HEAD`: the figures reported per N).
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import pickle  # only to measure the size of DCP's own (pickled) metadata
 import random
 import sys
 import time
-from argparse import RawDescriptionHelpFormatter as RAW
 from collections import namedtuple
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -258,28 +253,23 @@ reads). Commit check: rank 0's check that every rank's shards are listed."""
 def main(argv: list[str] | None = None) -> int:
     import benchkit as h
 
-    doc = __doc__.split("\n\n")
-    p = argparse.ArgumentParser(description=doc[0], epilog=doc[1], formatter_class=RAW)
+    p = h.parser(__doc__, records=False)
     p.add_argument("--n", default="8,128,1024,16384", help="world sizes (%(default)s)")
     p.add_argument("--model", choices=("dense", "moe", "both"), default="both")
     p.add_argument("--samples", type=int, default=6, help="loading ranks sampled besides 0, N-1")
     p.add_argument("--dcp-max-n", type=int, default=1024, help="build DCP's Metadata up to N")
-    h.add_output_args(p, records=False)
     args = p.parse_args(argv)
-    models = {"dense": [("dense 70B", dense_70b())], "moe": [("MoE 16 experts", moe_16())]}
-    chosen = models["dense"] + models["moe"] if args.model == "both" else models[args.model]
+    models = {"dense": ("dense 70B", dense_70b), "moe": ("MoE 16 experts", moe_16)}
     rows, load = [], h.RunLoad()
-    for name, model in chosen:
-        for n in (int(x) for x in args.n.split(",")):
+    for key, (name, make) in models.items():
+        model = make() if args.model in (key, "both") else None
+        for n in (int(x) for x in args.n.split(",")) if model else ():
             rows.append(simulate(name, model, n, args.samples, n <= args.dcp_max_n))
             cells = zip(HEAD, table_rows(rows)[-1], strict=True)
             print(", ".join(f"{k} {v}" for k, v in cells), flush=True)
-    table = h.table(HEAD, table_rows(rows), markdown=True)
-    print("\n" + table)
-    if args.write_docs:
-        command = f"Command: `{h.rerun_command(__file__, argv)}` ({h.today()}); {load.note()}."
-        section = [HEADING, "", INTRO, "", command, "", *h.machine_lines(), "", NOTES, "", table]
-        h.write_section(args.write_docs, "scale_sim", section)
+    run = f"{args.samples} loading ranks sampled besides 0 and N - 1"
+    blocks = [NOTES, (HEAD, table_rows(rows))]
+    h.report(args, argv, __file__, "scale_sim", run, blocks, load, heading=HEADING, intro=INTRO)
     return 0
 
 
