@@ -24,13 +24,17 @@ import sys
 import benchkit as h
 
 TEST = "tests/unit/test_crash_safety.py"
+FAULTS = "tests/dist/test_failed_saves.py::test_a_seeded_fault_soak_loses_nothing_and_every_next_save_succeeds"
 LINE = re.compile(r"^([\w-]+): (\d+) kills in ([\d.]+)s; newest commit (\w+)(?:; where: (.*))?$")
 HEADING = "## Crash safety: SIGKILL at random moments (`tools/crash_soak.py`)"
 INTRO = """A 2-rank group saves every step with `Checkpointer(keep_last=2)` (sync, async, tiered, incremental;
 and sync and async to SeaweedFS) and is SIGKILLed at seeded random moments and restarted; after
 every kill every committed step must verify and the newest restore bit-exact; at the end of the
 object-store runs `anyshard gc --stale-after 0` leaves no debris. Kills per mode, where they
-landed as the files on disk tell it (`-`: none; the object-store tests do not classify them)."""
+landed as the files on disk tell it (`-`: none; the object-store tests do not classify them).
+Then `--faults` rounds of seeded storage faults (ENOSPC, EIO, EACCES on some ranks, sync or
+async) on 2 ranks: each faulted save must fail on every rank within 10 s and leave no file, the
+save after the fault clears must succeed, and every commit must load bit-exact."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,12 +42,14 @@ def main(argv: list[str] | None = None) -> int:
     kills = "kills per mode: async, tiered, incremental, s3-sync, s3-async"
     p.add_argument("--kills", type=int, default=40, help=kills)
     p.add_argument("--seed", type=int, default=20240611, help="the kills' seed (the suite's)")
+    p.add_argument("--faults", type=int, default=20, help="rounds of injected storage faults")
     args = p.parse_args(argv)
-    print(f"seed {args.seed}, {args.kills} kills per mode", flush=True)
+    print(f"seed {args.seed}, {args.kills} kills per mode, {args.faults} faults", flush=True)
     env = dict(os.environ, ANYSHARD_CRASH_KILLS=str(args.kills), ANYSHARD_CRASH_SEED=str(args.seed))
+    env.update(ANYSHARD_FAULT_ROUNDS=str(args.faults), ANYSHARD_FAULT_SEED=str(args.seed))
     load = h.RunLoad()
-    cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-n", "0", "-p", "no:cacheprovider", TEST]
-    done = subprocess.run(cmd, cwd=h.ROOT, env=env, capture_output=True, text=True)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-n", "0", "-p", "no:cacheprovider"]
+    done = subprocess.run([*cmd, TEST, FAULTS], cwd=h.ROOT, env=env, capture_output=True, text=True)
     runs = [m.groups() for m in map(LINE.match, done.stdout.splitlines()) if m]
     where = [ast.literal_eval(w) if w else None for *_, w in runs]
     places = sorted({k for w in where if w for k in w})
@@ -53,11 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     result = [
         ln.strip("= ") for ln in done.stdout.splitlines() if " passed" in ln or " failed" in ln
     ]
+    faults = [ln for ln in done.stdout.splitlines() if ln.startswith("fault-soak:")]
     total = f"{sum(int(r[1]) for r in runs)} kills; pytest: {(result or ['no result'])[-1]}"
+    total += f"\n\n{(faults or ['fault-soak: no result'])[-1]}"
     if done.returncode:  # no docs section: the output instead
         args.write_docs = None
         print(done.stdout[-4000:], done.stderr[-2000:], sep="\n")
-    opts = ["--seed", str(args.seed), "--kills", str(args.kills)]
+    opts = ["--seed", str(args.seed), "--kills", str(args.kills), "--faults", str(args.faults)]
     blocks = [(["where the kill landed", *(r[0] for r in runs)], rows), total]
     h.report(args, opts, __file__, "crash_soak", f"seed {args.seed}", blocks, load,
              heading=HEADING, intro=INTRO)  # fmt: skip
