@@ -513,7 +513,7 @@ def _seconds(text: str) -> float:
 
 
 def _gc(args) -> int:
-    from anyshard.format.steps import remove_debris
+    from anyshard.format.steps import remove_debris, remove_orphans
 
     _root_must_exist(args.root)
     removed, kept = remove_debris(
@@ -530,6 +530,11 @@ def _gc(args) -> int:
         + (f" or untouched for {args.stale_after:g} s" if args.stale_after is not None else "")
         + (f"; kept {len(kept)} whose files committed steps reference" if kept else "")
     )
+    if args.stale_after is not None:  # files of committed steps that nothing names any more
+        orphans = remove_orphans(args.root, stale_after_s=args.stale_after, dry_run=args.dry_run)
+        for path in orphans:
+            print(f"{verb} {path}")
+        print(f"{verb} {len(orphans)} data file(s) of committed steps that nothing references")
     return 0
 
 
@@ -628,7 +633,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Remove uncommitted step-* directories older than the newest committed step. "
         "Newer uncommitted steps may be saves in progress and are left alone, unless "
         "--stale-after is given: then those in which nothing was written for that long go "
-        "too (a killed job's).",
+        "too (a killed job's), as do data files of committed steps that neither their manifest "
+        "nor any other step names and that are as old (a checkpoint replaced in place by a job "
+        "killed before its cleanup).",
         epilog=_EXAMPLES["gc"],
         formatter_class=fmt,
     )

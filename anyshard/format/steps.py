@@ -34,6 +34,7 @@ __all__ = [
     "latest_committed",
     "list_steps",
     "referenced_files",
+    "remove_orphans",
     "remove_debris",
     "remove_step",
     "remove_steps",
@@ -333,3 +334,39 @@ def remove_debris(
     removed = [s.path for s in find_debris(list_steps(root), stale_after_s=stale_after_s)]
     kept = remove_steps(removed) if not dry_run else []
     return (removed, kept) if report_kept else removed
+
+
+def remove_orphans(root: str, *, stale_after_s: float, dry_run: bool = False) -> list[str]:
+    """Remove the data files in committed steps of ``root`` that their own manifest does not
+    name and no committed step references, written more than ``stale_after_s`` seconds ago: the
+    old files of a checkpoint replaced in place (`AnyshardWriter` with ``overwrite``) by a
+    process killed between its commit and its cleanup, or what a failed replacement wrote. A
+    file written since may belong to a replacement in progress, and stays. Returns their paths.
+    """
+    listed = list_steps(root)
+    keep = referenced_files(root, listed)
+    if keep is None:
+        return []  # a committed manifest cannot be read: what it references is unknown
+    out = []
+    now = time.time()
+    for s in listed:
+        if not s.committed:
+            continue
+        try:
+            named = set(read_manifest(s.path).files.values())
+        except (AnyshardError, FileNotFoundError):
+            continue
+        data = storage.join(s.path, "data")
+        for name in _listdir_or_empty(data):
+            path = storage.join(data, name)
+            if f"data/{name}" in named or storage.normalize(path) in keep:
+                continue
+            try:
+                if now - storage.modified(path) < stale_after_s:
+                    continue
+                if not dry_run:
+                    storage.remove_file(path)
+            except FileNotFoundError:
+                continue
+            out.append(path)
+    return out

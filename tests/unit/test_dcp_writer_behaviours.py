@@ -296,3 +296,27 @@ def test_a_filesystem_writer_checkpoint_loads_through_the_reader(tmp_path):
     with pytest.raises(CheckpointException) as info:
         dcp.load({"b": io.BytesIO()}, storage_reader=AnyshardReader(theirs + "-b"), no_dist=True)
     assert "cannot be read without running its pickle" in str(_cause(info))
+
+
+def test_gc_removes_what_a_replacement_killed_after_its_commit_left(tmp_path, monkeypatch):
+    """A replacement killed between its commit and its cleanup leaves the old data files:
+    `anyshard gc --stale-after` removes them once they are that old, and nothing else."""
+    from anyshard.cli import main as cli
+    from anyshard.dcp import backend
+
+    root = tmp_path / "run"
+    one, two = str(root / "step-000000001"), str(root / "step-000000002")
+    dcp.save(_state(1), storage_writer=AnyshardWriter(one), no_dist=True)
+    dcp.save(_state(1), storage_writer=AnyshardWriter(two), no_dist=True)
+    monkeypatch.setattr(backend, "_remove_unreferenced", lambda root, files: None)  # killed
+    dcp.save(_state(2), storage_writer=AnyshardWriter(one), no_dist=True)
+    assert len(_data_files(one)) == 2
+    assert cli(["gc", str(root), "--stale-after", "3600"]) == 0  # too young: kept
+    assert len(_data_files(one)) == 2
+    assert cli(["gc", str(root), "--stale-after", "0"]) == 0
+    assert _data_files(one) == [n for n in _data_files(one) if n != "rank-00000.safetensors"]
+    assert len(_data_files(one)) == 1 and len(_data_files(two)) == 1
+    for path, want in ((one, _state(2)), (two, _state(1))):
+        back = _template()
+        dcp.load(back, storage_reader=AnyshardReader(path), no_dist=True)
+        assert _same(back, want)
