@@ -96,7 +96,13 @@ def match_fills(
         )
         dtype = ST_TO_DTYPE[stored.dtype]
         info[(src, key)] = StoredShardInfo(
-            stored.start, stored.stop, dtype.itemsize, block=stored.block, crcs=stored.crcs
+            stored.start,
+            stored.stop,
+            dtype.itemsize,
+            block=stored.block,
+            crcs=stored.crcs,
+            tiles=stored.tiles,
+            tile_crcs=stored.tile_crcs,
         )
         dtypes[(src, key)] = dtype
     if manifest.refs:
