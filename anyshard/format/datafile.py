@@ -41,8 +41,6 @@ __all__ = [
     "ShardEntry",
     "block_crcs",
     "block_size",
-    "tile_count",
-    "tile_crcs",
     "header_bytes",
     "data_path",
     "read_headers",
@@ -59,8 +57,6 @@ _SEAL_PREFIX = b'{"__metadata__":{"anyshard_crc32c":"'
 
 BLOCK_BYTES = 256 << 10  # a checksum block's bytes, at most (unless one row is longer)
 WHOLE_BELOW = 64 << 10  # a shard smaller than this is one block
-TILE_COUNTS = (16, 8, 4, 2)  # column blocks of a tiled shard: splits 2..16 ways fall on edges
-TILE_MIN_BYTES = 512  # a tile's row segment, at least: shorter ones cost more than they save
 _FIRST_READ = 64 * 1024
 _MAX_HEADER = 100 * 1024 * 1024
 
@@ -78,11 +74,6 @@ class ShardEntry:
     block: int
     crcs: tuple[int, ...]
     digest: str | None = None  # content hash, "ALGORITHM:HEX", when the writer recorded it
-    # a tiled shard (version 3, 2 dims): its columns in ``tiles`` column blocks, and
-    # the crc32c of each tile (block k's rows x column block c, its bytes in C order) at
-    # ``k * tiles + c``
-    tiles: int = 1
-    tile_crcs: tuple[int, ...] = ()
 
     def block_span(self, k: int) -> tuple[int, int]:
         """Absolute bytes ``[a, b)`` of block ``k``."""
@@ -100,36 +91,6 @@ def block_size(shape: Sequence[int], itemsize: int) -> int:
     row = nbytes // shape[0]
     rows = max(1, min(BLOCK_BYTES // row, shape[0] // 8))
     return (1 << (rows.bit_length() - 1)) * row
-
-
-def tile_count(shape: Sequence[int], itemsize: int) -> int:
-    """The column blocks of a 2-d shard's checksum tiles: the most of `TILE_COUNTS` that
-    divides its columns into segments of at least `TILE_MIN_BYTES`; 1 (no tiles) for a shard of
-    other dims or of one block."""
-    nbytes = math.prod(shape) * itemsize
-    if len(shape) != 2 or nbytes <= WHOLE_BELOW:
-        return 1
-    cols = shape[-1]
-    return next(
-        (c for c in TILE_COUNTS if cols % c == 0 and cols // c * itemsize >= TILE_MIN_BYTES), 1
-    )
-
-
-def tile_crcs(t: torch.Tensor, block: int, tiles: int, row: int | None = None) -> list[int]:
-    """The crc32c of every tile of the contiguous CPU tensor ``t`` (checksum blocks of
-    ``block`` bytes, its last dim in ``tiles`` column blocks; or, given ``row``, ``t`` is the
-    bytes of whole blocks of rows of ``row`` bytes), row-major: each block's tiles made
-    contiguous by one strided copy, then one crc32c call a tile."""
-    raw = torch.as_strided(t, (t.numel(),), (1,), t.storage_offset()).view(torch.uint8)
-    if row is None:
-        row = t.shape[-1] * t.element_size()
-    rows = raw.view(-1, tiles, row // tiles)
-    per = block // row
-    out = []
-    for r in range(0, rows.shape[0], per):
-        band = rows[r : r + per].transpose(0, 1).contiguous().numpy()
-        out += [crc32c.crc32c(band[c]) for c in range(tiles)]
-    return out
 
 
 def block_crcs(data: memoryview, block: int) -> list[int]:
@@ -161,7 +122,6 @@ def header_bytes(
     shards: Sequence[tuple[str, str, tuple[int, ...]]],
     crcs: dict[str, list[int]],
     hashes: dict[str, str] | None = None,
-    tiles: dict[str, list[int]] | None = None,
 ) -> bytes:
     """The JSON header of a data file holding ``shards`` (name, safetensors dtype, shape), back
     to back in that order, with ``crcs[name]`` the crc32c of each checksum block of each and
@@ -184,9 +144,6 @@ def header_bytes(
         }
         if hashes and name in hashes:
             blocks[name]["hash"] = hashes[name]
-        if tiles and name in tiles:
-            blocks[name]["tiles"] = tile_count(shape, ST_TO_DTYPE[code].itemsize)
-            blocks[name]["tile_crc32c"] = tiles[name]
     meta = {"format_version": DATAFILE_VERSION, "blocks": blocks}
     header["__metadata__"] = {
         "anyshard_crc32c": "00000000",
@@ -221,22 +178,8 @@ def write_datafile(
         )
     )
     crcs = [known[name] if i not in computed else computed[i] for i, (name, _) in enumerate(shards)]
-    tiled = [
-        (name, t, block, c)
-        for (name, t), block in zip(shards, blocks, strict=True)
-        if (c := tile_count(tuple(t.shape), t.element_size())) > 1
-    ]
-    tile_sums = dict(
-        zip(
-            (name for name, *_ in tiled),
-            io_pool(threads).map(lambda x: tile_crcs(*x[1:]), tiled),
-            strict=True,
-        )
-    )
     layout = [(name, DTYPE_TO_ST[t.dtype], tuple(t.shape)) for name, t in shards]
-    raw = header_bytes(
-        layout, dict(zip((n for n, _ in shards), crcs, strict=True)), hashes, tile_sums
-    )
+    raw = header_bytes(layout, dict(zip((n for n, _ in shards), crcs, strict=True)), hashes)
     offset = sum(mv.nbytes for mv in views)
     raw += b" " * (-len(raw) % 8)
     if spans is not None:
@@ -347,10 +290,6 @@ def _shard_entries(
         try:
             dtype, shape, (begin, end) = e["dtype"], tuple(e["shape"]), e["data_offsets"]
             block, crcs, sha = _blocks_of(meta, name, version, end - begin)
-            tiles, tile_sums = 1, ()
-            if version >= 3 and "tiles" in meta["blocks"][name]:
-                tiles = meta["blocks"][name]["tiles"]
-                tile_sums = tuple(meta["blocks"][name]["tile_crc32c"])
             ok = (
                 dtype in ST_TO_DTYPE
                 and all(type(x) is int and x >= 0 for x in (*shape, begin, end, block))
@@ -359,9 +298,6 @@ def _shard_entries(
                 and len(crcs) == max(1, -(-(end - begin) // block))
                 and end - begin == math.prod(shape) * ST_TO_DTYPE[dtype].itemsize
                 and (sha is None or is_digest(sha))
-                and _tiles_ok(
-                    shape, ST_TO_DTYPE[dtype].itemsize, block, len(crcs), tiles, tile_sums
-                )
             )
         except (KeyError, TypeError, ValueError) as ex:
             raise CorruptCheckpointError(
@@ -381,25 +317,8 @@ def _shard_entries(
             block=block,
             crcs=crcs,
             digest=sha,
-            tiles=tiles,
-            tile_crcs=tile_sums,
         )
     return shards
-
-
-def _tiles_ok(shape, itemsize: int, block: int, blocks: int, tiles, sums) -> bool:
-    """Whether a shard's tiles are as a writer lays them out: none, or `tile_count`'s column
-    blocks over blocks of whole rows of the last dim, with a crc32c for each tile."""
-    if tiles == 1 and not sums:
-        return True
-    return (
-        type(tiles) is int
-        and tiles == tile_count(shape, itemsize)
-        and tiles > 1
-        and block % (shape[-1] * itemsize) == 0
-        and len(sums) == blocks * tiles
-        and all(type(x) is int and 0 <= x < 1 << 32 for x in sums)
-    )
 
 
 def data_path(path: str, manifest: Manifest, source: int) -> str:

@@ -16,7 +16,7 @@ from anyshard.format.checksum import crc32c, crc32c_combine
 from anyshard.format.datafile import tensor_bytes
 from anyshard.format.pool import cpu_share, io_pool
 from anyshard.geometry.boxes import Piece, box_shape
-from anyshard.reshard.planner import GAP, STAGING, TARGET, ReadPlan, Request, Transfer
+from anyshard.reshard.planner import GAP, STAGING, TARGET, ReadPlan, Request
 
 __all__ = ["execute_plan", "piece_view"]
 
@@ -94,7 +94,7 @@ def execute_plan(
         for checks in pool.map(run, _tasks(batch)):
             for shard, offset, length, crc in checks:
                 parts[shard].append((offset, length, crc))
-        finish = lambda i, staging=staging: _finish(plan, i, staging[i], targets, src_dtypes, paths)  # noqa: E731
+        finish = lambda i, staging=staging: _finish(plan, i, staging[i], targets, src_dtypes)  # noqa: E731
         list(pool.map(finish, sorted(staging)))
     _verify(plan, parts, paths)
 
@@ -114,7 +114,7 @@ def _staging(plan: ReadPlan, batch: list[Request], src_dtypes, paths) -> dict[in
                 continue
             t = plan.transfers[i]
             nbytes = t.numel * src_dtypes[(t.rank, t.fqn)].itemsize
-            if local and offset == 0 and n == nbytes and t.tiles is None:
+            if local and offset == 0 and n == nbytes:
                 continue
             staging[i] = memoryview(torch.empty(nbytes, dtype=torch.uint8).numpy()).cast("B")
     return staging
@@ -275,7 +275,7 @@ def _run_streamed(
                 pending = []
             buf = memoryview(state.bounce_for(n).numpy())
             read([buf], at)
-            _finish(plan, i, buf, targets, src_dtypes, state.paths)
+            _finish(plan, i, buf, targets, src_dtypes)
             start = at + n
         elif kind == TARGET:
             pending.append(target_bytes[plan.transfers[i].target][offset : offset + n])
@@ -436,15 +436,13 @@ def _crc_ranges(buffers: list[memoryview], checks) -> list[int]:
     return out
 
 
-def _finish(plan: ReadPlan, i: int, mem: memoryview, targets, src_dtypes, paths) -> None:
+def _finish(plan: ReadPlan, i: int, mem: memoryview, targets, src_dtypes) -> None:
     t = plan.transfers[i]
     dtype = src_dtypes[(t.rank, t.fqn)]
     src = (
         torch.frombuffer(mem, dtype=torch.uint8) if len(mem) else torch.empty(0, dtype=torch.uint8)
     )
     src = src.view(dtype).reshape(box_shape(t.src.logical_box))
-    if t.tiles is not None:
-        _check_tiles(t, src, paths[t.rank])
     if t.window is not None:  # whole checksum blocks were read: the needed piece of them
         w = t.window
         strides, step = [], 1
@@ -455,23 +453,6 @@ def _finish(plan: ReadPlan, i: int, mem: memoryview, targets, src_dtypes, paths)
         offset = w.base + sum(lo * s for (lo, _), s in zip(w.array_box, strides, strict=True))
         src = src.as_strided(box_shape(w.array_box), strides, src.storage_offset() + offset)
     piece_view(targets[t.target], t.dst).copy_(src)
-
-
-def _check_tiles(t: Transfer, staged: torch.Tensor, path: str) -> None:
-    """The tiles ``t`` staged (a 2-d box of whole tiles): each copied contiguous and its crc32c
-    the header's."""
-    assert t.tiles is not None
-    for r0, r1, c0, c1, expected in t.tiles:
-        tile = staged[r0:r1, c0:c1].contiguous().view(torch.uint8).numpy()
-        crc = crc32c(tile)
-        if crc != expected:
-            (lo, _), (clo, _) = t.src.array_box
-            raise ChecksumError(
-                f"{path}: checksum mismatch in the stored shard of {t.fqn!r} (the tile of rows "
-                f"{lo + r0}..{lo + r1}, columns {clo + c0}..{clo + c1}: crc32c {crc:#010x}, header "
-                f"says {expected:#010x}); the file is corrupt. Restore it from a replica or load "
-                "an earlier step"
-            )
 
 
 def _chain(start: int, stop: int, got: list[tuple[int, int, int]]) -> int | None:

@@ -96,13 +96,7 @@ def match_fills(
         )
         dtype = ST_TO_DTYPE[stored.dtype]
         info[(src, key)] = StoredShardInfo(
-            stored.start,
-            stored.stop,
-            dtype.itemsize,
-            block=stored.block,
-            crcs=stored.crcs,
-            tiles=stored.tiles,
-            tile_crcs=stored.tile_crcs,
+            stored.start, stored.stop, dtype.itemsize, block=stored.block, crcs=stored.crcs
         )
         dtypes[(src, key)] = dtype
     if manifest.refs:

@@ -51,11 +51,8 @@ class Transfer:
     src: Piece
     dst: Piece
     # Set when the read was widened to whole checksum blocks: ``src`` is then the run of whole
-    # blocks read (a flat piece), staged, and ``window`` the needed piece within that run. Or,
-    # widened to whole tiles of a 2-d shard: ``src`` is the box of tiles read (staged in C
-    # order) and ``tiles`` their checks, ``(row0, row1, col0, col1, crc32c)`` in that box.
+    # blocks read (a flat piece), staged, and ``window`` the needed piece within that run.
     window: Piece | None = None
-    tiles: tuple[tuple[int, int, int, int, int], ...] | None = None
 
     @property
     def numel(self) -> int:
@@ -74,9 +71,6 @@ class StoredShardInfo:
     crc32c: int = 0
     block: int | None = None
     crcs: tuple[int, ...] | None = None
-    # tiles: the last dim in ``tiles`` column blocks, the crc32c of each (block, column block)
-    tiles: int = 1
-    tile_crcs: tuple[int, ...] = ()
 
     @property
     def block_bytes(self) -> int:
@@ -270,15 +264,10 @@ def plan_reads(
     direct: list[bool] = []
     fully = _fully_read(transfers, shard_info)
     widened = min(max_staging, max_widened)
-    tiled = _tiled_shards(transfers, shard_info, fully) if verify else set()
     for t in transfers:
         info = shard_info[(t.rank, t.fqn)]
         per = max(1, max_staging // info.itemsize)
-        if (t.rank, t.fqn) in tiled:
-            parts = [_tiled(p, info) for p in _split_transfer(t, _tiled_budget(t, info, widened))]
-            final.extend(parts)
-            direct.extend([False] * len(parts))
-        elif verify and (t.rank, t.fqn) not in fully and not _whole_blocks(t.src, info):
+        if verify and (t.rank, t.fqn) not in fully and not _whole_blocks(t.src, info):
             parts = [
                 _widened(p, info) for p in _split_transfer(t, _widened_budget(t, info, widened))
             ]
@@ -304,7 +293,7 @@ def plan_reads(
     # Checksum blocks get an id when a request reads part of them; the executor verifies each
     # from the parts the requests read. Without verification, single-unit reads may become
     # repeated requests that carry no checks.
-    shard_ids = _ShardIds(plan, shard_info, verify, tiled)
+    shard_ids = _ShardIds(plan, shard_info, verify)
     limits = (max_part, max_gap, slack, max_request, max_spans)
     for batch in batches:
         units = [_units(i, final[i], direct[i], shard_info, max_part) for i in batch]
@@ -345,74 +334,6 @@ def _whole_blocks(p: Piece, info: StoredShardInfo) -> bool:
     return start % info.block_bytes == 0 and (stop % info.block_bytes == 0 or stop == size)
 
 
-def _tile_span(t: Transfer, info: StoredShardInfo) -> tuple[int, int, int, int, int, int]:
-    """The whole tiles that ``t`` (a box of a 2-d stored shard) touches: rows ``[r0, r1)`` in
-    whole checksum blocks, columns ``[c0, c1)`` in whole column blocks; and the rows of a block
-    and the columns of a column block."""
-    rows_total, cols = t.src.array_shape
-    band = info.block_bytes // (cols * info.itemsize)
-    width = cols // info.tiles
-    (lo, hi), (clo, chi) = t.src.array_box
-    r0, r1 = lo // band * band, min(rows_total, -(-hi // band) * band)
-    c0, c1 = clo // width * width, -(-chi // width) * width
-    return r0, r1, c0, c1, band, width
-
-
-def _tiled_shards(transfers: Sequence[Transfer], shard_info, fully) -> set[tuple[int, str]]:
-    """Stored shards to read by tiles: 2-d, tiled, not read whole, and read only by boxes whose
-    tiles leave some columns out (a read of whole rows is checked by its blocks)."""
-    by_key: dict[tuple[int, str], list[Transfer]] = {}
-    for t in transfers:
-        by_key.setdefault((t.rank, t.fqn), []).append(t)
-    out = set()
-    for key, ts in by_key.items():
-        info = shard_info[key]
-        if key in fully or info.tiles < 2 or len(info.tile_crcs) == 0:
-            continue
-        if any(t.src.base != 0 or len(t.src.array_shape) != 2 for t in ts):
-            continue
-        cols = ts[0].src.array_shape[1]
-        if all(_tile_span(t, info)[3] - _tile_span(t, info)[2] < cols for t in ts):
-            out.add(key)
-    return out
-
-
-def _tiled_budget(t: Transfer, info: StoredShardInfo, max_staging: int) -> int:
-    """Elements of ``t`` per part, so that each part, widened to whole tiles, stages about
-    ``max_staging`` bytes, in whole checksum blocks of rows (a block is never read twice)."""
-    r0, r1, c0, c1, band, _ = _tile_span(t, info)
-    rows = max(band, max_staging // max((c1 - c0) * info.itemsize, 1) // band * band)
-    return rows * box_shape(t.src.array_box)[1]
-
-
-def _tiled(t: Transfer, info: StoredShardInfo) -> Transfer:
-    """``t`` reading the whole tiles its source touches (staged, their rows in C order), the
-    needed piece taken from them (`Transfer.window`), each tile checked (`Transfer.tiles`)."""
-    r0, r1, c0, c1, band, width = _tile_span(t, info)
-    rows_total, cols = t.src.array_shape
-    box = ((r0, r1), (c0, c1))
-    src = Piece(base=0, array_shape=(rows_total, cols), array_box=box, logical_box=box)
-    (lo, hi), (clo, chi) = t.src.array_box
-    window = Piece(
-        base=0,
-        array_shape=(r1 - r0, c1 - c0),
-        array_box=((lo - r0, hi - r0), (clo - c0, chi - c0)),
-        logical_box=t.src.logical_box,
-    )
-    checks = tuple(
-        (
-            r - r0,
-            min(r + band, r1) - r0,
-            c - c0,
-            c + width - c0,
-            info.tile_crcs[(r // band) * info.tiles + c // width],
-        )
-        for r in range(r0, r1, band)
-        for c in range(c0, c1, width)
-    )
-    return Transfer(t.fqn, t.target, t.rank, src, t.dst, window, checks)
-
-
 def _widened_budget(t: Transfer, info: StoredShardInfo, max_staging: int) -> int:
     """Elements of ``t`` per part, so that each part, widened to whole rows and blocks, stages
     about ``max_staging`` bytes (a shard that is one block, as in version-1 files, is staged
@@ -449,11 +370,10 @@ class _ShardIds:
     """Numbers checksum blocks in the order requests first read them, listing them in the plan
     as ``(rank, stored key, start, stop, crc32c)``."""
 
-    def __init__(self, plan: ReadPlan, shard_info, verify: bool, tiled=frozenset()):
+    def __init__(self, plan: ReadPlan, shard_info, verify: bool):
         self._plan, self._info = plan, shard_info
         self._ids: dict[tuple[int, str], dict[int, int]] = {}  # stored shard -> block -> id
         self.verify = verify
-        self.tiled = tiled  # stored shards read by tiles, each checked where it is staged
 
     def ids(self, key: tuple[int, str], k0: int, k1: int) -> list[int]:
         """The ids of blocks ``k0 .. k1 - 1`` of stored shard ``key``."""
@@ -704,8 +624,6 @@ def _checks(transfers, unit_ids, start, end, shard_info, shard_ids) -> tuple[Sha
     checks = []
     keys = dict.fromkeys((transfers[i].rank, transfers[i].fqn) for i in dict.fromkeys(unit_ids))
     for key in keys:
-        if key in shard_ids.tiled:
-            continue
         info = shard_info[key]
         a, b = max(start, info.start), min(end, info.stop)
         if a >= b:

@@ -366,22 +366,17 @@ def test_get_slice_of_one_element_reads_four_bytes_when_unverified(full_ckpt, mo
     assert reads.calls and reads.total == 4
 
 
-def test_a_verified_slice_reads_the_whole_checksum_tiles_it_touches(tmp_path, monkeypatch):
+def test_a_verified_slice_reads_the_whole_checksum_blocks_it_touches(tmp_path, monkeypatch):
     w = torch.arange(1024 * 256, dtype=torch.float32).reshape(1024, 256)  # 1 KiB rows
     path = str(tmp_path / "big")
     anyshard.save(path, {"w": w})
     with anyshard.open(path) as view:
         view.get_slice("w")[0]  # reads the data file's header
-        shard = next(iter(view._headers.values())).shards["w"]
-        assert shard.block == 128 * 1024  # 128 rows: a power of two that divides an eighth
-        assert shard.tiles == 2  # two column blocks of 128 columns: 512-byte row segments
+        block = next(iter(view._headers.values())).shards["w"].block
+        assert block == 128 * 1024  # 128 rows: a power of two that divides an eighth of them
         reads = CountingReads(monkeypatch)
         assert_bit_exact(view.get_slice("w")[130:140, 5:9], w[130:140, 5:9].contiguous())
-        # rows 128..255 x columns 0..127: one tile, not the block's whole rows
-        assert reads.total == shard.block // 2
-        reads.calls.clear()
-        assert_bit_exact(view.get_slice("w")[130:140, 100:200], w[130:140, 100:200].contiguous())
-        assert reads.total == shard.block  # both tiles of the block
+        assert reads.total == block  # rows 128..255: one block, not the whole tensor
         reads.calls.clear()
         assert_bit_exact(view.get_slice("w")[256:512], w[256:512].contiguous())
         assert reads.total == 256 * 1024  # aligned rows: exactly what is needed
