@@ -1,6 +1,7 @@
 """Loads of a data-parallel replicated target from an object store: each stored byte fetched
 once per job and forwarded between ranks, against every rank fetching what it needs, and
-against PyTorch DCP through fsspec.
+against PyTorch DCP through fsspec; the same for plain local tensors loaded under a UCL spec
+(``replicate(dp)``), saved by the ranks under that spec.
 
 Per world size in ``--ranks``, N gloo ranks save a ``--mib`` MiB state (32 MiB fp32 tensors from
 ``--seed``, sharded on dim 0) to SeaweedFS on 127.0.0.1 (anyshard; DCP's ``FsspecWriter``) and
@@ -15,6 +16,7 @@ in front of it that all requests go through.
 from __future__ import annotations
 
 import contextlib
+import functools
 import multiprocessing as mp
 import os
 import socket
@@ -23,7 +25,8 @@ import threading
 
 import benchkit as h
 
-SYSTEMS = ("anyshard, read once", "anyshard, every rank reads", "DCP (fsspec)")
+SYSTEMS = ("anyshard, read once", "anyshard, every rank reads", "DCP (fsspec)",
+           "anyshard spec load, read once", "anyshard spec load, every rank reads")  # fmt: skip
 HEADING = "## Read once per job: a replicated load from an object store "
 HEADING += "(`tools/bench_read_once.py`)"
 
@@ -84,6 +87,8 @@ def _rank(rank: int, world: int, url: str, mib: int, reps: int, seed: int, sent)
     sharded = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
     anyshard.save(f"{url}/anyshard", sharded)
     dcp.save(sharded, storage_writer=FsspecWriter(f"{url}/dcp"))
+    spec = "mesh dp;\n" + "".join(f'"{k}" -> "{k}" [8192, 1024] : replicate(dp);\n' for k in full)
+    anyshard.save(f"{url}/spec", full, spec=spec, layout={"dp": world})
     out = []
     for rep, order in h.rotations(SYSTEMS, reps):
         for system in order:
@@ -91,12 +96,18 @@ def _rank(rank: int, world: int, url: str, mib: int, reps: int, seed: int, sent)
                       for k, v in full.items()}  # fmt: skip
             if system == "DCP (fsspec)":
                 fn = lambda: dcp.load(target, storage_reader=FsspecReader(f"{url}/dcp"))  # noqa: B023, E731
+            elif "spec" in system:
+                once = system == SYSTEMS[3]
+                target = {k: torch.zeros_like(v) for k, v in full.items()}
+                fn = functools.partial(anyshard.load, f"{url}/spec", target, spec=spec,
+                                       layout={"dp": world}, read_once=once)  # fmt: skip
             else:
                 once = system == SYSTEMS[0]
                 fn = lambda: anyshard.load(f"{url}/anyshard", target, read_once=once)  # noqa: B023, E731
             recs = h.measure_ranks(fn, before=lambda: setattr(sent, "value", 0))
             for k, v in full.items():
-                if not torch.equal(target[k].to_local(), v):
+                got = target[k].to_local() if hasattr(target[k], "to_local") else target[k]
+                if not torch.equal(got, v):
                     raise SystemExit(f"{system}: {k} differs on rank {rank}")
             slowest = max(recs, key=lambda r: r["wall_s"])
             out.append({**slowest, "bytes": sent.value, "system": system, "rep": rep,
