@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     result = [
         ln.strip("= ") for ln in done.stdout.splitlines() if " passed" in ln or " failed" in ln
     ]
-    faults = [ln for ln in done.stdout.splitlines() if ln.startswith("fault-soak:")]
+    out = done.stdout.splitlines()  # (pytest's progress dots may precede a printed line)
+    faults = [ln[ln.index("fault-soak:") :] for ln in out if "fault-soak:" in ln]
     total = f"{sum(int(r[1]) for r in runs)} kills; pytest: {(result or ['no result'])[-1]}"
     total += f"\n\n{(faults or ['fault-soak: no result'])[-1]}"
     if done.returncode:  # no docs section: the output instead

@@ -35,7 +35,9 @@ def dcp_save_task(layout: str, ckpt: str, truth_dir: str, seed: int) -> list[str
     )
 
 
-def dcp_async_save_task(layout: str, ckpt: str, seed: int, kind: str = "thread") -> int:
+def dcp_async_save_task(
+    layout: str, ckpt: str, seed: int, kind: str = "thread", target: str = "tp4"
+) -> int:
     """dcp.async_save through AnyshardWriter (in a thread, or with ``kind`` "process" in DCP's
     background process) while the training state changes under it: the checkpoint holds the
     state as it was at the call (torch's full tensors, taken before), and dcp.load reads it back
@@ -59,10 +61,10 @@ def dcp_async_save_task(layout: str, ckpt: str, seed: int, kind: str = "thread")
             assert torch.equal(view.get_tensor(k), t), (
                 f"{k}: the checkpoint is not the state at the call"
             )
-    target = train_state("tp4", seed + 1)
-    dcp.load(target, storage_reader=AnyshardReader(ckpt))
+    loaded = train_state(target, seed + 1)
+    dcp.load(loaded, storage_reader=AnyshardReader(ckpt))
     checked = 0
-    for k, v in _flat(target):
+    for k, v in _flat(loaded):
         if isinstance(v, torch.Tensor):
             assert torch.equal(full(v), before[k]), f"{k} differs after dcp.load"
             checked += 1
