@@ -151,6 +151,17 @@ def _splits(run) -> dict[int, int]:
     return out
 
 
+def _dropped(run) -> bool:
+    """Whether a step after one both groups took was taken by one group alone."""
+    both = False
+    for _, shares in sorted(_splits(run).items()):
+        if shares == 2:
+            both = True
+        elif both:
+            return True
+    return False
+
+
 def _run(run, steps: int, *extra: str, returncode: int = 0):
     """`_launch` with state digests, both groups from the first step; returns ``run``."""
     extra = ("--ft.check_heals", "true", "--ft.wait_all_s", "60", *extra)
@@ -252,7 +263,13 @@ def test_one_group_switches_layout_in_the_run_within_the_noise_floor(tmp_path, u
     from anyshard.trainer_integration.gpt.ft_demo import summarize
 
     switched, mixed = tmp_path / "switched", tmp_path / "mixed"
-    _run(switched, RELAYOUT_STEPS, "--group-args", f"1:--parallel.relayout_at {SWITCH_AT}:tp=2")
+    for attempt in range(2):
+        switched = tmp_path / f"switched-{attempt}"
+        _run(switched, RELAYOUT_STEPS, "--group-args", f"1:--parallel.relayout_at {SWITCH_AT}:tp=2")
+        # a loaded machine can hold the switching group past a step's quorum: that run then
+        # has a step the healthy group took alone, which no uninterrupted run reproduces
+        if not _dropped(switched):
+            break
     _run(mixed, RELAYOUT_STEPS, "--group-args", "1:--parallel.dp_shard 1 --parallel.tp 2")
     # an uninterrupted job split like the switched one (both groups in every step's quorum)
     plain = uninterrupted.like(switched, RELAYOUT_STEPS)
