@@ -145,11 +145,16 @@ def load_is_collective(
     one rank in the group and the load is one every rank makes: a DTensor in the state dict, an
     explicit ``process_group`` or ``read_once``, or a spec load whose coordinates come from the
     rank. A load of plain tensors, or of one spec rank at given ``coords``, stays rank-local."""
+    return _collective(flatten_state(state_dict), process_group, spec, coords, read_once)
+
+
+def _collective(flat: dict, process_group, spec, coords, read_once) -> bool:
+    """`load_is_collective` of a flattened state dict."""
     if coll.world_size(process_group) <= 1:
         return False
     if process_group is not None or read_once or (spec is not None and coords is None):
         return True
-    return any(hasattr(leaf.value, "device_mesh") for leaf in flatten_state(state_dict).values())
+    return any(hasattr(leaf.value, "device_mesh") for leaf in flat.values())
 
 
 def load_reporting(
@@ -171,9 +176,7 @@ def load_reporting(
     ranks instead (a `LoadReport`)."""
     flat = flatten_state(state_dict)
     if collective is None:
-        collective = load_is_collective(
-            state_dict, process_group=process_group, spec=spec, coords=coords, read_once=read_once
-        )
+        collective = _collective(flat, process_group, spec, coords, read_once)
     if spec is not None:
         if read_once is None:
             read_once = read_once_pays(path, process_group)

@@ -138,13 +138,12 @@ def fill_once(
     coll.raise_together(error, group, f"load of {path}")
     device = coll.device(group)
     ops = []
-    wanted = {(f.fqn, p.logical_box) for f in fills for p in f.pieces}
     for a in plan:  # the same order on every rank
         fqn, box = a.region
         if a.reader == me and a.receivers:
             sent = got[a.region].to(device)
             ops += [dist.P2POp(dist.isend, sent, peers[r]) for r in a.receivers]
-        elif me in a.receivers and a.region in wanted:
+        elif me in a.receivers:
             buf = torch.empty(box_shape(box), dtype=ST_TO_DTYPE[manifest.tensors[fqn].dtype])
             got[a.region] = buf = buf.to(device)
             ops.append(dist.P2POp(dist.irecv, buf, peers[a.reader]))

@@ -84,7 +84,7 @@ from anyshard.format.commit import (
 from anyshard.format.datafile import write_datafile
 from anyshard.format.dtypes import DTYPE_TO_ST, ST_TO_DTYPE
 from anyshard.format.manifest import MANIFEST_NAME, Manifest, MeshEntry, read_manifest
-from anyshard.format.steps import referenced_files
+from anyshard.format.steps import remove_unnamed
 from anyshard.geometry.boxes import Piece, full_box
 from anyshard.reshard.fill import Fill, fill_regions
 
@@ -474,29 +474,12 @@ class AnyshardWriter(StorageWriter, BlockingAsyncStager):
             commit_manifest(root, manifest)
             return
         commit_manifest(root, manifest, overwrite=True)
-        _remove_unreferenced(root, set(manifest.files.values()))
+        remove_unnamed(root, set(manifest.files.values()))
 
 
 class CheckpointExistsError(AnyshardError, RuntimeError):
     """A save with ``overwrite=False`` found a committed checkpoint at its path (a RuntimeError,
     as DCP's FileSystemWriter raises)."""
-
-
-def _remove_unreferenced(root: str, files: set[str]) -> None:
-    """Remove the data files under ``root`` that its manifest (``files``) does not list and no
-    committed step beside it references: an overwritten checkpoint's, and a failed replacement's.
-    Best effort: the commit is done, and what stays is only unreferenced bytes."""
-    keep = referenced_files(storage.parent(root))
-    if keep is None:
-        return  # a committed manifest beside it cannot be read: what it references is unknown
-    data = storage.join(root, DATA_DIR)
-    for name in storage.listdir(data) if storage.exists(data) else []:
-        path = storage.join(data, name)
-        if f"{DATA_DIR}/{name}" in files or storage.normalize(path) in keep:
-            continue
-        if name.endswith(".safetensors"):
-            with contextlib.suppress(FileNotFoundError, OSError):
-                storage.remove_file(path)
 
 
 @dataclass(frozen=True, slots=True)

@@ -141,9 +141,9 @@ def same_algorithm(a: str, b: str) -> bool:
 
 def digest_of(data, algorithm: str = HASH_WRITTEN) -> str:
     """The content hash of ``data`` (a buffer) under ``algorithm``, as "ALGORITHM:HEX"."""
-    h = _hasher(algorithm)
+    h = Digester(algorithm)
     h.update(data)
-    return f"{algorithm}:{h.hexdigest()}"
+    return h.digest()
 
 
 class Digester:

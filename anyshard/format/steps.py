@@ -19,6 +19,7 @@ Run the examples: ``python -m pytest --doctest-modules anyshard/format/steps.py`
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
@@ -35,6 +36,7 @@ __all__ = [
     "list_steps",
     "referenced_files",
     "remove_orphans",
+    "remove_unnamed",
     "remove_debris",
     "remove_step",
     "remove_steps",
@@ -356,11 +358,7 @@ def remove_orphans(root: str, *, stale_after_s: float, dry_run: bool = False) ->
             named = set(read_manifest(s.path).files.values())
         except (AnyshardError, FileNotFoundError):
             continue
-        data = storage.join(s.path, "data")
-        for name in _listdir_or_empty(data):
-            path = storage.join(data, name)
-            if f"data/{name}" in named or storage.normalize(path) in keep:
-                continue
+        for path in _unnamed_files(s.path, named, keep):
             try:
                 if now - storage.modified(path) < stale_after_s:
                     continue
@@ -370,3 +368,28 @@ def remove_orphans(root: str, *, stale_after_s: float, dry_run: bool = False) ->
                 continue
             out.append(path)
     return out
+
+
+def remove_unnamed(path: str, named: set[str]) -> None:
+    """Remove the data files of the checkpoint at ``path`` that its manifest's ``files``
+    (``named``) do not list and no committed step beside it references: after a checkpoint was
+    replaced in place, the old one's and a failed replacement's. Best effort: the commit is
+    done, and what stays is only unreferenced bytes (`remove_orphans` finds them later)."""
+    keep = referenced_files(storage.parent(path))
+    if keep is None:
+        return  # a committed manifest beside it cannot be read: what it references is unknown
+    for file in _unnamed_files(path, named, keep):
+        with contextlib.suppress(OSError):
+            storage.remove_file(file)
+
+
+def _unnamed_files(path: str, named: set[str], keep: set[str]) -> list[str]:
+    """The files in the data directory of the step at ``path`` that neither ``named`` (its
+    manifest's ``files``, relative) lists nor ``keep`` (normalized paths) holds."""
+    data = storage.join(path, "data")
+    return [
+        f
+        for name in _listdir_or_empty(data)
+        if f"data/{name}" not in named
+        and storage.normalize(f := storage.join(data, name)) not in keep
+    ]

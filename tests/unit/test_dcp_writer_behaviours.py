@@ -308,7 +308,7 @@ def test_gc_removes_what_a_replacement_killed_after_its_commit_left(tmp_path, mo
     one, two = str(root / "step-000000001"), str(root / "step-000000002")
     dcp.save(_state(1), storage_writer=AnyshardWriter(one), no_dist=True)
     dcp.save(_state(1), storage_writer=AnyshardWriter(two), no_dist=True)
-    monkeypatch.setattr(backend, "_remove_unreferenced", lambda root, files: None)  # killed
+    monkeypatch.setattr(backend, "remove_unnamed", lambda root, files: None)  # killed
     dcp.save(_state(2), storage_writer=AnyshardWriter(one), no_dist=True)
     assert len(_data_files(one)) == 2
     assert cli(["gc", str(root), "--stale-after", "3600"]) == 0  # too young: kept
