@@ -173,3 +173,20 @@ def save_after_another_hierarchy(root: str) -> list[str]:
     Checkpointer(root).save(1, {"train": state})
     with anyshard.open(Checkpointer(root).step_path(1)) as view:
         return sorted(view.keys())
+
+
+def peer_wait(late_s: float) -> float:
+    """The cost model's wait for a peer: rank 1's bursts run ``late_s`` longer than rank 0's,
+    so each of rank 0's all-reduces waits about that long for it."""
+    import time
+
+    import torch.distributed as dist
+
+    from anyshard.trainer_integration.gpt.costmodel import _peer_wait_s
+
+    rank = dist.get_rank()
+
+    def burst() -> None:
+        time.sleep(0.005 + (late_s if rank == 1 else 0.0))
+
+    return _peer_wait_s(burst, dist.group.WORLD, n=4, pairs=3)

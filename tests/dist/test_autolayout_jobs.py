@@ -99,3 +99,11 @@ def test_a_job_restarted_on_fewer_ranks_starts_from_the_models_best_layout(pool4
     start = [e for e in _records(tmp_path / "events.jsonl") if e["event"] == "start"][-1]
     assert start["world_size"] == 2 and start["restored_step"] == 3
     assert any("cost model predicts" in r for r in start["layout_reasons"]), start
+
+
+def test_the_calibrated_wait_for_a_peer_is_the_time_a_late_peer_keeps_the_others(pool2):
+    """Rank 1 computes 20 ms longer before each all-reduce than rank 0: rank 0 measures that
+    wait as the collective's cost among busy ranks; rank 1, who arrives last, waits for no one."""
+    first, last = pool2.run(TASKS, "peer_wait", 0.02)
+    assert 0.015 < first < 0.05, first
+    assert last < 0.01, last

@@ -77,3 +77,37 @@ def test_calibration_times_one_block_against_its_counted_time():
         counted,
         measured,
     )
+
+
+def test_the_wait_for_peers_is_added_to_every_collective_of_its_group_size():
+    from anyshard.trainer_integration.gpt.costmodel import Collective, rates_from_timings
+
+    timings = {f"{k}/{g}": [(1 << 10, 1e-4 * g), (1 << 20, 1e-3 * g)]
+               for k in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send")
+               for g in (2, 4)}  # fmt: skip
+    args = ([(32, 1e-5), (128, 1e-4)], (1e6, 1e-4), 1e-6, 1e-5, timings)
+    idle, busy = rates_from_timings(*args), rates_from_timings(*args, peer_wait={"2": 0.003})
+    for kind in ("all_gather", "all_reduce", "send"):
+        c2, c4 = Collective("x", kind, 2, 1 << 16, 1), Collective("x", kind, 4, 1 << 16, 1)
+        assert abs(busy.collective_s(c2) - idle.collective_s(c2) - 0.003) < 1e-12, kind
+        assert busy.collective_s(c4) == idle.collective_s(c4), kind
+    assert Rates.from_json(busy.to_json()) == busy
+    cfg = Config()
+    for row in rank_layouts(cfg, 4, idle, memory_bytes=1 << 34).rows:
+        pairs = sum(c.count for c in workload(cfg, row.parallel).collectives if c.group == 2)
+        extra = predict(cfg, row.parallel, busy).comm_s - predict(cfg, row.parallel, idle).comm_s
+        assert abs(extra - 0.003 * pairs) < 1e-9, row.layout
+
+
+def test_busy_timing_counts_only_the_calls_that_ended_while_every_rank_was_busy():
+    import time
+
+    from anyshard.trainer_integration.gpt.costmodel import _time_busy
+
+    durations = iter([0.0, 0.01, 0.01, 0.01, 0.3])  # a warm call, three short, one long
+
+    def fn() -> None:
+        time.sleep(next(durations))
+
+    # the long call ends after the budget: the others may have stopped by then
+    assert 0.009 < _time_busy(fn, 0.035) < 0.02

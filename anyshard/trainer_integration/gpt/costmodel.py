@@ -34,7 +34,7 @@ import dataclasses
 import json
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from anyshard.trainer_integration.gpt.config import Config, ParallelConfig
@@ -106,7 +106,11 @@ class Rates:
     rank has its own device or core; about ranks / cores where ranks share cores).
     ``block_scale``: one of the model's blocks, forward and backward at a data-parallel rank's
     tokens with every rank busy, measured over what its counted multiplies, streams and
-    dispatches predict (1 when not measured); it scales every layout's compute and dispatch."""
+    dispatches predict (1 when not measured); it scales every layout's compute and dispatch.
+    ``peer_wait``: per group size, how much longer a collective takes between bursts of compute
+    with every rank busy than with the ranks idle (the wait for peers that share cores to be
+    scheduled, and to finish their own burst); 0 where each rank has its own device. It is
+    part of every collective's latency in ``collectives`` already, kept here to be reported."""
 
     gemm: tuple[tuple[float, float], ...]
     stream_bytes_per_s: float
@@ -116,6 +120,7 @@ class Rates:
     source: str = "measured"
     contention: float = 1.0
     block_scale: float = 1.0
+    peer_wait: dict[str, float] = field(default_factory=dict)  # group size -> s per collective
 
     @classmethod
     def nominal(cls) -> Rates:
@@ -158,6 +163,7 @@ class Rates:
         d = json.loads(text)
         d["gemm"] = tuple(tuple(x) for x in d["gemm"])
         d["collectives"] = {k: tuple(v) for k, v in d["collectives"].items()}
+        d.setdefault("peer_wait", {})
         return cls(**d)
 
 
@@ -353,7 +359,7 @@ def _block_s(cfg: Config, world: int, budget_s: float) -> float:
     def step() -> None:
         block(x).sum().backward()
 
-    return _time(step, max(2, int(budget_s / max(1e-6, _time(step, 1)))))
+    return _time_busy(step, budget_s)
 
 
 def terms(cfg: Config, p: ParallelConfig, rates: Rates) -> tuple[float, float, float]:
@@ -455,6 +461,42 @@ def _time(fn, reps: int) -> float:
     return (time.perf_counter() - t0) / reps
 
 
+def _time_busy(fn, budget_s: float) -> float:
+    """Seconds of one call of ``fn`` while every rank calls it (call on every rank at once):
+    each rank calls ``fn`` until ``budget_s`` has passed and at least twice, and counts only
+    the calls that ended by then, when no rank had stopped yet; one call when none had."""
+    fn()  # warm
+    t0 = time.perf_counter()
+    ends: list[float] = []
+    while len(ends) < 2 or ends[-1] < budget_s:
+        fn()
+        ends.append(time.perf_counter() - t0)
+    done = [t for t in ends if t <= budget_s] or ends[:1]
+    return done[-1] / len(done)
+
+
+def _peer_wait_s(burst, group, n: int = 8, pairs: int = 3) -> float:
+    """How much longer ``n`` bursts of compute each followed by a small all-reduce in
+    ``group`` take than the bursts alone, per all-reduce, with every rank doing the same at
+    once (the median of ``pairs`` alternating pairs); the all-reduce's own time included."""
+    import torch
+    import torch.distributed as dist
+
+    tiny = torch.ones(256)
+
+    def both() -> None:
+        burst()
+        dist.all_reduce(tiny, group=group)
+
+    extra = []
+    for _ in range(pairs):
+        dist.barrier()
+        alone = _time(burst, n)
+        dist.barrier()
+        extra.append(_time(both, n) - alone)
+    return max(0.0, sorted(extra)[len(extra) // 2])
+
+
 def calibrate(
     group_sizes: Iterable[int] | None = None,
     *,
@@ -494,9 +536,9 @@ def calibrate(
         def mm(a=a, b=b):
             return a @ b
 
-        reps = max(2, int(budget_s / 4 / max(1e-6, _time(mm, 1))))
-        gemm.append((n, _time(mm, reps)))
+        gemm.append((n, _time_busy(mm, budget_s / 4)))
     barrier()
+    reps = max(2, int(budget_s / 4 / max(1e-6, gemm[-1][1])))
     alone = _time(mm, reps) if rank == 0 else 0.0  # the others wait in the barrier below
     barrier()
     big = torch.randn(1 << 22)
@@ -514,6 +556,17 @@ def calibrate(
         dt = distribute_tensor(torch.ones(world * 4), mesh, [Shard(0)])
         dtensor_op_s = max(op_s, _time(lambda: dt.add(1.0), 100))
     coll: dict[str, list[tuple[int, float]]] = {}
+    wait: dict[str, float] = {}
+    # bursts of about 10 ms of multiplies with every rank busy: a step computes that long or
+    # longer between two collectives
+    n_burst, t_burst = gemm[-2] if len(gemm) > 1 else gemm[-1]
+    a_burst, b_burst = torch.randn(n_burst, n_burst), torch.randn(n_burst, n_burst)
+    burst_reps = max(1, round(0.01 / max(1e-6, t_burst)))
+
+    def burst() -> None:
+        for _ in range(burst_reps):
+            a_burst @ b_burst
+
     for g in sizes:
         groups = [dist.new_group(list(range(i, i + g))) for i in range(0, world, g)]
         mine = groups[rank // g]
@@ -522,6 +575,9 @@ def calibrate(
                 (nbytes, _collective_s(kind, max(g, nbytes // FLOAT // g * g), g, rank % g, mine))
                 for nbytes in message_bytes
             ]
+        # what a collective costs among busy ranks beyond its time among idle ones
+        idle = min(coll[f"all_reduce/{g}"])[1]
+        wait[str(g)] = max(0.0, _peer_wait_s(burst, mine) - idle)
     barrier()
     block = _block_s(cfg, world, budget_s) if cfg is not None else 0.0
     if world > 1:
@@ -531,12 +587,12 @@ def calibrate(
         gemm = [(n, float(t)) for (n, _), t in zip(gemm, slowest, strict=True)]
         from anyshard.api.collectives import broadcast_json
 
-        figures = broadcast_json([gemm, stream, op_s, dtensor_op_s, coll, alone])  # rank 0's
-        gemm, stream, op_s, dtensor_op_s, coll, alone = figures
+        figures = broadcast_json([gemm, stream, op_s, dtensor_op_s, coll, alone, wait])
+        gemm, stream, op_s, dtensor_op_s, coll, alone, wait = figures  # rank 0's
         for group in process_groups() - before:  # the DTensor mesh's and the subgroups
             dist.destroy_process_group(group)
     contention = min(float(world), gemm[-1][1] / alone) if alone > 0 else 1.0
-    rates = rates_from_timings(gemm, stream, op_s, dtensor_op_s, coll, contention)
+    rates = rates_from_timings(gemm, stream, op_s, dtensor_op_s, coll, contention, wait)
     counted = block_model_s(cfg, world, rates) if cfg is not None else 0.0
     if block <= 0 or counted <= 0:  # not measured, or nothing counted (fewer samples than ranks)
         return rates
@@ -548,24 +604,33 @@ def rates_from_timings(
     stream: tuple[float, float],
     op_s: float,
     dtensor_op_s: float,
-    collectives: dict[str, Sequence[tuple[int, float]]],
+    collectives: Mapping[str, Sequence[tuple[int, float]]],
     contention: float = 1.0,
+    peer_wait: dict[str, float] | None = None,
 ) -> Rates:
     """The rates of measured timings: ``gemm`` (n, seconds of an n x n multiply), ``stream``
     (bytes, seconds), an op's and a DTensor op's seconds, and per "kind/group" the seconds of a
     collective at two or more message sizes (bytes, seconds): its latency and seconds per byte
     moved are the line through the smallest and the largest; ``contention`` as `Rates` has it
-    (below 1 is noise: 1)."""
+    (below 1 is noise: 1); ``peer_wait`` (per group size, seconds) is added to the latency of
+    every collective of that group size."""
     coll: dict[str, tuple[float, float]] = {}
+    wait = dict(peer_wait or {})
     for key, points in collectives.items():
         kind, g = key.split("/")[0], int(key.split("/")[1])
         (b0, t0), (b1, t1) = min(points), max(points)
         ring = 1.0 if kind == "send" else _RING[kind] * (g - 1) / g
         beta = max(0.0, (t1 - t0) / (ring * (b1 - b0)))
-        coll[key] = (max(0.0, t0 - beta * ring * b0), beta)
+        coll[key] = (max(0.0, t0 - beta * ring * b0) + wait.get(str(g), 0.0), beta)
     rates = tuple((2.0 * n**3, 2.0 * n**3 / t) for n, t in gemm)
     return Rates(
-        rates, stream[0] / stream[1], op_s, dtensor_op_s, coll, contention=max(1.0, contention)
+        rates,
+        stream[0] / stream[1],
+        op_s,
+        dtensor_op_s,
+        coll,
+        contention=max(1.0, contention),
+        peer_wait=wait,
     )
 
 
