@@ -129,7 +129,10 @@ def setup_mesh(pcfg: ParallelConfig) -> Parallel:
 
 
 def _fsdp_mesh(par: Parallel):
-    """The mesh FSDP shards over: (dp_shard, ep, cp) flattened, with dp_replicate for HSDP."""
+    """The mesh FSDP shards over: (dp_shard, ep, cp) flattened, with dp_replicate for HSDP.
+    Replicas alone (no dim to shard over) are HSDP over (dp_replicate, dp_shard of size 1):
+    every rank holds the whole state and gradients are all-reduced; a 1-D mesh of
+    dp_replicate would make FSDP shard the state over the replicas instead."""
     shard_dims = tuple(d for d in ("dp_shard", "ep", "cp") if getattr(par.cfg, d) > 1)
     mesh = par.mesh
     if len(shard_dims) > 1:
@@ -138,6 +141,8 @@ def _fsdp_mesh(par: Parallel):
         if par.cfg.dp_replicate == 1:
             return flat
         shard_dims = (name,)
+    if par.cfg.dp_replicate > 1 and not shard_dims:
+        shard_dims = ("dp_shard",)  # of size 1
     dims = (("dp_replicate",) if par.cfg.dp_replicate > 1 else ()) + shard_dims
     if not dims:
         return None
