@@ -349,3 +349,31 @@ def test_a_straggler_sleeps_inside_each_blocks_forward_and_backward(monkeypatch)
             assert slept == pytest.approx(2 * compute, abs=2e-4)
         total += sum(sleeps)
     assert s.slept == pytest.approx(total)  # what the compute time the step reports adds
+
+
+def test_no_trial_or_switch_where_both_layouts_state_would_not_fit_at_once():
+    import os
+
+    from anyshard.trainer_integration.gpt import config as config_module
+    from anyshard.trainer_integration.gpt.costmodel import memory_per_rank, predict, switch_memory
+
+    heavy = os.path.join(os.path.dirname(config_module.__file__), "state_heavy.toml")
+    cfg = config_module.load_config(heavy, ["--parallel.pp", "2"], environ={})
+    start, rates = ParallelConfig(pp=2), Rates.nominal()
+    layouts = [start, *(ParallelConfig(**{k: 2}) for k in ("tp", "dp_shard", "cp"))]
+    steady = max(memory_per_rank(cfg, p) for p in layouts)
+    moving = min(switch_memory(cfg, start, p) for p in layouts[1:])
+    assert steady < moving  # a budget between them fits these layouts, but no switch
+    by_name = {layout_text(p): predict(cfg, p, rates).step_s for p in layouts}
+    for budget, switches in ((steady, False), (moving * 4, True)):
+        s = Scheduler(
+            cfg, start, rates, total_steps=200, start_step=0,
+            policy=Policy(trials=2, trial_steps=3), memory_bytes=budget,
+        )  # fmt: skip
+        job = _Job(s, lambda name, step: by_name.get(name, 10.0))  # steps as predicted
+        job.run(0, 200)
+        assert set(by_name) <= {r.layout for r in s.table.rows}, budget  # each fits alone
+        assert bool(job.trace) is switches, (budget, job.trace)
+        assert job.layout == ("tp=2" if switches else "pp=2"), job.trace
+        reasons = [d["reason"] for d in s.decisions]
+        assert any("over the budget" in r for r in reasons) is not switches, reasons

@@ -111,3 +111,13 @@ def test_busy_timing_counts_only_the_calls_that_ended_while_every_rank_was_busy(
 
     # the long call ends after the budget: the others may have stopped by then
     assert 0.009 < _time_busy(fn, 0.035) < 0.02
+
+
+def test_the_docstring_examples_of_the_cost_model_and_the_scheduler_run():
+    import doctest
+
+    from anyshard.trainer_integration.gpt import autolayout, costmodel
+
+    for module in (costmodel, autolayout):
+        result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+        assert result.attempted > 0 and result.failed == 0, (module.__name__, result)

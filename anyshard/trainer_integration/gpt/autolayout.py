@@ -43,7 +43,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from anyshard.trainer_integration.gpt.config import Config, ParallelConfig
-from anyshard.trainer_integration.gpt.costmodel import Rates, Refiner, Table, predict, rank_layouts
+from anyshard.trainer_integration.gpt.costmodel import (
+    Rates,
+    Refiner,
+    Table,
+    predict,
+    rank_layouts,
+    switch_memory,
+)
 from anyshard.trainer_integration.gpt.layouts import Choice, layout_text
 
 __all__ = ["Decision", "Policy", "Scheduler", "first_layout", "shares_for"]
@@ -183,6 +190,7 @@ class Scheduler:
         self.share_trial: tuple[tuple[int, ...] | None, float | None] | None = None
         self.shares_settled = False
         self.decisions: list[dict] = []
+        self.out_of_reach: set[str] = set()  # predicted faster, but no switch there fits
         self._step = start_step
 
     @staticmethod
@@ -288,6 +296,12 @@ class Scheduler:
         ]
         return out
 
+    def _switch_fits(self, old: ParallelConfig, new: ParallelConfig) -> bool:
+        """Whether switching from ``old`` to ``new`` stays within the memory budget: both
+        layouts' state are held at once while it moves (`costmodel.switch_memory`)."""
+        budget = self.table.budget_bytes
+        return switch_memory(self.cfg, old, new) <= budget
+
     def _remaining(self, step: int) -> int:
         return max(0, self.total_steps - step)
 
@@ -358,7 +372,7 @@ class Scheduler:
             self.refiner = Refiner(self.cfg, self.rates)
             self.refiner.add(self.current, recent)
             self.slow, self.known, why = 1.0, {}, "no one rank"
-        self.trialled = set()
+        self.trialled, self.out_of_reach = set(), set()
         self.reference = None
         self.share_trial, self.shares_settled = None, False
         self.phase = "trial"
@@ -384,6 +398,11 @@ class Scheduler:
             gain = best - self.predicted(row.parallel)
             if gain < pol.min_gain * best:
                 continue
+            # a trial switches there and, if it measures slower, back
+            there = self._switch_fits(self.current, row.parallel)
+            if not (there and self._switch_fits(row.parallel, self.current)):
+                self.out_of_reach.add(name)
+                continue
             if gain * left > self.switch_s * (1 + pol.margin):
                 return row.parallel
         return None
@@ -397,8 +416,25 @@ class Scheduler:
         self.phase = "settled"
         self.recent, self.busy, self.skews = [], [], []
         if best_name == layout_text(self.current):
-            return Decision("keep", reason="the running layout is the fastest measured")
+            why = "the running layout is the fastest measured"
+            if self.out_of_reach:
+                need = max(switch_memory(self.cfg, self.current, r.parallel)
+                           for r in self.table.rows if r.layout in self.out_of_reach)  # fmt: skip
+                why += (
+                    f"; {', '.join(sorted(self.out_of_reach))} predicted faster, but a switch "
+                    f"would hold up to {need / 2**20:.0f} MiB a rank, over the budget of "
+                    f"{self.table.budget_bytes / 2**20:.0f} MiB"
+                )
+            return Decision("keep", reason=why)
         saving = here.median - best.median
+        if not self._switch_fits(self.current, best.parallel):
+            need = switch_memory(self.cfg, self.current, best.parallel)
+            return Decision(
+                "keep",
+                reason=f"{best_name} is faster but switching to it would hold "
+                f"{need / 2**20:.0f} MiB a rank, over the budget of "
+                f"{self.table.budget_bytes / 2**20:.0f} MiB",
+            )
         pays = saving * self._remaining(step) > self.switch_s * (1 + pol.margin)
         if saving >= pol.min_gain * here.median and pays:
             return Decision(

@@ -58,6 +58,7 @@ __all__ = [
     "predict",
     "rank_layouts",
     "rates_from_timings",
+    "switch_memory",
     "workload",
 ]
 
@@ -272,6 +273,30 @@ def memory_per_rank(cfg: Config, p: ParallelConfig) -> int:
     if p.dp_shard * p.ep * p.cp > 1:
         gathered = 2 * (params - _root_params(cfg)) // max(1, m.n_layers) // p.tp * FLOAT
     return int(state + activations + logits + gathered)
+
+
+def switch_memory(cfg: Config, old: ParallelConfig, new: ParallelConfig) -> int:
+    """Bytes a rank holds at most while a running job switches from layout ``old`` to ``new``
+    (`train.relayout`): ``old``'s parameters, gradients and AdamW state, kept until the move
+    is done; the new layout's model, built whole on every rank before it is sharded, then its
+    parameters and AdamW state; and the move's staging buffer (at most
+    `redistribute.DEFAULT_MAX_INFLIGHT_BYTES`, nor more than what it moves in). An upper
+    bound: the scheduler switches only where it fits the budget.
+
+    >>> from anyshard.trainer_integration.gpt.config import Config, ParallelConfig
+    >>> switch_memory(Config(), ParallelConfig(pp=2), ParallelConfig(tp=2)) // 2**20  # MiB
+    62
+    """
+    from anyshard.api.redistribute import DEFAULT_MAX_INFLIGHT_BYTES
+
+    params = parameter_count(cfg)
+
+    def shards(p: ParallelConfig) -> int:
+        return p.pp * p.tp * p.dp_shard * p.ep * p.cp
+
+    kept = params * BYTES_PER_PARAMETER // shards(old)
+    held = params * (BYTES_PER_PARAMETER - FLOAT) // shards(new)  # no gradients yet
+    return int(kept + max(params * FLOAT, held) + min(DEFAULT_MAX_INFLIGHT_BYTES, held))
 
 
 @dataclass(frozen=True)
