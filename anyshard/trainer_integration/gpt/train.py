@@ -34,7 +34,12 @@ import torch.distributed as dist
 from anyshard._compat import REDISTRIBUTE_LOGGER, local_tensor, module_members, process_groups
 from anyshard.api.redistribute import redistribute
 from anyshard.trainer_integration.checkpointer import Checkpointer
-from anyshard.trainer_integration.gpt.config import Config, heal_parallel, load_config
+from anyshard.trainer_integration.gpt.config import (
+    CheckpointConfig,
+    Config,
+    heal_parallel,
+    load_config,
+)
 from anyshard.trainer_integration.gpt.data import DataLoader, load_corpus
 from anyshard.trainer_integration.gpt.parallel import (
     TrainStep,
@@ -618,6 +623,51 @@ def _starting_layout(cfg: Config, rank: int) -> tuple[Config, Any, Any]:
     return cfg, chosen, rates
 
 
+def _checkpointer(c: CheckpointConfig) -> Checkpointer:
+    """The run's `Checkpointer`, from the ``[checkpoint]`` settings ``c``."""
+    return Checkpointer(
+        c.root,
+        every_steps=c.every_steps,
+        keep_last=c.keep_last,
+        async_=c.async_,
+        local_dir=c.local_dir,
+        on_error=c.on_error,
+        max_failures=c.max_failures,
+    )
+
+
+def _start_event(layout: str, restored, times: tuple, chosen, fault_file: str) -> dict:
+    """The ``start`` event, logged at the first step: ``times`` is (the run's start, the
+    seconds building the model took, the seconds restoring took); a fault the previous
+    attempt logged in ``fault_file`` gets its recovery time and lost steps (and is marked
+    recovered)."""
+    started, build_s, restore_s = times
+    event = {
+        "event": "start",
+        "layout": layout,
+        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+        "attempt": _attempt(),
+        "time": time.time(),
+        "pid": os.getpid(),
+        "restored_step": restored,
+        "startup_to_first_step_s": time.time() - started,
+        # where a start goes: process start to `run` (imports, process group), building the
+        # model, restoring the checkpoint
+        "process_to_run_s": _since_process_start(started),
+        "build_s": build_s,
+        "restore_s": restore_s,
+    }
+    if chosen is not None:
+        event["layout_reasons"] = list(chosen.reasons)
+    if os.path.exists(fault_file):
+        last = [json.loads(x) for x in open(fault_file)][-1]
+        if last["time"] < started + 1e-9 and not last.get("recovered"):
+            event["recovery_s"] = time.time() - last["time"]
+            event["lost_steps"] = last["step"] - (restored or 0)
+            _append(fault_file, {**last, "recovered": True, "time": last["time"]})
+    return event
+
+
 def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None) -> list[float]:
     """Train (restoring first) until ``cfg.train.steps`` (or step ``stop_at``, for a job that is
     to be relaunched: the LR schedule still spans ``cfg.train.steps``), for at most ``max_steps``
@@ -643,15 +693,7 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
     t = cfg.train
     state = TrainState(model, optimizer, _loader(cfg, par))
     c = cfg.checkpoint
-    ckpt = Checkpointer(
-        c.root,
-        every_steps=c.every_steps,
-        keep_last=c.keep_last,
-        async_=c.async_,
-        local_dir=c.local_dir,
-        on_error=c.on_error,
-        max_failures=c.max_failures,
-    )
+    ckpt = _checkpointer(c)
     guarded = c.async_ and c.stage_in_background
     if guarded:
         ckpt.guard(state.optimizer)
@@ -776,29 +818,8 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
                     record["shares"] = int(info["kept"]) + len(info["trained"])
             _append(os.path.join(cfg.run_dir, "losses.jsonl"), record)
             if first:
-                event = {
-                    "event": "start",
-                    "layout": layout,
-                    "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                    "attempt": _attempt(),
-                    "time": time.time(),
-                    "pid": os.getpid(),
-                    "restored_step": restored,
-                    "startup_to_first_step_s": time.time() - started,
-                    # where a start goes: process start to `run` (imports, process group),
-                    # building the model, restoring the checkpoint
-                    "process_to_run_s": _since_process_start(started),
-                    "build_s": built - started,
-                    "restore_s": restore_s,
-                }
-                if chosen is not None:
-                    event["layout_reasons"] = list(chosen.reasons)
-                if os.path.exists(fault_file):
-                    last = [json.loads(x) for x in open(fault_file)][-1]
-                    if last["time"] < started + 1e-9 and not last.get("recovered"):
-                        event["recovery_s"] = time.time() - last["time"]
-                        event["lost_steps"] = last["step"] - (restored or 0)
-                        _append(fault_file, {**last, "recovered": True, "time": last["time"]})
+                times = (started, built - started, restore_s)
+                event = _start_event(layout, restored, times, chosen, fault_file)
                 _append(os.path.join(cfg.run_dir, "events.jsonl"), event)
         first = False
         if replicas is None or replicas.is_primary():  # one replica group writes checkpoints
