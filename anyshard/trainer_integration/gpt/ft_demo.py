@@ -79,7 +79,10 @@ def run_ft_hsdp(
         cmd += ["--lose-group", f"1:{lose[0]}:{lose[1]}"]
     cmd += ["--parallel.dp_shard", "2", "--train.steps", str(steps)]
     cmd += ["--checkpoint.every_steps", "5", "--checkpoint.root", os.path.join(run_dir, "ckpt")]
-    cmd += ["--ft.check_heals", "true", "--run_dir", run_dir, *extra]
+    cmd += ["--ft.check_heals", "true", "--run_dir", run_dir]
+    # both groups are in the first quorum, however far apart a loaded machine starts them: the
+    # scenario's fault lands on a group that is in the run
+    cmd += ["--ft.wait_all_s", "60", *extra]
     if heal_layout:
         cmd += ["--ft.heal_layout", heal_layout]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
