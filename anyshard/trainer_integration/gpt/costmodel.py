@@ -500,7 +500,7 @@ def _time_busy(fn, budget_s: float) -> float:
     return done[-1] / len(done)
 
 
-def _peer_wait_s(burst, group, n: int = 8, pairs: int = 3) -> float:
+def _peer_wait_s(burst, group, n: int = 5, pairs: int = 3) -> float:
     """How much longer ``n`` bursts of compute each followed by a small all-reduce in
     ``group`` take than the bursts alone, per all-reduce, with every rank doing the same at
     once (the median of ``pairs`` alternating pairs); the all-reduce's own time included."""
