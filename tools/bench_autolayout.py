@@ -255,15 +255,18 @@ def accuracy_checks(rho: float, mape: float, both: list) -> list[tuple]:
 
 
 def accuracy_only(args, argv, cfg, runs: Runs, trainer: str, load) -> int:
-    """The cost model's accuracy alone: every valid layout run fixed, each calibrating at its start
-    (``auto = start`` with no trial keeps the layout); the first run's calibration predicts all of
+    """The cost model's accuracy alone: every valid layout run fixed, the first calibrating at its
+    start (``auto = start`` with no trial keeps the layout); its calibration predicts all of
     them, against the measured median steps. A layout whose run fails is reported, not counted."""
     from anyshard.trainer_integration.gpt.costmodel import Rates, Refiner, predict
 
-    fixed = ["--parallel.auto", "start", "--parallel.auto_trials", "0"]
+    calibrating = ["--parallel.auto", "start", "--parallel.auto_trials", "0"]
     candidates = list(_layouts(cfg, args.world))
-    runs.alternate({f"fixed {c}": (c, fixed) for c in candidates}, args.oracle_reps)
-    lead = next(c for c in candidates if f"fixed {c}" in runs.runs)  # the first that ran
+    systems = {f"fixed {c}": (c, calibrating if i == 0 else []) for i, c in enumerate(candidates)}
+    runs.alternate(systems, args.oracle_reps)
+    lead = candidates[0]
+    if f"fixed {lead}" not in runs.runs:
+        raise SystemExit(f"the calibrating run ({lead}) failed: no predictions to compare")
     first = runs.runs[f"fixed {lead}"][0]
     predicted, measured, both, rho, mape = accuracy(cfg, args.world, first, runs)
     # what the scheduler predicts before its first trial: the model refined by the running
