@@ -299,8 +299,15 @@ class Scheduler:
     def _switch_fits(self, old: ParallelConfig, new: ParallelConfig) -> bool:
         """Whether switching from ``old`` to ``new`` stays within the memory budget: both
         layouts' state are held at once while it moves (`costmodel.switch_memory`)."""
-        budget = self.table.budget_bytes
-        return switch_memory(self.cfg, old, new) <= budget
+        return switch_memory(self.cfg, old, new) <= self.table.budget_bytes
+
+    def _over_budget(self, targets: Sequence[ParallelConfig]) -> str:
+        """Why a switch to any of ``targets`` is out of reach (the most it would hold)."""
+        need = max(switch_memory(self.cfg, self.current, p) for p in targets)
+        return (
+            f"would hold up to {need / 2**20:.0f} MiB a rank, over the budget of "
+            f"{self.table.budget_bytes / 2**20:.0f} MiB"
+        )
 
     def _remaining(self, step: int) -> int:
         return max(0, self.total_steps - step)
@@ -418,23 +425,16 @@ class Scheduler:
         if best_name == layout_text(self.current):
             why = "the running layout is the fastest measured"
             if self.out_of_reach:
-                need = max(switch_memory(self.cfg, self.current, r.parallel)
-                           for r in self.table.rows if r.layout in self.out_of_reach)  # fmt: skip
+                targets = [r.parallel for r in self.table.rows if r.layout in self.out_of_reach]
                 why += (
                     f"; {', '.join(sorted(self.out_of_reach))} predicted faster, but a switch "
-                    f"would hold up to {need / 2**20:.0f} MiB a rank, over the budget of "
-                    f"{self.table.budget_bytes / 2**20:.0f} MiB"
+                    + self._over_budget(targets)
                 )
             return Decision("keep", reason=why)
         saving = here.median - best.median
         if not self._switch_fits(self.current, best.parallel):
-            need = switch_memory(self.cfg, self.current, best.parallel)
-            return Decision(
-                "keep",
-                reason=f"{best_name} is faster but switching to it would hold "
-                f"{need / 2**20:.0f} MiB a rank, over the budget of "
-                f"{self.table.budget_bytes / 2**20:.0f} MiB",
-            )
+            why = f"{best_name} is faster but switching to it " + self._over_budget([best.parallel])
+            return Decision("keep", reason=why)
         pays = saving * self._remaining(step) > self.switch_s * (1 + pol.margin)
         if saving >= pol.min_gain * here.median and pays:
             return Decision(

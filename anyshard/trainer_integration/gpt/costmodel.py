@@ -44,6 +44,7 @@ from anyshard.trainer_integration.gpt.layouts import (
     default_budget,
     layout_text,
     parameter_count,
+    state_bytes,
 )
 
 __all__ = [
@@ -261,7 +262,7 @@ def memory_per_rank(cfg: Config, p: ParallelConfig) -> int:
     stage holds at once); the logits; one block gathered whole by FSDP."""
     m, t = cfg.model, cfg.train
     params = parameter_count(cfg)
-    state = params * BYTES_PER_PARAMETER // (p.pp * p.tp * p.dp_shard * p.ep * p.cp)
+    state = state_bytes(cfg, p)
     micro = p.microbatches if p.pp > 1 else 1
     tok = t.global_batch // p.dp_size // micro * (t.seq_len // p.cp)
     in_flight = min(micro, p.pp) if p.pp_schedule == "1F1B" and p.pp > 1 else micro
@@ -289,14 +290,10 @@ def switch_memory(cfg: Config, old: ParallelConfig, new: ParallelConfig) -> int:
     """
     from anyshard.api.redistribute import DEFAULT_MAX_INFLIGHT_BYTES
 
-    params = parameter_count(cfg)
-
-    def shards(p: ParallelConfig) -> int:
-        return p.pp * p.tp * p.dp_shard * p.ep * p.cp
-
-    kept = params * BYTES_PER_PARAMETER // shards(old)
-    held = params * (BYTES_PER_PARAMETER - FLOAT) // shards(new)  # no gradients yet
-    return int(kept + max(params * FLOAT, held) + min(DEFAULT_MAX_INFLIGHT_BYTES, held))
+    kept = state_bytes(cfg, old)
+    held = state_bytes(cfg, new) * (BYTES_PER_PARAMETER - FLOAT) // BYTES_PER_PARAMETER  # no grads
+    whole = parameter_count(cfg) * FLOAT
+    return int(kept + max(whole, held) + min(DEFAULT_MAX_INFLIGHT_BYTES, held))
 
 
 @dataclass(frozen=True)
