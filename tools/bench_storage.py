@@ -135,6 +135,7 @@ def bench_local(state: dict, regimes: dict[str, str], reps: int, records: h.Reco
     import anyshard
 
     out: dict = {}
+    gib = sum(t.numel() * t.element_size() for t in tensors_of(state).values()) / h.GiB
     for regime, root in regimes.items():
         r = out[regime] = {"sync": [], "first": [], "steady": [], "bit_exact": None}
         kinds = ("first", "steady")
@@ -153,12 +154,13 @@ def bench_local(state: dict, regimes: dict[str, str], reps: int, records: h.Reco
                     if last is not None:
                         shutil.rmtree(last)
                     last = path
-                r[kind].append(records.add(rec, regime=regime, system=kind, rep=rep))
+                r[kind].append(records.add(rec, regime=regime, system=kind, rep=rep, gib=gib))
             a = [f"{k} {r[k][-1]['block_s']:.3f} / {r[k][-1]['wall_s']:.3f} s" for k in kinds]
             sync = f"sync {r['sync'][-1]['wall_s']:.3f} s"
             print(f"  {regime} rep {rep + 1}: {sync}; async {'; '.join(a)} (blocking / total)")
-        target = zeros_like(state)
-        anyshard.load(last, target)
+        target = zeros_like(state)  # timed once: a load's rate for tools/goodput_profile.py
+        rec = h.measure(lambda p=last, t=target: [anyshard.load(p, t)] and None)
+        records.add(rec, regime=regime, system="load", gib=gib)
         r["bit_exact"] = same(target, state)
         shutil.rmtree(last)
     staging_reset()  # give the staging memory back before the S3 part
@@ -213,6 +215,7 @@ def bench_s3(state: dict, args, records: h.Records) -> dict:
     from anyshard.trainer_integration.checkpointer import Checkpointer
 
     raws = RAW_PUTS + RAW_GETS + ("one_object_put", "one_object_get")
+    gib = sum(t.numel() * t.element_size() for t in tensors_of(state).values()) / h.GiB
     ops = {k: [] for k in ["anyshard_save", "anyshard_load", *EXTRAS] + [f"raw_{v}" for v in raws]}
     out: dict = {"ops": ops, "bit_exact": [], "raw_bit_exact": []}
     with h.s3_server(args.server) as (_, pids):
@@ -238,7 +241,7 @@ def bench_s3(state: dict, args, records: h.Records) -> dict:
             rec = h.measure(fn, pids)
             copy = rec.pop("result", None)  # raw gets return their copying seconds
             rec["copy_s"] = copy if isinstance(copy, float) else 0.0
-            ops[key].append(records.add(rec, system=key, rep=rep))
+            ops[key].append(records.add(rec, system=key, rep=rep, gib=gib))
 
         def ours(rep: int) -> None:
             url = f"s3://{bucket}/ckpt-{rep}"
