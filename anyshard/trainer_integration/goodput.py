@@ -38,6 +38,7 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
@@ -101,16 +102,16 @@ class Cluster:
     replicas: int = 12  # replica groups (whole nodes each): the unit FT-HSDP takes offline
     gpus_per_node: int = 8
     state_gib: float = 4.0  # checkpoint state per GPU
-    step_s: float = 10.0  # a fault-free step
+    step_s: float = 6.0  # a fault-free step: Llama 3 405B's 16M-token batch on 16k GPUs
     every_steps: int = 30  # checkpoint interval (object store)
     local_every_steps: int = 5  # restart-local: local-tier interval
     mtbf_gpu_h: float = 50680.0  # per GPU: Llama 3, 419 interruptions, 16,384 GPUs, 54 days
     weibull_k: float = 1.0  # failure clock shape (1: exponential)
-    detect_s: float | None = 300.0  # a failure noticed by the whole job (health check, timeout)
+    detect_s: float | None = 150.0  # a failure noticed: half a 5-minute health-check period
     launch_s: float | None = 300.0  # a whole-job relaunch: scheduling, process start, NCCL init
     ft_detect_s: float | None = 30.0  # FT: a lost group noticed (the heartbeat timeout)
     group_launch_s: float | None = 60.0  # FT: a replica group's relaunch
-    spare_nodes: int | None = None  # None: twice the nodes in repair on average
+    spare_nodes: int | None = None  # None: enough for every node in repair, 99% of the time
     swap_s: float = 300.0  # a spare node swapped in
     repair_h: float = 24.0  # a failed node repaired and back in the pool
     storage_gib_s: float | None = 1862.6  # aggregate object store: 2 TB/s (Llama 3, Tectonic)
@@ -132,6 +133,7 @@ class Costs:
     restart_s: float = 0.0  # whole-job restarts: relaunch to model built
     restore_s: float = 0.0  # whole-job restarts: the state loaded
     local_every_steps: int = 0  # restart-local: the local tier's interval
+    local_block_s: float = 0.0  # restart-local: a save's blocking (every GPU stages its all)
     local_write_s: float = 0.0  # restart-local: a save written to the local tier
     local_restore_s: float = 0.0
     stall_s: float = 0.0  # FT: the training groups' stall per fault
@@ -150,10 +152,19 @@ class Costs:
     repair_s: float = 0.0
 
 
-def spares(c: Cluster, factor: float = 2.0) -> int:
-    """``factor`` x the nodes in repair on average (failures per second x repair time)."""
-    nodes = c.gpus // c.gpus_per_node
-    return math.ceil(factor * nodes * c.gpus_per_node / c.mtbf_gpu_h * c.repair_h)
+def spares(c: Cluster, quantile: float = 0.99) -> int:
+    """The spare nodes that cover every node in repair at once with probability ``quantile``:
+    the Poisson quantile of node failures over one repair time."""
+    m = c.gpus / c.mtbf_gpu_h * c.repair_h  # nodes in repair on average (failures x repair)
+    if m > 500:  # the normal approximation, where e^-m underflows
+        return math.ceil(m + NormalDist().inv_cdf(quantile) * math.sqrt(m))
+    k, pmf = 0, math.exp(-m)
+    cdf = pmf
+    while cdf < quantile:
+        k += 1
+        pmf *= m / k
+        cdf += pmf
+    return k
 
 
 def costs(profile: Profile, cluster: Cluster) -> Costs:
@@ -167,20 +178,26 @@ def costs(profile: Profile, cluster: Cluster) -> Costs:
             "nodes: take gpus a multiple of gpus_per_node, and 1 <= replicas <= nodes"
         )
     inf = math.inf
-    store = (c.storage_gib_s or inf) / c.gpus  # each GPU's share when all of them write
     if c.tier not in ("object", "local"):
         raise ValueError(f"tier {c.tier!r}: object or local")
     local = c.tier == "local"
-    write = gib / min(p.local_save_gib_s if local else p.save_gib_s, store)
-    read = gib / min(p.local_load_gib_s if local else p.load_gib_s, store)
+    # the replica groups hold the same state, saved once: each GPU writes its group's share
+    unique = gib / c.replicas
+    store = (c.storage_gib_s or inf) / c.gpus  # each GPU's share when all of them write
+    write = unique / min(p.local_save_gib_s if local else p.save_gib_s, store)
+    # read once, then sent to the other groups' GPUs holding the same shard
+    read = unique / min(p.local_load_gib_s if local else p.load_gib_s, store)
     peer = gib / min(1 / p.heal_s_per_gib, c.network_gib_s or inf)
+    if c.replicas > 1:
+        read += peer
     per_group = nodes / c.replicas
     ft_detect = p.heartbeat_s if c.ft_detect_s is None else c.ft_detect_s
     return Costs(
         step_s=c.step_s,
         every_steps=c.every_steps,
         save_write_s=write,
-        async_block_s=p.async_block_fixed_s + gib * p.async_block_s_per_gib,
+        async_block_s=p.async_block_fixed_s + unique * p.async_block_s_per_gib,
+        local_block_s=p.async_block_fixed_s + gib * p.async_block_s_per_gib,
         startup_s=p.startup_s if c.launch_s is None else c.launch_s,
         ft_startup_s=p.ft_startup_s if c.launch_s is None else c.launch_s,
         # the profile's restart includes the launcher noticing its rank's death
@@ -317,7 +334,7 @@ def _whole_job(mode: str, c: Costs, end: float, steps: float, faults, rng) -> Re
         block, write = c.save_write_s, 0.0
     elif mode == "restart-local":
         every = c.local_every_steps or c.every_steps
-        write, restore = c.local_write_s, c.local_restore_s
+        block, write, restore = c.local_block_s, c.local_write_s, c.local_restore_s
     times, _ = failure_times(c, end, rng) if faults is None else (None, None)
     spares = _Spares(c)
     run = _Periodic(0.0, c.startup_s, c.step_s, every, block, write)
@@ -352,57 +369,48 @@ def _replicated(mode: str, c: Costs, end: float, steps: float, faults, rng) -> R
     train the missing share. A fault stalls the groups training for ``stall_s``. ft-hsdp: the
     failed group relaunches once its node is replaced and heals from a peer; ft-elastic: a group
     of several nodes re-forms on the others at once (``shrink_s``) and regrows, healing, once
-    every node is replaced. Saves (async, to the object store) block every ``every_steps``; with
-    every group down the job restarts from the newest durable one."""
-    nodes = c.gpus // c.gpus_per_node
-    G = c.groups
-    size = np.bincount(np.arange(nodes) * G // nodes, minlength=G)  # nodes per group
-
-    def elastic(g: int) -> bool:  # re-forms on its other nodes
-        return mode == "ft-elastic" and size[g] > 1
-
-    weight = size / nodes
-    capacity = np.ones(G)  # each group's share of its own full speed (0: down)
-    missing = np.zeros(G, dtype=np.int64)  # its nodes awaiting a replacement
-    gen = np.zeros(G, dtype=np.int64)  # its failures so far: an "up" of an older one is void
-    last_fault = np.zeros(G)
+    every node is replaced. Saves (async, to the object store) block ``async_block_s`` every
+    ``every_steps``, spread over the steps; with every group down the job restarts from the
+    newest save durable ``save_write_s`` after its step."""
+    nodes, G, E = c.gpus // c.gpus_per_node, c.groups, c.every_steps
+    size = [int(x) for x in np.bincount(np.arange(nodes) * G // nodes, minlength=G)]
+    weight = [x / nodes for x in size]
+    capacity = [1.0] * G  # each group's share of its own full speed (0: down)
+    missing = [0] * G  # its nodes awaiting a replacement
+    gen = [0] * G  # its failures so far: an "up" of an older one is void
+    last_fault = [0.0] * G
+    up = 1.0  # the share of the job's GPUs training: sum of capacity x weight
     events: list = []  # (time, kind, group, generation, share)
     times, gpus = failure_times(c, end, rng) if faults is None else (None, None)
     scheduled = sorted(faults or [], key=lambda x: x[0])
     spares = _Spares(c)
     t, p, i, n = c.ft_startup_s, 0.0, 0, 0
     stalled = train = lost = 0.0
-    committed, next_save = 0.0, float(c.every_steps)
-    pending: list = []  # (durable at, step) of saves in flight
 
-    def speed() -> float:  # steps per second
-        g = float(capacity @ weight)
-        return 0.0 if g <= 1e-12 else 1.0 / (c.step_s * (1 + c.absorb * (1 / g - 1)))
+    def elastic(g: int) -> bool:  # re-forms on its other nodes
+        return mode == "ft-elastic" and size[g] > 1
+
+    def set_capacity(g: int, share: float) -> None:
+        nonlocal up
+        up += (share - capacity[g]) * weight[g]
+        capacity[g] = share
 
     while True:
-        v = speed()
+        step = c.step_s * (1 + c.absorb * (1 / up - 1)) if up > 1e-12 else math.inf
+        v = 1 / (step + c.async_block_s / E)  # steps per second, saves included
         if faults is None:
             f = float(times[i]) if i < len(times) else math.inf
-        elif i < len(scheduled):  # a fault at step k: once step k is done (and saved)
+        elif i < len(scheduled):  # a fault at step k: once step k is done
             f = t + max(0.0, scheduled[i][0] - p) / v if v else math.inf
         else:
             f = math.inf
         e = events[0][0] if events else math.inf
-        save_at = t + (next_save - p) / v if v else math.inf
         done_at = t + (steps - p) / v if v and math.isfinite(steps) else math.inf
-        nxt = min(f, e, save_at, done_at, end)
+        nxt = min(f, e, done_at, end)
         if v and nxt > t:
             p += (nxt - t) * v
-            train += nxt - t
+            train += (nxt - t) * v * step
         t = max(t, nxt)
-        while pending and pending[0][0] <= t:
-            committed = max(committed, heapq.heappop(pending)[1])
-        if nxt == save_at and nxt < end:  # after the step, the last one's included
-            p = next_save
-            heapq.heappush(pending, (t + c.async_block_s + c.save_write_s, p))
-            t += c.async_block_s
-            next_save += c.every_steps
-            continue
         if nxt in (done_at, end):
             break
         if nxt == e:
@@ -414,10 +422,10 @@ def _replicated(mode: str, c: Costs, end: float, steps: float, faults, rng) -> R
                     back = start + (0.0 if elastic(g) else c.group_restart_s) + c.heal_s
                     heapq.heappush(events, (back, "up", g, gen[g], 1.0))
             elif k == gen[g]:  # the group trains again, at ``share`` of its speed
-                if float(capacity @ weight) == 0:  # the job was down: from its checkpoint
+                if up <= 1e-12:  # the job was down: back from its checkpoint
                     t += c.restore_s
                     stalled += c.restore_s
-                capacity[g] = max(capacity[g], share)
+                set_capacity(g, max(capacity[g], share))
             continue
         # a failure
         if faults is None:
@@ -425,24 +433,24 @@ def _replicated(mode: str, c: Costs, end: float, steps: float, faults, rng) -> R
         else:
             p, g = float(scheduled[i][0]), int(scheduled[i][1]) % G
         i, n = i + 1, n + 1
-        others = float(capacity @ weight) - capacity[g] * weight[g]
-        capacity[g], last_fault[g] = 0.0, t
+        set_capacity(g, 0.0)
+        last_fault[g] = t
         gen[g] += 1
         missing[g] += 1
         heapq.heappush(events, (spares.ready(t), "node", g, 0, 0.0))
-        if others > 0:  # the others train on, after their stall
+        if up > 1e-12:  # the others train on, after their stall
             t += c.stall_s
             stalled += c.stall_s
-        else:  # every group down: back to the newest durable checkpoint
-            lost += p - committed
-            stalled += (p - committed) * c.step_s
-            train -= (p - committed) * c.step_s
-            p, next_save = committed, committed + c.every_steps
-            pending.clear()
+        else:  # every group down: back to the newest durable save
+            kept = E * math.floor(max(0.0, p - v * c.save_write_s) / E + 1e-9)
+            lost += p - kept
+            stalled += (p - kept) * c.step_s
+            train -= (p - kept) * c.step_s
+            p = kept
         if elastic(g) and missing[g] < size[g]:
             share = (size[g] - missing[g]) / size[g]
             heapq.heappush(events, (t + c.shrink_s, "up", g, gen[g], share))
-    return Result(mode, float(t), float(min(p, steps)), c.step_s, float(train), n, stalled, lost)
+    return Result(mode, t, min(p, steps), c.step_s, train, n, stalled, lost)
 
 
 def simulate(

@@ -30,7 +30,8 @@ def test_module_examples():
 def test_restart_modes_by_hand():
     """A fault once step 25 is done, a save every 10 steps of 1 s."""
     c = gp.Costs(step_s=1.0, every_steps=10, save_write_s=0.5, async_block_s=0.1, restart_s=5.0,
-                 restore_s=2.0, local_every_steps=5, local_write_s=0.2, local_restore_s=1.0)  # fmt: skip
+                 restore_s=2.0, local_every_steps=5, local_block_s=0.1, local_write_s=0.2,
+                 local_restore_s=1.0)  # fmt: skip
     # sync: 25 steps + 2 saves (26 s); back at 20 after 7 s; 80 steps + 8 saves (84 s)
     r = gp.simulate("restart-sync", c, steps=100, faults=[25])
     assert (r.wall_s, r.lost_steps, r.stalled_s, r.failures) == (117.0, 5.0, 12.0, 1)
@@ -91,6 +92,14 @@ def test_spare_pool():
     assert s.ready(3.0) == 10.0  # no spares: the node's own repair
 
 
+@pytest.mark.parametrize("gpus", [1000, 100_000])
+def test_default_spares_cover_the_nodes_in_repair_99_percent_of_the_time(gpus):
+    cl = gp.Cluster(gpus=gpus)
+    in_repair = np.random.default_rng(0).poisson(gpus / cl.mtbf_gpu_h * cl.repair_h, 400_000)
+    n = gp.spares(cl)
+    assert (in_repair <= n).mean() >= 0.99 > (in_repair <= n - 1).mean()
+
+
 @pytest.mark.parametrize("k", [1.0, 0.7, 1.5])
 def test_failure_counts_follow_the_mtbf(k):
     """Renewal theorem: over a horizon long against the MTBF, failures per GPU ~ horizon/MTBF."""
@@ -127,7 +136,9 @@ def test_a_group_down_a_fixed_time_matches_its_steady_state():
 def test_costs_from_a_profile_and_a_cluster():
     cl = gp.Cluster(gpus=1024, replicas=4, state_gib=2.0, storage_gib_s=64.0, network_gib_s=1.0)
     c = gp.costs(PROFILE, cl)
-    assert c.save_write_s == pytest.approx(2.0 / (64 / 1024))  # the store's share, not 0.08
+    # each GPU writes its quarter (4 groups hold the same state) at the store's share, not 0.08
+    assert c.save_write_s == pytest.approx(2.0 / 4 / (64 / 1024))
+    assert c.restore_s == pytest.approx(0.1 + 8.0 + 2.0)  # read once, then sent over the network
     assert c.heal_s == pytest.approx(0.3 + 2.0 / 1.0)  # the network, not 1/0.7 GiB/s
     assert c.stall_s == pytest.approx(0.5 + cl.ft_detect_s)
     assert c.groups == 4 and c.spare_nodes == gp.spares(cl)
@@ -135,7 +146,7 @@ def test_costs_from_a_profile_and_a_cluster():
                                storage_gib_s=None, tier="local")  # fmt: skip
     c = gp.costs(PROFILE, here)
     assert (c.restart_s, c.detect_s, c.startup_s, c.stall_s) == (2.0, 0.0, 5.0, 1.5)
-    assert c.save_write_s == pytest.approx(2.0 / 0.5)
+    assert c.save_write_s == pytest.approx(2.0 / 4 / 0.5)
     with pytest.raises(ValueError, match="replica group"):
         gp.costs(PROFILE, dataclasses.replace(cl, gpus=1001))
 
