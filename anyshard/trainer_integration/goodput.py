@@ -258,15 +258,20 @@ class Result:
 def failure_times(c: Costs, horizon_s: float, rng: np.random.Generator) -> tuple:
     """Every GPU's failures before ``horizon_s``: per GPU a renewal process of exponential or
     Weibull(``weibull_k``) times of mean ``mtbf_gpu_s`` (a failed GPU's slot starts a fresh
-    clock); returns (sorted times, the GPU of each)."""
+    clock), in equilibrium: a fleet of mixed ages, not all new, so that failures arrive at
+    ``gpus / mtbf_gpu_s`` per second from the start. Returns (sorted times, the GPU of each)."""
     if not math.isfinite(c.mtbf_gpu_s):
         return np.empty(0), np.empty(0, dtype=np.int64)
-    scale = c.mtbf_gpu_s / math.gamma(1 + 1 / c.weibull_k)
-    clock = np.zeros(c.gpus)
-    alive = np.arange(c.gpus)
-    times, gpus = [], []
+    k = c.weibull_k
+    scale = c.mtbf_gpu_s / math.gamma(1 + 1 / k)
+    # the first failure: the residual life of a renewal process in equilibrium, a uniform share
+    # of a length-biased lifetime (for Weibull: scale x Gamma(1 + 1/k)^(1/k))
+    length = scale * rng.gamma(1 + 1 / k, size=c.gpus) ** (1 / k)
+    clock = rng.random(c.gpus) * length
+    alive = np.arange(c.gpus)[clock < horizon_s]
+    times, gpus = [clock[alive].copy()], [alive]
     while alive.size:
-        clock[alive] += scale * rng.weibull(c.weibull_k, alive.size)
+        clock[alive] += scale * rng.weibull(k, alive.size)
         alive = alive[clock[alive] < horizon_s]
         times.append(clock[alive].copy())
         gpus.append(alive)

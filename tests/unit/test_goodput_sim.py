@@ -110,6 +110,18 @@ def test_failure_counts_follow_the_mtbf(k):
     assert np.bincount(gpus, minlength=2000).min() > 10  # every GPU fails, none stuck
 
 
+@pytest.mark.parametrize("k", [0.7, 1.5])
+def test_a_fleet_in_equilibrium_fails_at_its_mean_rate_from_the_start(k):
+    """Over a tenth of the MTBF a fleet of mixed ages has N/10 failures; a fleet all new would
+    have about twice as many (k 0.7: infant failures) or a tenth (k 1.5: wear-out)."""
+    c = gp.Costs(step_s=1, every_steps=1, gpus=100_000, mtbf_gpu_s=1000.0, weibull_k=k)
+    times, _ = gp.failure_times(c, 100.0, np.random.default_rng(1))
+    assert len(times) == pytest.approx(10_000, rel=0.03)
+    # what this test tells apart: the first failures of a fleet all new
+    fresh = 1000.0 / math.gamma(1 + 1 / k) * np.random.default_rng(1).weibull(k, 100_000) < 100
+    assert abs(int(fresh.sum()) - 10_000) > 3000
+
+
 def test_restart_matches_daly_under_exponential_failures():
     """Checkpoint/restart with failures during the restart too: a segment of tau work and a
     sync save delta takes M e^(R/M) (e^((tau+delta)/M) - 1) on average (Daly 2006)."""
