@@ -558,18 +558,25 @@ def _pct(x: tuple[float, float]) -> str:
     return f"{100 * x[0]:.1f}% +- {100 * x[1]:.1f}"
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    pass
+
+
 def main(argv: list[str] | None = None) -> int:
     """``anyshard plan``: the recovery mode, checkpoint interval and spares for a job."""
     d = Cluster()
     p = argparse.ArgumentParser(
         prog="anyshard plan",
-        description="Simulate a training job's failures and recoveries in every mode and "
-        "recommend one: the recovery mode, checkpoint interval (against the Young/Daly "
-        "optimum), tier and spare nodes, with each alternative's expected effective training "
-        "time (ETT) and goodput. Costs per rank come from a profile measured by the project's "
-        "benchmarks (--profile; default: the one measured on its own machine); the cluster's "
+        description="Simulate a training job's failures and recoveries in every mode and\n"
+        "recommend one: the recovery mode, checkpoint interval (against the Young/Daly\n"
+        "optimum), tier and spare nodes, with each alternative's expected effective training\n"
+        "time (ETT) and goodput. Costs per rank come from a profile measured by the project's\n"
+        "benchmarks (--profile; default: the one measured on its own machine); the cluster's\n"
         "from the options, whose defaults and sources docs/goodput.md lists.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="examples:\n  anyshard plan --gpus 100000\n"
+        "  anyshard plan --gpus 16384 --state-gib 2 --mtbf-hours 30000 --spares 64\n"
+        "  anyshard plan --gpus 100000 --profile my_profile.json --json",
+        formatter_class=_HelpFormatter,
     )
     p.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
     p.add_argument("--state-gib", type=float, default=d.state_gib, help="checkpoint GiB per GPU")
@@ -621,9 +628,9 @@ def main(argv: list[str] | None = None) -> int:
     for m, r in out["rows"].items():
         stall = f"{r.stall_s[0]:.0f} s"
         print(f"{m:<14} {r.every_steps:>6} st {_pct(r.ett):>16} {_pct(r.goodput):>16} {stall:>14}")
-    tier = "local tier + object store" if best.mode == "restart-local" else "object store"
-    print(f"recommended: {best.mode}, checkpoint every {best.every_steps} steps (Young/Daly: "
-          f"{out['young_daly_steps']:.0f}), {tier}, {out['spares']} spare node(s)")  # fmt: skip
+    where = "to every node's local disk" if best.mode == "restart-local" else "to the object store"
+    print(f"recommended: {best.mode}, checkpoints {where} every {best.every_steps} steps "
+          f"(Young/Daly: {out['young_daly_steps']:.0f}), {out['spares']} spare node(s)")  # fmt: skip
     return 0
 
 
