@@ -349,8 +349,11 @@ def _whole_job(mode: str, c: Costs, end: float, steps: float, faults, rng) -> Re
     while True:
         if faults is None:
             f = float(times[i]) if i < len(times) else math.inf
-        else:  # a fault at step k: once step k is done (and its save made)
-            f = run.time_of(scheduled[i]) if i < len(scheduled) else math.inf
+        elif i < len(scheduled):  # at step k: once done and its save durable (as injected)
+            k = scheduled[i]
+            f = run.time_of(k) + (write if (k - run.p0) % every == 0 else 0.0)
+        else:
+            f = math.inf
         finish = min(end, run.time_of(steps) if math.isfinite(steps) else math.inf)
         if f >= finish:
             done = min(steps, run.steps_at(finish))
@@ -468,8 +471,9 @@ def simulate(
     seed: int = 0,
 ) -> Result:
     """One run of ``mode`` for ``days`` of wall time or until ``steps`` steps are kept. Failures
-    are drawn from ``c`` (``seed``), or given: ``faults`` lists steps (restart modes: the job
-    fails once that step is done) or (step, group) pairs (FT modes)."""
+    are drawn from ``c`` (``seed``), or given, as the trainer injects them: ``faults`` lists
+    steps (restart modes: the job fails once that step is done and a save of it durable) or
+    (step, group) pairs (FT modes: the group fails once that step is done)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: one of {', '.join(MODES)}")
     end = math.inf if days is None else days * 86400.0

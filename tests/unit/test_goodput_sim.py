@@ -38,13 +38,17 @@ def test_restart_modes_by_hand():
     # async: the save at 20 is durable 0.5 s after its 0.1 s blocking: 25.2 + 7 + 80.8
     r = gp.simulate("restart-async", c, steps=100, faults=[25])
     assert r.wall_s == pytest.approx(113.0) and r.lost_steps == 5.0
-    # local tier every 5 steps: step 25's save is staged but not yet written: back at 20
+    # local tier every 5 steps: the fault at 25 waits for that step's save, then back at 25
     r = gp.simulate("restart-local", c, steps=100, faults=[25])
-    assert r.wall_s == pytest.approx(25 + 5 * 0.1 + 6 + 80 + 16 * 0.1) and r.lost_steps == 5.0
+    assert r.wall_s == pytest.approx(25 + 5 * 0.1 + 0.2 + 6 + 75 + 15 * 0.1) and r.lost_steps == 0
+    r = gp.simulate("restart-local", c, steps=100, faults=[24])  # back at 20
+    assert r.wall_s == pytest.approx(24 + 4 * 0.1 + 6 + 80 + 16 * 0.1) and r.lost_steps == 4
     assert r.goodput == pytest.approx(100 / r.wall_s) and r.ett == pytest.approx(r.goodput)
-    # a fault after a sync save loses nothing
+    # a fault injected after a save waits for it (as the trainer's does): nothing lost
     r = gp.simulate("restart-sync", c, steps=100, faults=[30])
     assert r.lost_steps == 0.0 and r.wall_s == pytest.approx(100 + 10 * 0.5 + 7)
+    r = gp.simulate("restart-async", c, steps=100, faults=[30])
+    assert r.lost_steps == 0.0 and r.wall_s == pytest.approx(100 + 10 * 0.1 + 0.5 + 7)
 
 
 def test_no_failures_costs_only_the_saves_and_the_start():
