@@ -1,7 +1,8 @@
 """Goodput at scale: a discrete-event simulator of failures and recoveries, and ``anyshard plan``.
 
-A job of ``gpus`` GPUs trains in replica groups of ``group_gpus``; GPUs fail (each on its own
-exponential or Weibull clock, the rate from a per-GPU MTBF), and the job recovers by its mode:
+A job of ``gpus`` GPUs trains in ``replicas`` replica groups of whole nodes; GPUs fail (each on
+its own exponential or Weibull clock, the rate from a per-GPU MTBF), and the job recovers by its
+mode:
 
 - ``restart-sync``, ``restart-async``: the whole job restarts from its newest committed
   checkpoint in object storage (saved synchronously, or staged and written in the background);
@@ -520,7 +521,9 @@ def summarize(mode: str, c: Costs, days: float, seeds: int) -> Summary:
 def young_daly_s(c: Costs, mode: str) -> float:
     """The Young/Daly optimal interval between saves, ``sqrt(2 x blocking x job MTBF)``
     (seconds of training), for ``mode``'s blocking per save."""
-    block = {"restart-sync": c.save_write_s}.get(mode, c.async_block_s)
+    block = {"restart-sync": c.save_write_s, "restart-local": c.local_block_s}.get(
+        mode, c.async_block_s
+    )
     job_mtbf = c.mtbf_gpu_s / c.gpus
     return math.sqrt(2 * max(block, 1e-9) * job_mtbf)
 
@@ -558,7 +561,8 @@ def plan(profile: Profile, cluster: Cluster, *, days: float = 30.0, seeds: int =
             "young_daly_steps": young_daly_s(c, best.mode) / c.step_s}  # fmt: skip
 
 
-def _pct(x: tuple[float, float]) -> str:
+def fmt_pct(x: tuple[float, float]) -> str:
+    """A mean and its interval's half-width as percentages."""
     return f"{100 * x[0]:.1f}% +- {100 * x[1]:.1f}"
 
 
@@ -631,7 +635,9 @@ def main(argv: list[str] | None = None) -> int:
     print(head)
     for m, r in out["rows"].items():
         stall = f"{r.stall_s[0]:.0f} s"
-        print(f"{m:<14} {r.every_steps:>6} st {_pct(r.ett):>16} {_pct(r.goodput):>16} {stall:>14}")
+        print(
+            f"{m:<14} {r.every_steps:>6} st {fmt_pct(r.ett):>16} {fmt_pct(r.goodput):>16} {stall:>14}"
+        )
     where = "to every node's local disk" if best.mode == "restart-local" else "to the object store"
     print(f"recommended: {best.mode}, checkpoints {where} every {best.every_steps} steps "
           f"(Young/Daly: {out['young_daly_steps']:.0f}), {out['spares']} spare node(s)")  # fmt: skip
