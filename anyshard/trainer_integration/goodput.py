@@ -118,6 +118,9 @@ class Cluster:
     storage_gib_s: float | None = 1862.6  # aggregate object store: 2 TB/s (Llama 3, Tectonic)
     network_gib_s: float | None = 46.6  # per GPU: 400 Gb/s
     tier: str = "object"  # where the restart modes save: "object" store or "local" disk
+    # the share of a missing group's work that slows the others: 1 where each group has GPUs
+    # of its own; None: the profile's, measured where groups share cores
+    absorb: float | None = 1.0
 
 
 @dataclass(frozen=True)
@@ -215,7 +218,7 @@ def costs(profile: Profile, cluster: Cluster) -> Costs:
         heal_s=p.heal_fixed_s + peer,
         # the survivors take the lost node's shards from a peer group: more bytes each
         shrink_s=ft_detect + p.heal_fixed_s + peer * per_group / max(1.0, per_group - 1),
-        absorb=p.absorb,
+        absorb=p.absorb if c.absorb is None else c.absorb,
         groups=c.replicas,
         gpus=c.gpus,
         gpus_per_node=c.gpus_per_node,

@@ -158,9 +158,11 @@ def test_costs_from_a_profile_and_a_cluster():
     assert c.heal_s == pytest.approx(0.3 + 2.0 / 1.0)  # the network, not 1/0.7 GiB/s
     assert c.stall_s == pytest.approx(0.5 + cl.ft_detect_s)
     assert c.groups == 4 and c.spare_nodes == gp.spares(cl)
+    assert c.absorb == 1.0  # groups of GPUs of their own
     here = dataclasses.replace(cl, launch_s=None, ft_detect_s=None, group_launch_s=None,
-                               storage_gib_s=None, tier="local")  # fmt: skip
-    c = gp.costs(PROFILE, here)
+                               storage_gib_s=None, tier="local", absorb=None)  # fmt: skip
+    c = gp.costs(dataclasses.replace(PROFILE, absorb=0.25), here)
+    assert c.absorb == 0.25  # as measured where the groups share cores
     assert (c.restart_s, c.detect_s, c.startup_s, c.stall_s) == (2.0, 0.0, 5.0, 1.5)
     assert c.save_write_s == pytest.approx(2.0 / 4 / 0.5)
     with pytest.raises(ValueError, match="replica group"):
@@ -184,6 +186,13 @@ def test_profile_file(tmp_path):
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="missing stall_s"):
         gp.Profile.load(str(path))
+
+
+def test_the_shipped_profile_loads_and_names_its_runs():
+    p = gp.Profile.load()
+    assert p.heal_s_per_gib > 0 and p.load_gib_s > 0 and p.restart_s > 0
+    assert p.source["command"].startswith("python tools/goodput_profile.py")
+    assert set(p.source["workload"]) == {"restart", "ft"}
 
 
 def test_plan_recommends_the_best_goodput(tmp_path, capsys):
