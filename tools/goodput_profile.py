@@ -187,7 +187,7 @@ def scale(profile: gp.Profile, seeds: int) -> tuple[list[list[str]], dict, float
             s = gp.best_interval(m, c, 30.0, seeds)
             curves[m].append(s.ett[0])
             rows.append([f"{n:,}", m, str(s.every_steps), gp.fmt_pct(s.ett), gp.fmt_pct(s.goodput),
-                         f"{s.stall_s[0] / 60:.1f} min", f"{s.failures:.0f}"])  # fmt: skip
+                         f"{s.stall_s[0] / 60:.1f} +- {s.stall_s[1] / 60:.1f} min", f"{s.failures:.0f}"])  # fmt: skip
             if n == GPUS[-1]:
                 t0 = time.process_time()
                 gp.simulate(m, dataclasses.replace(c, every_steps=s.every_steps), days=30)
