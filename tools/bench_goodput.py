@@ -324,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
                 pair = {}
                 for kind in kinds[rep % len(kinds) :] + kinds[: rep % len(kinds)]:
                     pair[kind] = job(args, mode, kind, os.path.join(tmp, f"{mode}-{kind}-{rep}"))
-                    records.add(pair[kind], mode=mode, kind=kind, rep=rep)
+                    records.add(pair[kind], mode=mode, kind=kind, rep=rep, steps=args.steps,
+                                every=args.every, sync=not args.async_)  # fmt: skip
                     print(f"{mode} {kind} {rep + 1}: {pair[kind]['wall_s']:.1f} s", flush=True)
                 runs.setdefault(mode, []).append(pair)
     blocks = []

@@ -132,45 +132,49 @@ def gather(cal: list[dict], storage: list[dict], heartbeat_s: float) -> gp.Profi
     )
 
 
-def predict(profile: gp.Profile, run: dict, mode: str, every: int, back_s: float) -> float:
-    """The simulated wall time of a held-out run (``run``: its steps and faults) from the
-    profile and the calibration runs' step time."""
+def predict(profile: gp.Profile, run: dict, mode: str, back_s: float) -> float:
+    """The simulated wall time of a held-out run (``run``: its steps, checkpoints and faults)
+    from the profile and the calibration runs' step time."""
     w = profile.source["workload"][FAMILY[mode]]
     ft = mode != "restart"
     cluster = gp.Cluster(
         gpus=w["ranks"] * (2 if ft else 1), replicas=2 if ft else 1, gpus_per_node=w["ranks"],
-        state_gib=w["state_gib"], step_s=w["step_s"], every_steps=every, mtbf_gpu_h=math.inf,
-        detect_s=None, launch_s=None, ft_detect_s=None, group_launch_s=None, spare_nodes=0,
-        repair_h=back_s / 3600 if mode == "elastic" else 0.0, storage_gib_s=None,
-        network_gib_s=None, tier="local", absorb=None,
+        state_gib=w["state_gib"], step_s=w["step_s"], every_steps=run["every"],
+        mtbf_gpu_h=math.inf, detect_s=None, launch_s=None, ft_detect_s=None,
+        group_launch_s=None, spare_nodes=0, repair_h=back_s / 3600 if mode == "elastic" else 0.0,
+        storage_gib_s=None, network_gib_s=None, tier="local", absorb=None,
     )  # fmt: skip
     c = gp.costs(profile, cluster)
-    steps = [f["step"] for f in run["faults"]] or [x["step"] for x in run.get("per_fault", [])]
+    steps = [f["step"] for f in run["faults"]]
     faults = [(k, 1) for k in steps] if ft else steps
-    return gp.simulate(MODE[mode], c, steps=run["steps"], faults=faults).wall_s
+    sim = "restart-sync" if run["sync"] else MODE[mode]
+    return gp.simulate(sim, c, steps=run["steps"], faults=faults).wall_s
 
 
 def validate(profile: gp.Profile, held: list[dict], args) -> list[list[str]]:
-    """Per held-out mode, measured (median [min-max] of the runs) and predicted: the paired
-    goodput (a fault-free run's wall time over the paired faulty run's) and the goodput with
-    faults (steps x the fault-free step over wall time: the pair's measured step; for the
-    prediction, the calibration's)."""
+    """Per held-out mode (and steps, interval, sync or async saves), measured (median [min-max]
+    of the runs) and predicted: the paired goodput (a fault-free run's wall time over the
+    paired faulty run's) and the goodput with faults (steps x the fault-free step over wall
+    time: the pair's measured step; for the prediction, the calibration's)."""
+    for r in held:  # what bench_goodput records (and the flags, for runs that did not)
+        r.update({k: r.get(k, v) for k, v in
+                  (("steps", args.held_steps), ("every", args.held_every), ("sync", False))})  # fmt: skip
+    kinds = dict.fromkeys((r["mode"], r["steps"], r["every"], r["sync"]) for r in held
+                          if r.get("kind") == "faulty")  # fmt: skip
     rows = []
-    for mode in MODE:
-        clean, faulty = _runs(held, mode, "clean"), _runs(held, mode, "faulty")
-        if not faulty:
-            continue
+    for mode, steps, every, sync in kinds:
+        same = [r for r in held if (r.get("mode"), r["steps"], r["every"], r["sync"])
+                == (mode, steps, every, sync)]  # fmt: skip
+        clean, faulty = _runs(same, mode, "clean"), _runs(same, mode, "faulty")
         step = profile.source["workload"][FAMILY[mode]]["step_s"]
-        for r in clean + faulty:
-            r["steps"] = args.held_steps
-        wall = [predict(profile, r, mode, args.held_every, args.back_s) for r in faulty]
-        base = predict(profile, {**clean[0], "faults": []}, mode, args.held_every, args.back_s)
+        wall = [predict(profile, r, mode, args.back_s) for r in faulty]
+        base = predict(profile, {**clean[0], "faults": []}, mode, args.back_s)
         paired = [c["wall_s"] / f["wall_s"] for c, f in zip(clean, faulty, strict=True)]
-        got = [args.held_steps * bg.median_step(c) / f["wall_s"]
-               for c, f in zip(clean, faulty, strict=True)]  # fmt: skip
-        pred_paired, pred = base / h.median(wall), args.held_steps * step / h.median(wall)
+        got = [steps * bg.median_step(c) / f["wall_s"] for c, f in zip(clean, faulty, strict=True)]
+        pred_paired, pred = base / h.median(wall), steps * step / h.median(wall)
         err = lambda p, m: f"{100 * (p - h.median(m)) / h.median(m):+.1f}%"  # noqa: E731
-        rows.append([f"{mode}, faults at steps {[x['step'] for x in faulty[0]['faults']]}",
+        what = f"{mode}, {'sync' if sync else 'async'} saves every {every}, faults at steps "
+        rows.append([what + str([x["step"] for x in faulty[0]["faults"]]),
                      h.fmt_spread(paired, ".3f"), f"{pred_paired:.3f}", err(pred_paired, paired),
                      h.fmt_spread(got, ".3f"), f"{pred:.3f}", err(pred, got)])  # fmt: skip
     return rows
@@ -250,9 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     p = h.parser(__doc__, records=False)
     p.add_argument("--calibrate", nargs="+", required=True, help="bench_goodput JSON lines")
     p.add_argument("--storage", required=True, help="bench_storage JSON lines")
-    p.add_argument("--held-out", help="bench_goodput JSON lines of other runs to predict")
-    p.add_argument("--held-steps", type=int, default=40, help="their --steps (40)")
-    p.add_argument("--held-every", type=int, default=5, help="their --every (5)")
+    p.add_argument("--held-out", nargs="+", help="bench_goodput JSON lines of runs to predict")
+    p.add_argument("--held-steps", type=int, default=40, help="their --steps where unrecorded")
+    p.add_argument("--held-every", type=int, default=5, help="their --every where unrecorded")
     p.add_argument("--back-s", type=float, default=5.0, help="their --back-s (5)")
     p.add_argument("--heartbeat-ms", type=int, default=1000, help="the runs' --heartbeat-ms")
     p.add_argument("--out", help="write the profile here (JSON)")
@@ -274,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         head = ["held-out runs", "faults / no fault, paired: measured", "predicted", "error",
                 "goodput with faults: measured", "predicted", "error"]  # fmt: skip
         blocks += ["Held-out runs, predicted from the profile (median [min-max] of the runs):",
-                   (head, validate(profile, bg.records(args.held_out), args))]  # fmt: skip
+                   (head, validate(profile, [x for f in args.held_out for x in bg.records(f)],
+                                   args))]  # fmt: skip
     rows, curves, slowest = scale(profile, args.seeds)
     head = ["GPUs", "mode", "interval (steps)", "ETT", "goodput", "stall per failure", "failures"]
     blocks += [f"The default cluster (docs/goodput.md), 30 days, mean +- 95% over {args.seeds} "

@@ -37,6 +37,7 @@ import json
 import math
 import os
 import sys
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from statistics import NormalDist
@@ -188,12 +189,14 @@ def costs(profile: Profile, cluster: Cluster) -> Costs:
     # the replica groups hold the same state, saved once: each GPU writes its group's share
     unique = gib / c.replicas
     store = (c.storage_gib_s or inf) / c.gpus  # each GPU's share when all of them write
-    write = unique / min(p.local_save_gib_s if local else p.save_gib_s, store)
+    write = unique / (p.local_save_gib_s if local else min(p.save_gib_s, store))
     # read once, then sent to the other groups' GPUs holding the same shard
-    read = unique / min(p.local_load_gib_s if local else p.load_gib_s, store)
+    read = unique / (p.local_load_gib_s if local else min(p.load_gib_s, store))
     peer = gib / min(1 / p.heal_s_per_gib, c.network_gib_s or inf)
-    if c.replicas > 1:
-        read += peer
+    if c.replicas > 1:  # the other groups' shares of what this GPU holds
+        read += peer * (c.replicas - 1) / c.replicas
+    # a replacement node's local tier is empty: its shards from a peer group, or the store
+    lost = peer if c.replicas > 1 else gib / min(p.load_gib_s, store)
     per_group = nodes / c.replicas
     ft_detect = p.heartbeat_s if c.ft_detect_s is None else c.ft_detect_s
     return Costs(
@@ -211,7 +214,7 @@ def costs(profile: Profile, cluster: Cluster) -> Costs:
         local_every_steps=c.local_every_steps,
         local_write_s=gib / p.local_save_gib_s,
         # the healthy nodes read their own copies, a replacement node fetches from a peer
-        local_restore_s=p.restore_fixed_s + max(gib / p.local_load_gib_s, peer),
+        local_restore_s=p.restore_fixed_s + max(gib / p.local_load_gib_s, lost),
         stall_s=max(0.0, p.stall_s - p.heartbeat_s) + ft_detect,
         group_detect_s=ft_detect,
         group_restart_s=p.group_restart_s if c.group_launch_s is None else c.group_launch_s,
@@ -300,11 +303,17 @@ class _Spares:
         return max(t, at) + self.c.swap_s
 
 
+def _floor(x: float) -> int:
+    """``floor`` that takes a value a rounding error short of an integer as that integer."""
+    return math.floor(x + 1e-6)
+
+
 @dataclass
 class _Periodic:
     """Training from a committed checkpoint at step ``p0``, time ``t0``: ``every`` steps of
-    ``step_s``, then a save blocking ``block_s`` that is durable ``write_s`` later (a save
-    still writing when the next starts makes that one wait)."""
+    ``step_s``, then a save blocking ``block_s`` that is durable ``write_s`` later. A save
+    still writing when the next is due makes that one wait: [work][block], then [work][wait]
+    [block] over and over."""
 
     p0: float
     t0: float
@@ -314,25 +323,33 @@ class _Periodic:
     write_s: float
 
     @property
+    def wait(self) -> float:
+        return max(0.0, self.write_s - self.every * self.step_s)
+
+    @property
     def period(self) -> float:
-        work = self.every * self.step_s
-        return work + self.block_s + max(0.0, self.write_s - work)
+        return self.every * self.step_s + self.block_s + self.wait
+
+    def _blocked(self, j: int) -> float:
+        """When the ``j``-th save stops blocking (``t0`` for none)."""
+        return self.t0 + j * self.period - (self.wait if j else 0.0)
 
     def steps_at(self, t: float) -> float:
         """Steps done by ``t`` (a step counts once finished)."""
-        n, rem = divmod(max(0.0, t - self.t0), self.period)
-        return self.p0 + n * self.every + min(self.every, math.floor(rem / self.step_s + 1e-9))
+        j = max(0, _floor((t - self.t0 + self.wait) / self.period))
+        done = _floor(max(0.0, t - self._blocked(j)) / self.step_s)
+        return self.p0 + j * self.every + min(self.every, done)
 
     def committed_at(self, t: float) -> float:
         """The newest step durable by ``t``."""
-        n = math.floor((t - self.t0 - self.write_s) / self.period + 1e-9)
-        return self.p0 + self.every * max(0, n)
+        j = _floor((t - self.t0 + self.wait - self.write_s) / self.period)
+        return self.p0 + self.every * max(0, j)
 
     def time_of(self, step: float) -> float:
         """When ``step`` is done, its save (where it makes one) blocking no more."""
         k = step - self.p0
-        saves = math.floor(k / self.every + 1e-9)
-        return self.t0 + saves * self.period + (k - saves * self.every) * self.step_s
+        saves = _floor(k / self.every)
+        return self._blocked(saves) + (k - saves * self.every) * self.step_s
 
 
 def _whole_job(mode: str, c: Costs, end: float, steps: float, faults, rng) -> Result:
@@ -360,7 +377,7 @@ def _whole_job(mode: str, c: Costs, end: float, steps: float, faults, rng) -> Re
             f = math.inf
         finish = min(end, run.time_of(steps) if math.isfinite(steps) else math.inf)
         if f >= finish:
-            done = min(steps, run.steps_at(finish))
+            done = steps if finish < end else min(steps, run.steps_at(finish))
             train += (done - run.p0) * c.step_s
             return Result(mode, finish, done, c.step_s, train, n, stalled, lost)
         i, n = i + 1, n + 1
@@ -398,6 +415,8 @@ def _replicated(mode: str, c: Costs, end: float, steps: float, faults, rng) -> R
     spares = _Spares(c)
     t, p, i, n = c.ft_startup_s, 0.0, 0, 0
     stalled = train = lost = 0.0
+    trail: deque = deque(maxlen=4096)  # (steps, train_s, step time) where the speed changed
+    down_since = math.inf  # when every group went down
 
     def elastic(g: int) -> bool:  # re-forms on its other nodes
         return mode == "ft-elastic" and size[g] > 1
@@ -420,6 +439,8 @@ def _replicated(mode: str, c: Costs, end: float, steps: float, faults, rng) -> R
         done_at = t + (steps - p) / v if v and math.isfinite(steps) else math.inf
         nxt = min(f, e, done_at, end)
         if v and nxt > t:
+            if not trail or trail[-1][2] != step:
+                trail.append((p, train, step))
             p += (nxt - t) * v
             train += (nxt - t) * v * step
         t = max(t, nxt)
@@ -436,7 +457,7 @@ def _replicated(mode: str, c: Costs, end: float, steps: float, faults, rng) -> R
             elif k == gen[g]:  # the group trains again, at ``share`` of its speed
                 if up <= 1e-12:  # the job was down: back from its checkpoint
                     t += c.restore_s
-                    stalled += c.restore_s
+                    stalled += t - down_since
                 set_capacity(g, max(capacity[g], share))
             continue
         # a failure
@@ -445,23 +466,27 @@ def _replicated(mode: str, c: Costs, end: float, steps: float, faults, rng) -> R
         else:
             p, g = float(scheduled[i][0]), int(scheduled[i][1]) % G
         i, n = i + 1, n + 1
+        was_up = capacity[g] > 0
         set_capacity(g, 0.0)
         last_fault[g] = t
         gen[g] += 1
         missing[g] += 1
         heapq.heappush(events, (spares.ready(t), "node", g, 0, 0.0))
-        if up > 1e-12:  # the others train on, after their stall
-            t += c.stall_s
-            stalled += c.stall_s
-        else:  # every group down: back to the newest durable save
-            kept = E * math.floor(max(0.0, p - v * c.save_write_s) / E + 1e-9)
+        if up > 1e-12:  # the others train on, after their stall (a group already down: none)
+            stall = c.stall_s if was_up else 0.0
+            t += stall
+            stalled += stall
+        elif was_up:  # every group down: back to the newest durable save
+            kept = E * _floor(max(0.0, p - v * c.save_write_s) / E)
+            at = next((x for x in reversed(trail) if x[0] <= kept), (0.0, 0.0, c.step_s))
+            redo = train - (at[1] + (kept - at[0]) * at[2])  # training time of the lost steps
             lost += p - kept
-            stalled += (p - kept) * c.step_s
-            train -= (p - kept) * c.step_s
-            p = kept
+            stalled += redo
+            train -= redo
+            p, down_since = kept, t
         if elastic(g) and missing[g] < size[g]:
             share = (size[g] - missing[g]) / size[g]
-            heapq.heappush(events, (t + c.shrink_s, "up", g, gen[g], share))
+            heapq.heappush(events, (last_fault[g] + c.shrink_s, "up", g, gen[g], share))
     return Result(mode, t, min(p, steps), c.step_s, train, n, stalled, lost)
 
 
@@ -596,7 +621,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-s", type=float, default=d.step_s, help="a fault-free step (s)")
     p.add_argument("--replicas", type=int, help="replica groups (default: 12, or 1 per node)")
     p.add_argument("--gpus-per-node", type=int, default=d.gpus_per_node)
-    p.add_argument("--spares", type=int, help="spare nodes (default: twice those in repair)")
+    help = "spare nodes (default: every node in repair covered 99%% of the time)"
+    p.add_argument("--spares", type=int, help=help)
     p.add_argument("--repair-hours", type=float, default=d.repair_h, help="a node's repair")
     p.add_argument("--weibull-k", type=float, default=d.weibull_k, help="failure clock shape")
     p.add_argument("--detect-s", type=float, default=d.detect_s, help="whole job: detection")

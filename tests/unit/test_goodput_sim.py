@@ -70,10 +70,11 @@ def test_ft_modes_by_hand():
     r = gp.simulate("ft-hsdp", c, steps=100, faults=[(10, 1)])
     assert r.wall_s == pytest.approx(10.5 + 53.5 + (100 - 10 - 53.5 / 2))
     assert (r.stalled_s, r.lost_steps) == (0.5, 0.0)
-    # ft-elastic: half speed until re-formed on its other node (12.5), then 3/4 of the GPUs
-    # until the node is back and healed (10 + 50 + 1 = 61), then full speed
+    # ft-elastic: stalled until 10.5, half speed until re-formed on its other node (10 + 2:
+    # the shrink's time counts from the fault), then 3/4 of the GPUs until the node is back
+    # and healed (10 + 50 + 1 = 61), then full speed
     r = gp.simulate("ft-elastic", c, steps=100, faults=[(10, 1)])
-    done = 10 + 2 * 0.5 + (61 - 12.5) * 0.75
+    done = 10 + 1.5 * 0.5 + (61 - 12) * 0.75
     assert r.wall_s == pytest.approx(61 + 100 - done)
     # the others absorb none of the missing share (shared cores): no slower
     r = gp.simulate("ft-hsdp", dataclasses.replace(c, absorb=0.0), steps=100, faults=[(10, 1)])
@@ -86,6 +87,35 @@ def test_every_group_down_restarts_from_the_newest_durable_save():
     r = gp.simulate("ft-hsdp", c, steps=50, faults=[(25, 0)])
     # back at step 20: the group relaunches (4 s), the job restores (2 s), 30 steps
     assert r.lost_steps == 5.0 and r.wall_s == pytest.approx(25 + 4 + 2 + 30)
+
+
+def test_every_group_down_counts_the_lost_steps_at_their_own_pace():
+    """Group 0 fails once step 10 is done and is away 100 s; group 1 trains alone, 2 s a step,
+    and fails once step 25 is done (t = 40): back to the save at 20. Group 0 is back at 110, the
+    job restores (2 s) and trains at half speed until group 1 is back (140), then full speed."""
+    c = gp.Costs(step_s=1.0, every_steps=10, groups=2, gpus=2, group_restart_s=100.0,
+                 restore_s=2.0)  # fmt: skip
+    r = gp.simulate("ft-hsdp", c, steps=100, faults=[(10, 0), (25, 1)])
+    assert r.wall_s == pytest.approx(112 + 28 + 66) and r.lost_steps == 5
+    assert r.train_s == pytest.approx(10 + 10 * 2 + 28 + 66)  # the 5 lost steps took 10 s
+    assert r.stalled_s == pytest.approx((112 - 40) + 10)  # down, then the lost steps
+
+
+def test_a_save_still_writing_makes_the_next_one_wait():
+    """1 s steps, a save every 2 blocking 0.1 s and written in 5 s: work, block; then work,
+    wait for the previous write, block."""
+    run = gp._Periodic(0.0, 0.0, 1.0, 2, 0.1, 5.0)
+    durable = [2.1 + 5, 7.2 + 5, 12.3 + 5]
+    assert [run.committed_at(t) for t in durable] == [2, 4, 6]
+    assert [run.committed_at(t - 0.05) for t in durable] == [0, 2, 4]
+    assert run.time_of(3) == pytest.approx(3.1) and run.time_of(4) == pytest.approx(7.2)
+    assert run.steps_at(5.0) == 4 and run.steps_at(7.25) == 4 and run.steps_at(8.2) == 5
+
+
+def test_steps_at_the_end_of_a_month_of_short_steps():
+    run = gp._Periodic(0.0, 0.0, 0.1, 7, 0.013, 0.0)
+    for k in range(25_000_000, 25_000_050):
+        assert run.steps_at(run.time_of(k)) == k
 
 
 def test_spare_pool():
@@ -154,7 +184,8 @@ def test_costs_from_a_profile_and_a_cluster():
     c = gp.costs(PROFILE, cl)
     # each GPU writes its quarter (4 groups hold the same state) at the store's share, not 0.08
     assert c.save_write_s == pytest.approx(2.0 / 4 / (64 / 1024))
-    assert c.restore_s == pytest.approx(0.1 + 8.0 + 2.0)  # read once, then sent over the network
+    # read once; the other 3 groups' quarters come over the network
+    assert c.restore_s == pytest.approx(0.1 + 8.0 + 2.0 * 3 / 4)
     assert c.heal_s == pytest.approx(0.3 + 2.0 / 1.0)  # the network, not 1/0.7 GiB/s
     assert c.stall_s == pytest.approx(0.5 + cl.ft_detect_s)
     assert c.groups == 4 and c.spare_nodes == gp.spares(cl)
@@ -165,6 +196,8 @@ def test_costs_from_a_profile_and_a_cluster():
     assert c.absorb == 0.25  # as measured where the groups share cores
     assert (c.restart_s, c.detect_s, c.startup_s, c.stall_s) == (2.0, 0.0, 5.0, 1.5)
     assert c.save_write_s == pytest.approx(2.0 / 4 / 0.5)
+    local = gp.costs(PROFILE, dataclasses.replace(cl, tier="local"))
+    assert local.save_write_s == pytest.approx(2.0 / 4 / 0.5)  # local disks: no shared store
     with pytest.raises(ValueError, match="replica group"):
         gp.costs(PROFILE, dataclasses.replace(cl, gpus=1001))
 
