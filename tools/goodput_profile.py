@@ -2,7 +2,8 @@
 its figures at 1k, 10k and 100k GPUs (`anyshard.trainer_integration.goodput`).
 
     python tools/goodput_profile.py --calibrate cal.jsonl heal.jsonl --storage storage.jsonl \\
-        --held-out held.jsonl --out anyshard/trainer_integration/goodput_profile.json --write-docs
+        --held-out held.jsonl held_sync.jsonl \\
+        --out anyshard/trainer_integration/goodput_profile.json --write-docs
 
 after the runs that write those JSON lines (`INTRO`: the trainer with one fault, the heal rate,
 1 GiB saves and loads on disk and SeaweedFS, and the held-out runs; about 45 minutes).
@@ -38,6 +39,7 @@ python tools/bench_goodput.py --modes restart,ft --steps 30 --fault-every 30 --r
 python tools/bench_goodput.py --modes none --heal-gib 1 --heal-reps 3 --jsonl heal.jsonl
 python tools/bench_storage.py --parts local,s3 --server seaweedfs --reps 3 --jsonl storage.jsonl
 python tools/bench_goodput.py --modes restart,ft,elastic --steps 40 --fault-every 20 --every 5 --reps 3 --heal-gib 0 --jsonl held.jsonl
+python tools/bench_goodput.py --modes restart --steps 40 --fault-every 20 --every 5 --sync --reps 3 --heal-gib 0 --jsonl held_sync.jsonl
 ```"""
 MODE = {"restart": "restart-async", "ft": "ft-hsdp", "elastic": "ft-elastic"}
 FAMILY = {"restart": "restart", "ft": "ft", "elastic": "ft"}  # the layout each mode runs
