@@ -24,7 +24,8 @@ def _rank(rank: int, ckpt: str, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
         n = dcp_async_save_task("tp2", ckpt, 4, "process", "tp2")
-        print(f"rank {rank} ok {n}", flush=True)
+        sys.stdout.write(f"rank {rank} ok {n}\n")  # one write: the ranks share the pipe
+        sys.stdout.flush()
     finally:
         dist.destroy_process_group()
 

@@ -10,6 +10,7 @@ Run: python -m pytest tests/dist/test_dcp_backend.py -q
 from __future__ import annotations
 
 import os
+import re
 import struct
 
 import pytest
@@ -83,9 +84,9 @@ def test_dcp_async_save_in_dcp_s_background_process(tmp_path):
         [sys.executable, script, ckpt, str(port)], capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    oks = sorted(line for line in out.stdout.splitlines() if " ok " in line)
-    assert [line.split(" ok ")[0] for line in oks] == ["rank 0", "rank 1"], out.stdout
-    assert all(int(line.split(" ok ")[1]) > 0 for line in oks)
+    oks = sorted(re.findall(r"rank (\d+) ok (\d+)", out.stdout))
+    assert [r for r, _ in oks] == ["0", "1"], out.stdout
+    assert all(int(n) > 0 for _, n in oks)
     assert cli(["verify", ckpt]) == 0
 
 
