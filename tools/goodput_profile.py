@@ -6,7 +6,8 @@ its figures at 1k, 10k and 100k GPUs (`anyshard.trainer_integration.goodput`).
         --out anyshard/trainer_integration/goodput_profile.json --write-docs
 
 after the runs that write those JSON lines (`INTRO`: the trainer with one fault, the heal rate,
-1 GiB saves and loads on disk and SeaweedFS, and the held-out runs; about 45 minutes).
+1 GiB saves and loads on disk and SeaweedFS, and the held-out runs; about 45 minutes). The lines
+behind the shipped profile are in tests/fixtures/goodput.
 
 The profile's per-rank rates come from bench_storage (1 GiB saves and loads, disk and S3) and
 bench_goodput's heal rate; the fixed costs from the calibration runs' own events (start-up,
@@ -32,7 +33,8 @@ INTRO = """The simulator of docs/goodput.md with its costs measured here: per-ra
 saves, loads and heals; fixed costs from the calibration runs of the trainer (2 x 2 and 4 ranks,
 one fault). Held-out runs (two faults, another checkpoint interval, the elastic mode) are
 predicted from that profile and the calibration's step time alone. Goodput as
-`tools/bench_goodput.py` measures it: steps x the fault-free step over wall time. The runs:
+`tools/bench_goodput.py` measures it: steps x the fault-free step over wall time. The runs, whose
+JSON lines tests/fixtures/goodput keeps (the command below reads them from there):
 
 ```bash
 python tools/bench_goodput.py --modes restart,ft --steps 30 --fault-every 30 --reps 3 --heal-gib 0 --jsonl cal.jsonl

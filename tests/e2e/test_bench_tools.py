@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -249,3 +250,33 @@ def test_harness_write_section_replaces_only_its_markers(tmp_path):
     )
     cmd = h.rerun_command("tools/x.py", ["--quick", "--write-docs", "p.md", "--reps", "2"])
     assert cmd == "python tools/x.py --quick --reps 2 --write-docs"
+
+
+def test_goodput_profile_rebuilds_the_shipped_profile_and_predicts_held_out_runs(tmp_path):
+    """The runs behind the shipped profile (tests/fixtures/goodput: bench_goodput's and
+    bench_storage's JSON lines) give that profile again, and the simulator predicts each held-out
+    set of runs (other fault counts, interval, sync saves, the elastic mode) within 10%."""
+    fix = os.path.join(ROOT, "tests", "fixtures", "goodput")
+    docs = tmp_path / "benchmarks.md"
+    args = ["--calibrate", f"{fix}/cal.jsonl", f"{fix}/heal.jsonl"]
+    args += ["--storage", f"{fix}/storage.jsonl"]
+    args += ["--held-out", f"{fix}/held.jsonl", f"{fix}/held_sync.jsonl"]
+    args += ["--out", str(tmp_path / "p.json"), "--seeds", "2", "--plot", str(tmp_path / "e.svg")]
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "goodput_profile.py"), *args,
+         "--write-docs", str(docs)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    with open(os.path.join(ROOT, "anyshard", "trainer_integration", "goodput_profile.json")) as f:
+        shipped = json.load(f)
+    rebuilt = json.loads((tmp_path / "p.json").read_text())
+    assert {k: v for k, v in rebuilt.items() if k != "source"} == {
+        k: v for k, v in shipped.items() if k != "source"
+    }
+    assert rebuilt["source"]["workload"] == shipped["source"]["workload"]
+    held = [ln for ln in docs.read_text().splitlines() if ", faults at steps " in ln]
+    assert len(held) == 4  # restart async and sync, FT-HSDP, elastic
+    errors = [float(x) for ln in held for x in re.findall(r"\| ([+-]\d+\.\d)% ", ln + " ")]
+    assert len(errors) == 8 and all(abs(e) < 10 for e in errors), held
+    assert (tmp_path / "e.svg").stat().st_size > 10_000
