@@ -624,6 +624,7 @@ def main(argv: list[str] | None = None) -> int:
     help = "spare nodes (default: every node in repair covered 99%% of the time)"
     p.add_argument("--spares", type=int, help=help)
     p.add_argument("--repair-hours", type=float, default=d.repair_h, help="a node's repair")
+    p.add_argument("--swap-s", type=float, default=d.swap_s, help="a spare node swapped in")
     p.add_argument("--weibull-k", type=float, default=d.weibull_k, help="failure clock shape")
     p.add_argument("--detect-s", type=float, default=d.detect_s, help="whole job: detection")
     p.add_argument("--launch-s", type=float, default=d.launch_s, help="whole job: relaunch")
@@ -643,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
             state_gib=a.state_gib, step_s=a.step_s, mtbf_gpu_h=a.mtbf_hours,
             weibull_k=a.weibull_k, detect_s=a.detect_s, launch_s=a.launch_s,
             ft_detect_s=a.ft_detect_s, group_launch_s=a.group_launch_s, spare_nodes=a.spares,
-            repair_h=a.repair_hours, storage_gib_s=a.storage_gib_s,
+            swap_s=a.swap_s, repair_h=a.repair_hours, storage_gib_s=a.storage_gib_s,
             network_gib_s=a.network_gib_s,
         )  # fmt: skip
         out = plan(profile, cluster, days=a.days, seeds=a.seeds)
