@@ -447,11 +447,11 @@ def _replicated(mode: str, c: Costs, end: float, steps: float, faults, rng) -> R
         if nxt in (done_at, end):
             break
         if nxt == e:
-            _, kind, g, k, share = heapq.heappop(events)
-            if kind == "node":  # a replacement node is in
+            at, kind, g, k, share = heapq.heappop(events)
+            if kind == "node":  # a replacement node is in (at ``at``, maybe inside a stall)
                 missing[g] -= 1
                 if missing[g] == 0:
-                    start = max(t, last_fault[g] + c.group_detect_s)
+                    start = max(at, last_fault[g] + c.group_detect_s)
                     back = start + (0.0 if elastic(g) else c.group_restart_s) + c.heal_s
                     heapq.heappush(events, (back, "up", g, gen[g], 1.0))
             elif k == gen[g]:  # the group trains again, at ``share`` of its speed
@@ -468,12 +468,14 @@ def _replicated(mode: str, c: Costs, end: float, steps: float, faults, rng) -> R
         i, n = i + 1, n + 1
         was_up = capacity[g] > 0
         set_capacity(g, 0.0)
-        last_fault[g] = t
+        when = min(t, nxt)  # a failure during another's stall: its own time, not the stall's end
+        last_fault[g] = when
         gen[g] += 1
         missing[g] += 1
-        heapq.heappush(events, (spares.ready(t), "node", g, 0, 0.0))
+        heapq.heappush(events, (spares.ready(when), "node", g, 0, 0.0))
         if up > 1e-12:  # the others train on, after their stall (a group already down: none)
-            stall = c.stall_s if was_up else 0.0
+            # from the failure's own time: one inside another's stall overlaps it
+            stall = max(0.0, when + c.stall_s - t) if was_up else 0.0
             t += stall
             stalled += stall
         elif was_up:  # every group down: back to the newest durable save

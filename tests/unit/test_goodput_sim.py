@@ -118,6 +118,19 @@ def test_steps_at_the_end_of_a_month_of_short_steps():
         assert run.steps_at(run.time_of(k)) == k
 
 
+def test_a_failure_during_another_s_stall_recovers_from_its_own_time(monkeypatch):
+    """Three groups; group 0 fails at 10 s (the others stall until 15 s), group 2 at 12 s,
+    inside that stall: its stall runs from 12 s to 17 s, overlapping the first; group 0 is back
+    at 13 s and group 2 at 15 s, 3 s after its own failure."""
+    failures = (np.array([10.0, 12.0]), np.array([0, 2]))
+    monkeypatch.setattr(gp, "failure_times", lambda c, end, rng: failures)
+    c = gp.Costs(step_s=1.0, every_steps=10**6, groups=3, gpus=3, stall_s=5.0,
+                 group_restart_s=3.0, mtbf_gpu_s=1e9)  # fmt: skip
+    r = gp.simulate("ft-hsdp", c, days=30 / 86400)
+    # 10 steps; stalled from 10 to 17; then all three train again: 13 more steps
+    assert r.steps == pytest.approx(10 + 13) and r.stalled_s == pytest.approx(7.0)
+
+
 def test_spare_pool():
     s = gp._Spares(gp.Costs(step_s=1, every_steps=1, spare_nodes=1, swap_s=5.0, repair_s=100.0))
     assert s.ready(0.0) == 5.0  # the one spare
