@@ -71,6 +71,11 @@ def tensors_of(state: dict) -> dict[str, torch.Tensor]:
     return {f"{g}.{k}": v for g, d in state.items() if isinstance(d, dict) for k, v in d.items()}
 
 
+def gib_of(state: dict) -> float:
+    """The GiB of the state's tensors."""
+    return sum(t.numel() * t.element_size() for t in tensors_of(state).values()) / h.GiB
+
+
 def zeros_like(state: dict) -> dict:
     """Preallocated, touched targets of the same shapes, and zeroed JSON values."""
     zeros = lambda v: {n: torch.zeros_like(t) for n, t in v.items()}  # noqa: E731
@@ -135,7 +140,7 @@ def bench_local(state: dict, regimes: dict[str, str], reps: int, records: h.Reco
     import anyshard
 
     out: dict = {}
-    gib = sum(t.numel() * t.element_size() for t in tensors_of(state).values()) / h.GiB
+    gib = gib_of(state)
     for regime, root in regimes.items():
         r = out[regime] = {"sync": [], "first": [], "steady": [], "bit_exact": None}
         kinds = ("first", "steady")
@@ -215,7 +220,7 @@ def bench_s3(state: dict, args, records: h.Records) -> dict:
     from anyshard.trainer_integration.checkpointer import Checkpointer
 
     raws = RAW_PUTS + RAW_GETS + ("one_object_put", "one_object_get")
-    gib = sum(t.numel() * t.element_size() for t in tensors_of(state).values()) / h.GiB
+    gib = gib_of(state)
     ops = {k: [] for k in ["anyshard_save", "anyshard_load", *EXTRAS] + [f"raw_{v}" for v in raws]}
     out: dict = {"ops": ops, "bit_exact": [], "raw_bit_exact": []}
     with h.s3_server(args.server) as (_, pids):
@@ -371,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     load, records = h.RunLoad(), h.Records(args.jsonl, "storage")
     state = make_state(args.gib, args.tensor_mib)
     ts, n_big = tensors_of(state), round(args.gib * 1024 / args.tensor_mib)
-    total = sum(t.numel() * t.element_size() for t in ts.values())
+    total = round(gib_of(state) * h.GiB)
     shape = f"({n_big} x {args.tensor_mib} MiB fp32 + small ones); {args.reps} repetition(s)"
     print(f"state: {total / h.GiB:.3f} GiB in {len(ts)} tensors {shape}")
     f = micro_floors(state)
