@@ -28,6 +28,7 @@ import benchkit as h
 from bench_goodput import step_times, train
 
 POOR = {2: "tp=2", 4: "pp=2,tp=2"}
+MEMORY_RUN_STEPS = 7  # a memory run's steps: the memory event's, then more for the step time
 # the heading its sections go under in docs/benchmarks.md
 UNDER = "## Autolayout: the job picks its layout (`tools/bench_autolayout.py`)"
 ONLINE = ["--parallel.auto", "online"]
@@ -301,30 +302,43 @@ def accuracy_only(args, argv, cfg, runs: Runs, trainer: str, load) -> int:
 
 
 def memory(args, argv, cfg, poor: str, opts: list[str], records, load) -> int:
-    """The memory budget: each layout (fitting or not) run fixed for the memory event's steps,
-    its ranks' RSS growth (peak over the first steps less the RSS before the model was built)
-    against `costmodel.memory_per_rank`; then ``auto = online`` from ``poor`` under the budget:
-    the layouts it ran and its ranks' largest RSS growth over the whole run."""
+    """The memory budget: each layout (fitting or not) run fixed for `MEMORY_RUN_STEPS`, with
+    the ranks' allocator lean (what the trainer runs under a budget, `gpt.malloc`) and as it
+    is, alternating: its ranks' RSS growth (peak over the memory event's steps less the RSS
+    before the model was built) against `costmodel.memory_per_rank`, and the median step time;
+    then ``auto = online`` from ``poor`` under the budget: the layouts it ran and its ranks'
+    largest RSS growth over the whole run."""
     from anyshard.trainer_integration.gpt.train import MEMORY_STEPS
 
     budget = int(args.memory_gib * 2**30)
     fits = set(_layouts(cfg, args.world, memory_bytes=budget))
-    short = [*opts, "--train.steps", str(MEMORY_STEPS + 1)]  # the later --train.steps wins
+    short = [*opts, "--train.steps", str(MEMORY_RUN_STEPS)]  # the later --train.steps wins
     rows, worst = [], 0.0
     with tempfile.TemporaryDirectory(prefix="bench-autolayout-memory-") as tmp:
-        for layout in _layouts(cfg, args.world, memory_bytes=1 << 50):
-            run_dir = os.path.join(tmp, layout.replace("=", "").replace(",", "-"))
-            run = train(run_dir, [*_dims(layout), *short], nproc=args.world)
-            (ev,) = [e for e in run["events"] if e["event"] == "memory"]
-            growth = [p - s for p, s in zip(ev["rss_peak"], ev["rss_start"], strict=True)]
-            err = max(abs(ev["counted_bytes"] - g) / g for g in growth)
+        for n, layout in enumerate(_layouts(cfg, args.world, memory_bytes=1 << 50)):
+            got = {}
+            for mode in ("lean", "default")[:: 1 if n % 2 == 0 else -1]:
+                name = f"{layout.replace('=', '').replace(',', '-')}-{mode}"
+                run = train(os.path.join(tmp, name), [*_dims(layout), *short, "--train.malloc",
+                            mode], nproc=args.world)  # fmt: skip
+                (ev,) = [e for e in run["events"] if e["event"] == "memory"]
+                growth = [p - s for p, s in zip(ev["rss_peak"], ev["rss_start"], strict=True)]
+                err = max(abs(ev["counted_bytes"] - g) / g for g in growth)
+                step_s = statistics.median(step_times(run["losses"])[1:])
+                got[mode] = (growth, err, step_s, ev["malloc"])
+                rec = {"layout": layout, "counted": ev["counted_bytes"], "growth": growth,
+                       "err": err, "step_s": step_s, "malloc": ev["malloc"]}  # fmt: skip
+                records.add(rec, system=f"fixed {mode}", fits=layout in fits)
             if layout in fits:
-                worst = max(worst, err)
-            rec = {"layout": layout, "counted": ev["counted_bytes"], "growth": growth, "err": err}
-            records.add(rec, system="fixed", fits=layout in fits)
+                worst = max(worst, got["lean"][1])
+            mib = lambda g: " / ".join(f"{x / 2**20:.0f}" for x in g)  # noqa: E731
             rows.append([layout, "yes" if layout in fits else "no",
                          f"{ev['counted_bytes'] / 2**20:.0f}",
-                         " / ".join(f"{g / 2**20:.0f}" for g in growth), f"{err:.0%}"])  # fmt: skip
+                         *(f"{mib(got[m][0])} ({got[m][1]:.0%})" for m in ("lean", "default")),
+                         f"{got['lean'][2]:.2f} / {got['default'][2]:.2f}",
+                         f"{got['lean'][2] / got['default'][2]:.2f}"])  # fmt: skip
+            if got["lean"][3] != "lean":
+                raise SystemExit(f"{layout}: the trainer did not run lean (not glibc?)")
         more = [*ONLINE, "--parallel.auto_memory_gib", str(args.memory_gib)]
         run = train(os.path.join(tmp, "online"), [*_dims(poor), *opts, *more], nproc=args.world)
     ran = [poor] + [e["to"].replace(" x ", ",") for e in run["events"] if e["event"] == "relayout"]
@@ -338,21 +352,24 @@ def memory(args, argv, cfg, poor: str, opts: list[str], records, load) -> int:
         for e in decisions
     )  # fmt: skip
     outside = [x for x in ran if x not in fits]
-    head = ["layout", "fits the budget", "counted MiB", "RSS growth MiB (per rank)", "error"]
+    head = ["layout", "fits the budget", "counted MiB", "RSS growth MiB per rank, lean (error)",
+            "as it is (error)", "step s: lean / as it is", "ratio"]  # fmt: skip
     checks = [
         ("no layout outside the budget is run", not outside,
          f"online ran {', '.join(dict.fromkeys(ran))}" + (f"; outside: {outside}" if outside else "")),
         ("no run exceeds the budget", end["rss_growth_max"] <= budget,
          f"online: largest RSS growth of a rank {end['rss_growth_max'] / 2**30:.2f} GiB, budget "
          f"{args.memory_gib:g} GiB"),
-        ("the count within 25% of the measured RSS growth (layouts that fit)", worst <= 0.25,
+        ("the count within 25% of the measured RSS growth (layouts that fit, lean)", worst <= 0.25,
          f"worst {worst:.0%}"),
         ("the online run's decisions", None, said or "none"),
     ]  # fmt: skip
     run_text = (
         f"{args.world} ranks, budget {args.memory_gib:g} GiB per rank, each layout fixed for "
-        f"{MEMORY_STEPS + 1} steps (growth: peak RSS over {MEMORY_STEPS} steps less the RSS before "
-        f"the model was built), then online from {poor} for {args.steps} steps; trainer options "
+        f"{MEMORY_RUN_STEPS} steps with the allocator lean and as it is, alternating (growth: "
+        f"peak RSS over {MEMORY_STEPS} steps less the RSS before the model was built; step s: "
+        f"median from the second step), then online (lean) from {poor} for {args.steps} steps; "
+        "trainer options "
         f"{' '.join(opts[4:]) or '-'}"
     )
     blocks, name = [(head, rows), h.targets(checks)], f"autolayout_memory_{args.world}"

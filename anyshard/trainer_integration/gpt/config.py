@@ -49,6 +49,7 @@ __all__ = [
     "load_config",
     "loads_config",
     "parse_fault_env",
+    "trainer_config",
 ]
 
 FAULT_ENV = "ANYSHARD_FAULT"
@@ -183,6 +184,10 @@ class TrainConfig:
     # the least time a step takes, in seconds (0: no pacing): a small model standing in for a
     # larger one's step time, so that a group's restart lands while the others still train
     min_step_s: float = 0.0
+    # how the ranks' C allocator returns freed memory (`gpt.malloc`): "lean" (each freed block
+    # of 1 MiB or more at once, so that RSS follows the tensors a memory budget counts),
+    # "default" (glibc as it is) or "auto" (lean where parallel.auto_memory_gib is set)
+    malloc: str = "auto"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -315,6 +320,7 @@ _RANGES = {
 _CHOICES = [
     ("parallel", "pp_schedule", ("1F1B", "GPipe")),
     ("parallel", "auto", ("off", "start", "online")),
+    ("train", "malloc", ("auto", "lean", "default")),
     ("checkpoint", "storage", ("local", "s3")),
     ("checkpoint", "on_error", ("skip", "raise")),
     ("fault", "mode", _FAULT_MODES),
@@ -806,6 +812,29 @@ def loads_config(
 TINY_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny.toml")
 """A shipped configuration a tenth of the default's size (a step in about 0.1 s on 2 CPU
 cores), for tests and quick checks: ``load_config(TINY_CONFIG, overrides)``."""
+
+
+def trainer_config(argv: Sequence[str]) -> tuple[Config, int | None]:
+    """The config of the trainer's command line (`train.main`) and its ``--stop-at`` step:
+    ``--config FILE``, ``--stop-at N`` and ``--relayout-at STEP:LAYOUT`` (the config's
+    ``parallel.relayout_at``) taken out, the other words overrides (`load_config`)."""
+    argv, path, stop_at = list(argv), None, None
+    for flag in ("--config", "--stop-at", "--relayout-at"):
+        if flag in argv:
+            i = argv.index(flag)
+            if i + 1 == len(argv):
+                raise ConfigError(f"{flag} needs a value")
+            value, argv = argv[i + 1], argv[:i] + argv[i + 2 :]
+            if flag == "--config":
+                path = value
+            elif flag == "--stop-at":
+                try:
+                    stop_at = int(value)
+                except ValueError:
+                    raise ConfigError(f"--stop-at {value!r}: expected a step number") from None
+            else:
+                argv += ["--parallel.relayout_at", value]
+    return load_config(path, argv), stop_at
 
 
 def load_config(

@@ -34,11 +34,12 @@ import torch.distributed as dist
 from anyshard._compat import REDISTRIBUTE_LOGGER, local_tensor, module_members, process_groups
 from anyshard.api.redistribute import redistribute
 from anyshard.trainer_integration.checkpointer import Checkpointer
+from anyshard.trainer_integration.gpt import malloc
 from anyshard.trainer_integration.gpt.config import (
     CheckpointConfig,
     Config,
     heal_parallel,
-    load_config,
+    trainer_config,
 )
 from anyshard.trainer_integration.gpt.data import DataLoader, load_corpus
 from anyshard.trainer_integration.gpt.parallel import (
@@ -492,6 +493,8 @@ class _Layouts:
             start, peak, now = ([int(r[i]) for r in rows] for i in range(3))
             event = {"event": "memory", "steps": self.steps, "layout": _layout_name(self.cfg)}
             event["counted_bytes"] = memory_per_rank(self.cfg, self.cfg.parallel)
+            lean = malloc.wanted(self.cfg.train.malloc, self.cfg.parallel.auto_memory_gib)
+            event["malloc"] = "lean" if lean and malloc.set_lean() else "default"
             event.update(rss_start=start, rss_peak=peak, rss_end=now, time=time.time())
             _append(os.path.join(self.cfg.run_dir, "events.jsonl"), event)
 
@@ -685,6 +688,7 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
         if heal is not None and _attempt() > 0:
             cfg = dataclasses.replace(cfg, parallel=heal)
     cfg, chosen, rates = _starting_layout(cfg, rank)
+    lean = malloc.wanted(cfg.train.malloc, cfg.parallel.auto_memory_gib) and malloc.set_lean()
     rss0 = _rss_mark()
     torch.manual_seed(cfg.train.seed)
     par, model, optimizer, step_fn = build_training(cfg)
@@ -820,6 +824,7 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
             if first:
                 times = (started, built - started, restore_s)
                 event = _start_event(layout, restored, times, chosen, fault_file)
+                event["malloc"] = "lean" if lean else "default"
                 _append(os.path.join(cfg.run_dir, "events.jsonl"), event)
         first = False
         if replicas is None or replicas.is_primary():  # one replica group writes checkpoints
@@ -878,19 +883,7 @@ def _quiet() -> None:
 def main(argv: Sequence[str] | None = None, *, hard_exit: bool = True) -> int:
     """``python -m anyshard.trainer_integration.gpt.train [--config FILE] [--stop-at N]
     [--relayout-at STEP:LAYOUT] [--section.key value ...]``"""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    path = stop_at = None
-    for flag in ("--config", "--stop-at", "--relayout-at"):
-        if flag in argv:
-            i = argv.index(flag)
-            value, argv = argv[i + 1], argv[:i] + argv[i + 2 :]
-            if flag == "--config":
-                path = value
-            elif flag == "--stop-at":
-                stop_at = int(value)
-            else:  # the config's parallel.relayout_at
-                argv += ["--parallel.relayout_at", value]
-    cfg = load_config(path, argv)
+    cfg, stop_at = trainer_config(list(sys.argv[1:] if argv is None else argv))
     _quiet()
     init_distributed()
     try:
