@@ -4,6 +4,7 @@ glibc as it is keeps it (after a freed 16 MiB block has raised its threshold).""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -79,3 +80,23 @@ def test_the_trainer_command_line_takes_out_its_own_flags():
         trainer_config(["--stop-at", "x"])
     with pytest.raises(ConfigError, match="--config needs a value"):
         trainer_config(["--config"])
+
+
+@pytest.mark.skipif(not (GLIBC or "").startswith("glibc"), reason="glibc's malloc alone")
+def test_a_trainer_under_a_budget_runs_lean_and_says_so(tmp_path):
+    """One rank of the tiny model for four steps, with a budget and without: its start and
+    memory events name the allocator mode it ran."""
+    tiny = os.path.join(os.path.dirname(malloc.__file__), "tiny.toml")
+    modes = {}
+    for name, extra in (("budget", ["--parallel.auto_memory_gib", "4"]), ("none", [])):
+        run = tmp_path / name
+        cmd = [sys.executable, "-m", "anyshard.trainer_integration.gpt.train", "--config", tiny]
+        cmd += ["--train.steps", "4", "--run_dir", str(run), "--checkpoint.root", str(run / "c")]
+        env = {k: v for k, v in os.environ.items() if k != "ANYSHARD_FAULT"}
+        subprocess.run([*cmd, *extra], check=True, timeout=300, env=env, capture_output=True)
+        events = [json.loads(x) for x in open(run / "events.jsonl")]
+        modes[name] = {e["event"]: e["malloc"] for e in events if "malloc" in e}
+    assert modes == {
+        "budget": {"start": "lean", "memory": "lean"},
+        "none": {"start": "default", "memory": "default"},
+    }

@@ -382,13 +382,23 @@ class _Layouts:
     `relayout`; the process groups of a layout the job leaves are destroyed as it leaves it."""
 
     def __init__(
-        self, cfg: Config, rates, groups: set, *, end: int, step: int, rank: int, rss0: int = -1
+        self,
+        cfg: Config,
+        rates,
+        groups: set,
+        *,
+        end: int,
+        step: int,
+        rank: int,
+        rss0: int = -1,
+        malloc_mode: str = "default",
     ):
         self.pending = cfg.parallel.relayout()
         self.groups = groups  # the running layout's process groups
         self.rank = rank
         self.cfg = cfg
         self.rss0 = rss0 if cfg.ft.replicas == 1 else -1  # bytes before the model was built
+        self.malloc_mode = malloc_mode  # the ranks' allocator: "lean" or "default" (`malloc`)
         self.steps = 0
         self.scheduler = None
         self.decision = None
@@ -493,8 +503,7 @@ class _Layouts:
             start, peak, now = ([int(r[i]) for r in rows] for i in range(3))
             event = {"event": "memory", "steps": self.steps, "layout": _layout_name(self.cfg)}
             event["counted_bytes"] = memory_per_rank(self.cfg, self.cfg.parallel)
-            lean = malloc.wanted(self.cfg.train.malloc, self.cfg.parallel.auto_memory_gib)
-            event["malloc"] = "lean" if lean and malloc.set_lean() else "default"
+            event["malloc"] = self.malloc_mode
             event.update(rss_start=start, rss_peak=peak, rss_end=now, time=time.time())
             _append(os.path.join(self.cfg.run_dir, "events.jsonl"), event)
 
@@ -689,6 +698,7 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
             cfg = dataclasses.replace(cfg, parallel=heal)
     cfg, chosen, rates = _starting_layout(cfg, rank)
     lean = malloc.wanted(cfg.train.malloc, cfg.parallel.auto_memory_gib) and malloc.set_lean()
+    malloc_mode = "lean" if lean else "default"
     rss0 = _rss_mark()
     torch.manual_seed(cfg.train.seed)
     par, model, optimizer, step_fn = build_training(cfg)
@@ -723,7 +733,16 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
         ckpt.prepare({"train": state})
         ckpt.blocked_s += time.perf_counter() - start
     end = t.steps if stop_at is None else min(t.steps, stop_at)
-    layouts = _Layouts(cfg, rates, layout_groups, end=end, step=state.step, rank=rank, rss0=rss0)
+    layouts = _Layouts(
+        cfg,
+        rates,
+        layout_groups,
+        end=end,
+        step=state.step,
+        rank=rank,
+        rss0=rss0,
+        malloc_mode=malloc_mode,
+    )
     kill_rank, kill_step, mode, armed = _fault(cfg)
     fault_file = os.path.join(cfg.run_dir, "fault.json")
     losses: list[float] = []
@@ -824,7 +843,7 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
             if first:
                 times = (started, built - started, restore_s)
                 event = _start_event(layout, restored, times, chosen, fault_file)
-                event["malloc"] = "lean" if lean else "default"
+                event["malloc"] = malloc_mode
                 _append(os.path.join(cfg.run_dir, "events.jsonl"), event)
         first = False
         if replicas is None or replicas.is_primary():  # one replica group writes checkpoints
