@@ -11,6 +11,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from anyshard.trainer_integration.gpt import launch, malloc
 from anyshard.trainer_integration.gpt.config import ConfigError, trainer_config
@@ -48,11 +49,17 @@ def test_lean_gives_freed_tensors_back_where_glibc_keeps_them():
 
 
 @pytest.mark.parametrize(
-    ("mode", "budget", "lean"),
-    [("auto", None, False), ("auto", 1.0, True), ("lean", None, True), ("default", 1.0, False)],
+    ("mode", "budget", "gpu", "lean"),
+    [
+        ("auto", None, False, False),
+        ("auto", 1.0, False, True),
+        ("auto", 1.0, True, False),  # the budget counts the accelerator's memory
+        ("lean", None, True, True),
+        ("default", 1.0, False, False),
+    ],
 )
-def test_lean_where_a_budget_is_set_or_asked_for(mode, budget, lean):
-    assert malloc.wanted(mode, budget) is lean
+def test_lean_where_a_budget_is_set_on_the_host_or_asked_for(mode, budget, gpu, lean):
+    assert malloc.wanted(mode, budget, on_accelerator=gpu) is lean
 
 
 def test_huge_pages_join_the_tunables_a_user_set_and_keep_a_hugetlb_choice():
@@ -65,11 +72,33 @@ def test_huge_pages_join_the_tunables_a_user_set_and_keep_a_hugetlb_choice():
 
 def test_the_launcher_starts_ranks_with_huge_pages_only_under_a_budget(monkeypatch):
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a host job
     budget = launch._rank_env(["--parallel.auto_memory_gib", "2", "--train.steps", "3"])
     assert budget["GLIBC_TUNABLES"] == malloc.HUGETLB_TUNABLE
     assert "GLIBC_TUNABLES" not in launch._rank_env(["--train.steps", "3"])
     # a config that does not load is left to the ranks, which report it
     assert "GLIBC_TUNABLES" not in launch._rank_env(["--train.malloc", "nope"])
+    assert "GLIBC_TUNABLES" not in launch._rank_env(["--config", "/no/such/file.toml"])
+
+
+def test_the_forkserver_starts_with_huge_pages_and_the_launcher_puts_the_environment_back(
+    monkeypatch,
+):
+    import torch.distributed.launcher.api as api
+
+    seen = []
+
+    def fake_launch(config, entrypoint):
+        return lambda args: seen.append(os.environ.get("GLIBC_TUNABLES"))
+
+    monkeypatch.setattr(api, "elastic_launch", fake_launch)
+    monkeypatch.setattr(launch.multiprocessing, "set_forkserver_preload", lambda mods: None)
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a host job
+    launch.launch(1, ["--parallel.auto_memory_gib", "1"])
+    launch.launch(1, [])
+    assert seen == ["glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1", "glibc.malloc.arena_max=2"]
+    assert os.environ["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"
 
 
 def test_the_trainer_command_line_takes_out_its_own_flags():

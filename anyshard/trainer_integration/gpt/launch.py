@@ -80,8 +80,6 @@ def launch(
     group still fails after ``max_restarts`` restarts."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    saved = dict(os.environ)
-    os.environ.update(_rank_env(trainer_args))
     multiprocessing.set_forkserver_preload(list(PRELOAD))
     config = LaunchConfig(
         min_nodes=1,
@@ -94,32 +92,42 @@ def launch(
         monitor_interval=0.1,
         start_method="forkserver",
     )
+    saved = os.environ.get(_TUNABLES)
     try:
+        tunables = _rank_env(trainer_args).get(_TUNABLES)
+        if tunables is not None:
+            os.environ[_TUNABLES] = tunables
         elastic_launch(config, entrypoint=_rank_main)(list(trainer_args))
     finally:
-        os.environ.clear()
-        os.environ.update(saved)
+        if saved is None:
+            os.environ.pop(_TUNABLES, None)
+        else:
+            os.environ[_TUNABLES] = saved
+
+
+_TUNABLES = "GLIBC_TUNABLES"
 
 
 def _rank_env(trainer_args: Sequence[str]) -> dict[str, str]:
     """The environment the forkserver, and so every rank, starts with: where the trainer's
-    allocator is to be lean (`malloc.wanted`: a memory budget, or ``train.malloc = lean``),
-    huge pages for malloc's mappings (`malloc.hugepage_env`; the threshold itself is set in
-    the rank). A config that does not load is left to the ranks to report. (A forkserver
-    started by an earlier launch in this process is reused as it was started.)"""
+    allocator is to be lean (`malloc.wanted`: a memory budget on the host, or ``train.malloc
+    = lean``), huge pages for malloc's mappings (`malloc.hugepage_env`; the threshold itself
+    is set in the rank). A config that does not load is left to the ranks to report. A
+    forkserver is started once per process: a later launch from the same process reuses it
+    with the environment it was started with."""
+    import torch
+
     from anyshard.trainer_integration.gpt import malloc
     from anyshard.trainer_integration.gpt.config import trainer_config
 
     env = dict(os.environ)
     try:
         cfg, _ = trainer_config(trainer_args)
-    except ValueError:
+    except (ValueError, OSError):
         return env
-    return (
-        malloc.hugepage_env(env)
-        if malloc.wanted(cfg.train.malloc, cfg.parallel.auto_memory_gib)
-        else env
-    )
+    gpu = torch.cuda.is_available()
+    lean = malloc.wanted(cfg.train.malloc, cfg.parallel.auto_memory_gib, on_accelerator=gpu)
+    return malloc.hugepage_env(env) if lean else env
 
 
 def _die_with_parent() -> None:

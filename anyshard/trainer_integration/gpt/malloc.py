@@ -11,8 +11,8 @@ The ``lean`` mode fixes the threshold at 1 MiB: every allocation of 1 MiB or mor
 its own and unmapped when freed, so that RSS follows the tensors. Mapping afresh costs page
 faults; the launcher (`launch.launch`) also starts the ranks with transparent huge pages for
 malloc's mappings (``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``, glibc 2.35 or later), which makes
-that cheaper. The trainer uses ``lean`` where a memory budget is set (``train.malloc = auto``
-and ``parallel.auto_memory_gib``), or where ``train.malloc = lean``.
+that cheaper. The trainer uses ``lean`` where a memory budget is set on a job that runs on the host
+(``train.malloc = auto`` and ``parallel.auto_memory_gib``), or where ``train.malloc = lean``.
 
 Other C libraries (musl, macOS) are left as they are.
 """
@@ -20,7 +20,6 @@ Other C libraries (musl, macOS) are left as they are.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 
 __all__ = ["HUGETLB_TUNABLE", "LEAN_MMAP_THRESHOLD", "hugepage_env", "set_lean", "wanted"]
 
@@ -29,15 +28,16 @@ HUGETLB_TUNABLE = "glibc.malloc.hugetlb=1"
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 
 
-def wanted(mode: str, budget_gib: float | None) -> bool:
+def wanted(mode: str, budget_gib: float | None, *, on_accelerator: bool = False) -> bool:
     """Whether the ranks run ``lean``: ``mode`` is ``train.malloc``; ``auto`` is lean where a
-    memory budget is set."""
-    return mode == "lean" or (mode == "auto" and budget_gib is not None)
+    memory budget is set and the job runs on the host (on an accelerator the budget counts
+    the accelerator's memory, which the host's allocator does not hold)."""
+    return mode == "lean" or (mode == "auto" and budget_gib is not None and not on_accelerator)
 
 
 def _glibc() -> ctypes.CDLL | None:
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL("libc.so.6")
         libc.gnu_get_libc_version  # noqa: B018 (glibc alone has it)
     except (OSError, AttributeError):
         return None
@@ -46,7 +46,7 @@ def _glibc() -> ctypes.CDLL | None:
 
 def set_lean() -> bool:
     """Fix this process's mmap threshold at `LEAN_MMAP_THRESHOLD`; whether it was set (False
-    where the C library is not glibc)."""
+    where the C library is not glibc). It holds for the rest of the process."""
     libc = _glibc()
     return bool(libc is not None and libc.mallopt(_M_MMAP_THRESHOLD, LEAN_MMAP_THRESHOLD) == 1)
 

@@ -697,7 +697,9 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
         if heal is not None and _attempt() > 0:
             cfg = dataclasses.replace(cfg, parallel=heal)
     cfg, chosen, rates = _starting_layout(cfg, rank)
-    lean = malloc.wanted(cfg.train.malloc, cfg.parallel.auto_memory_gib) and malloc.set_lean()
+    budget = cfg.parallel.auto_memory_gib
+    lean = malloc.wanted(cfg.train.malloc, budget, on_accelerator=_on_accelerator())
+    lean = lean and malloc.set_lean()
     malloc_mode = "lean" if lean else "default"
     rss0 = _rss_mark()
     torch.manual_seed(cfg.train.seed)
