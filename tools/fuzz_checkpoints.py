@@ -102,7 +102,9 @@ def reseal(data: bytes) -> bytes:
 def _state(g: torch.Generator) -> dict:
     w, e = torch.randn(8, 16, generator=g), torch.randn(5, 3, generator=g).to(torch.bfloat16)
     n, s = torch.arange(6, dtype=torch.int64).reshape(3, 2), torch.tensor(2.5)
-    return {"w": w, "e": e, "n": n, "s": s, "step": 3, "cfg": {"lr": 0.1, "betas": [0.9, 0.95]}}
+    wide = torch.randn(16, 8192, generator=g)  # 32 KiB rows: checksum tiles of 2 KiB columns
+    state = {"w": w, "e": e, "n": n, "s": s, "wide": wide}
+    return state | {"step": 3, "cfg": {"lr": 0.1, "betas": [0.9, 0.95]}}
 
 
 def make_corpus(root: str) -> dict[str, str]:
@@ -375,7 +377,14 @@ def run_entry_points(f: Findings, m: Mutation, label: str, path: str, pristine, 
             with anyshard.open(path) as view:
                 returned.append((name, True, view.get_tensor(name), None))
 
+        def columns(name=name):  # a 4-way split of the last dim: the tiles it touches
+            with anyshard.open(path) as view:
+                if len(shape := view.metadata(name).shape) >= 2:
+                    index = (Ellipsis, slice(0, max(1, shape[-1] // 4)))
+                    returned.append((name, False, view.get_slice(name)[index], index))
+
         call(f, label, "get_slice", part)
+        call(f, label, "get_slice columns", columns)
         call(f, label, "get_tensor", whole)
     if m.corpus.startswith("anyshard"):
 

@@ -41,6 +41,9 @@ __all__ = [
     "ShardEntry",
     "block_crcs",
     "block_size",
+    "tile_count",
+    "tile_crcs",
+    "shard_tile_crcs",
     "header_bytes",
     "data_path",
     "read_headers",
@@ -57,6 +60,9 @@ _SEAL_PREFIX = b'{"__metadata__":{"anyshard_crc32c":"'
 
 BLOCK_BYTES = 256 << 10  # a checksum block's bytes, at most (unless one row is longer)
 WHOLE_BELOW = 64 << 10  # a shard smaller than this is one block
+TILE_COUNTS = (16, 8, 4, 2)  # column blocks of a tiled shard: splits 2..16 ways fall on edges
+TILE_MIN_BYTES = 512  # a tile's row segment, at least: shorter ones cost more than they save
+_TILE_CHUNK = 1 << 20  # bytes made tile-major at a time, to checksum them while in cache
 _FIRST_READ = 64 * 1024
 _MAX_HEADER = 100 * 1024 * 1024
 
@@ -74,6 +80,11 @@ class ShardEntry:
     block: int
     crcs: tuple[int, ...]
     digest: str | None = None  # content hash, "ALGORITHM:HEX", when the writer recorded it
+    # a tiled shard (version 3, 2 dims): its columns in ``tiles`` column blocks, and
+    # the crc32c of each tile (block k's rows x column block c, its bytes in C order) at
+    # ``k * tiles + c``
+    tiles: int = 1
+    tile_crcs: tuple[int, ...] = ()
 
     def block_span(self, k: int) -> tuple[int, int]:
         """Absolute bytes ``[a, b)`` of block ``k``."""
@@ -91,6 +102,63 @@ def block_size(shape: Sequence[int], itemsize: int) -> int:
     row = nbytes // shape[0]
     rows = max(1, min(BLOCK_BYTES // row, shape[0] // 8))
     return (1 << (rows.bit_length() - 1)) * row
+
+
+def tile_count(shape: Sequence[int], itemsize: int) -> int:
+    """The column blocks of a 2-d shard's checksum tiles: the most of `TILE_COUNTS` that
+    divides its columns into segments of at least `TILE_MIN_BYTES`; 1 (no tiles) for a shard of
+    other dims or of one block."""
+    nbytes = math.prod(shape) * itemsize
+    if len(shape) != 2 or nbytes <= WHOLE_BELOW:
+        return 1
+    cols = shape[-1]
+    return next(
+        (c for c in TILE_COUNTS if cols % c == 0 and cols // c * itemsize >= TILE_MIN_BYTES), 1
+    )
+
+
+def tile_crcs(rows: torch.Tensor, band: int, width: int) -> list[int]:
+    """The crc32c of every tile of ``rows``, a 2-d uint8 tensor (rows of bytes, whole column
+    blocks of ``width`` bytes), cut into bands of ``band`` rows (the last one possibly shorter):
+    row-major, band by band. A few bands at a time are made tile-major with one strided copy into
+    a buffer that stays in cache, then each tile is one crc32c call."""
+    n_rows, n_bytes = rows.shape
+    if n_rows == 0 or n_bytes == 0:
+        return []
+    tiles = n_bytes // width
+    step = max(1, _TILE_CHUNK // (band * n_bytes)) * band  # rows a copy
+    scratch = torch.empty(min(step, n_rows) * n_bytes, dtype=torch.uint8)
+    flat = memoryview(scratch.numpy())
+    out: list[int] = []
+    for r in range(0, n_rows, step):
+        part = rows[r : r + step]
+        full, rest = divmod(part.shape[0], band)
+        k = full * band
+        if full:
+            scratch[: k * n_bytes].view(full, tiles, band, width).copy_(
+                part[:k].unflatten(0, (full, band)).unflatten(2, (tiles, width)).transpose(1, 2)
+            )
+            size = band * width
+            out += [crc32c.crc32c(flat[j * size : (j + 1) * size]) for j in range(full * tiles)]
+        if rest:
+            at = k * n_bytes
+            scratch[at : at + rest * n_bytes].view(tiles, rest, width).copy_(
+                part[k:].unflatten(1, (tiles, width)).transpose(0, 1)
+            )
+            size = rest * width
+            out += [crc32c.crc32c(flat[at + j * size : at + (j + 1) * size]) for j in range(tiles)]
+    return out
+
+
+def shard_tile_crcs(data: memoryview, shape: Sequence[int], itemsize: int, block: int) -> list[int]:
+    """The tile checksums a writer records for a stored shard of ``shape`` (bytes ``data``, its
+    checksum blocks of ``block`` bytes); none for a shard without tiles (`tile_count`)."""
+    tiles = tile_count(shape, itemsize)
+    if tiles == 1:
+        return []
+    row = shape[-1] * itemsize
+    rows = torch.frombuffer(data, dtype=torch.uint8).view(-1, row)
+    return tile_crcs(rows, block // row, row // tiles)
 
 
 def block_crcs(data: memoryview, block: int) -> list[int]:
@@ -122,6 +190,7 @@ def header_bytes(
     shards: Sequence[tuple[str, str, tuple[int, ...]]],
     crcs: dict[str, list[int]],
     hashes: dict[str, str] | None = None,
+    tiles: dict[str, list[int]] | None = None,
 ) -> bytes:
     """The JSON header of a data file holding ``shards`` (name, safetensors dtype, shape), back
     to back in that order, with ``crcs[name]`` the crc32c of each checksum block of each and
@@ -144,6 +213,9 @@ def header_bytes(
         }
         if hashes and name in hashes:
             blocks[name]["hash"] = hashes[name]
+        if tiles and name in tiles:
+            blocks[name]["tiles"] = tile_count(shape, ST_TO_DTYPE[code].itemsize)
+            blocks[name]["tile_crc32c"] = tiles[name]
     meta = {"format_version": DATAFILE_VERSION, "blocks": blocks}
     header["__metadata__"] = {
         "anyshard_crc32c": "00000000",
@@ -170,16 +242,29 @@ def write_datafile(
     blocks = [block_size(tuple(t.shape), t.element_size()) for _, t in shards]
     known = crcs_of or {}
     todo = [i for i, (name, _) in enumerate(shards) if name not in known]
-    computed = dict(
-        zip(
-            todo,
-            io_pool(threads).map(block_crcs, [views[i] for i in todo], [blocks[i] for i in todo]),
-            strict=True,
-        )
-    )
-    crcs = [known[name] if i not in computed else computed[i] for i, (name, _) in enumerate(shards)]
+    tiled = [
+        i for i, (_, t) in enumerate(shards) if tile_count(tuple(t.shape), t.element_size()) > 1
+    ]
+    # block checksums and tile checksums, one job each, largest first, over the pool
+    jobs = [(0, i, views[i].nbytes) for i in todo] + [(1, i, views[i].nbytes) for i in tiled]
+    jobs.sort(key=lambda j: -j[2])
+
+    def run(job: tuple[int, int, int]) -> list[int]:
+        kind, i, _ = job
+        if kind == 0:
+            return block_crcs(views[i], blocks[i])
+        t = shards[i][1]
+        return shard_tile_crcs(views[i], tuple(t.shape), t.element_size(), blocks[i])
+
+    done = dict(zip([(k, i) for k, i, _ in jobs], io_pool(threads).map(run, jobs), strict=True))
+    crcs = [
+        known[name] if (0, i) not in done else done[(0, i)] for i, (name, _) in enumerate(shards)
+    ]
+    tile_sums = {shards[i][0]: done[(1, i)] for i in tiled}
     layout = [(name, DTYPE_TO_ST[t.dtype], tuple(t.shape)) for name, t in shards]
-    raw = header_bytes(layout, dict(zip((n for n, _ in shards), crcs, strict=True)), hashes)
+    raw = header_bytes(
+        layout, dict(zip((n for n, _ in shards), crcs, strict=True)), hashes, tile_sums
+    )
     offset = sum(mv.nbytes for mv in views)
     raw += b" " * (-len(raw) % 8)
     if spans is not None:
@@ -290,6 +375,10 @@ def _shard_entries(
         try:
             dtype, shape, (begin, end) = e["dtype"], tuple(e["shape"]), e["data_offsets"]
             block, crcs, sha = _blocks_of(meta, name, version, end - begin)
+            tiles, tile_sums = 1, ()
+            if version >= 3 and "tiles" in meta["blocks"][name]:
+                tiles = meta["blocks"][name]["tiles"]
+                tile_sums = tuple(meta["blocks"][name]["tile_crc32c"])
             ok = (
                 dtype in ST_TO_DTYPE
                 and all(type(x) is int and x >= 0 for x in (*shape, begin, end, block))
@@ -298,6 +387,9 @@ def _shard_entries(
                 and len(crcs) == max(1, -(-(end - begin) // block))
                 and end - begin == math.prod(shape) * ST_TO_DTYPE[dtype].itemsize
                 and (sha is None or is_digest(sha))
+                and _tiles_ok(
+                    shape, ST_TO_DTYPE[dtype].itemsize, block, len(crcs), tiles, tile_sums
+                )
             )
         except (KeyError, TypeError, ValueError) as ex:
             raise CorruptCheckpointError(
@@ -317,8 +409,25 @@ def _shard_entries(
             block=block,
             crcs=crcs,
             digest=sha,
+            tiles=tiles,
+            tile_crcs=tile_sums,
         )
     return shards
+
+
+def _tiles_ok(shape, itemsize: int, block: int, blocks: int, tiles, sums) -> bool:
+    """Whether a shard's tiles are as a writer lays them out: none, or `tile_count`'s column
+    blocks over blocks of whole rows of the last dim, with a crc32c for each tile."""
+    if tiles == 1 and not sums:
+        return True
+    return (
+        type(tiles) is int
+        and tiles == tile_count(shape, itemsize)
+        and tiles > 1
+        and block % (shape[-1] * itemsize) == 0
+        and len(sums) == blocks * tiles
+        and all(type(x) is int and 0 <= x < 1 << 32 for x in sums)
+    )
 
 
 def data_path(path: str, manifest: Manifest, source: int) -> str:

@@ -13,10 +13,10 @@ import torch
 from anyshard.errors import ChecksumError, CorruptCheckpointError, StorageError
 from anyshard.format import storage
 from anyshard.format.checksum import crc32c, crc32c_combine
-from anyshard.format.datafile import tensor_bytes
+from anyshard.format.datafile import tensor_bytes, tile_crcs
 from anyshard.format.pool import cpu_share, io_pool
 from anyshard.geometry.boxes import Piece, box_shape
-from anyshard.reshard.planner import GAP, STAGING, TARGET, ReadPlan, Request
+from anyshard.reshard.planner import GAP, STAGING, TARGET, ReadPlan, Request, Transfer
 
 __all__ = ["execute_plan", "piece_view"]
 
@@ -94,7 +94,7 @@ def execute_plan(
         for checks in pool.map(run, _tasks(batch)):
             for shard, offset, length, crc in checks:
                 parts[shard].append((offset, length, crc))
-        finish = lambda i, staging=staging: _finish(plan, i, staging[i], targets, src_dtypes)  # noqa: E731
+        finish = lambda i, staging=staging: _finish(plan, i, staging[i], targets, src_dtypes, paths)  # noqa: E731
         list(pool.map(finish, sorted(staging)))
     _verify(plan, parts, paths)
 
@@ -114,8 +114,15 @@ def _staging(plan: ReadPlan, batch: list[Request], src_dtypes, paths) -> dict[in
                 continue
             t = plan.transfers[i]
             nbytes = t.numel * src_dtypes[(t.rank, t.fqn)].itemsize
-            if local and offset == 0 and n == nbytes:
+            if local and offset == 0 and n == nbytes and t.tiles is None:
                 continue
+            if (
+                local
+                and offset == 0
+                and r.repeat is not None
+                and r.repeat[0] * n == nbytes == r.repeat[0] * r.repeat[2]
+            ):
+                continue  # one repeated read fills it (a tiled transfer's rows): streamed too
             staging[i] = memoryview(torch.empty(nbytes, dtype=torch.uint8).numpy()).cast("B")
     return staging
 
@@ -181,7 +188,7 @@ def _run_task(
     try:
         for r in task:
             if r.repeat is not None:
-                _run_repeated(r, target_bytes, staging, transfers, state)
+                _run_repeated(plan, r, memory, state)
                 continue
             if r.staged and any(kind == STAGING and i not in staging for kind, i, _, _ in r.spans):
                 out += _run_streamed(plan, r, memory, state)
@@ -275,7 +282,7 @@ def _run_streamed(
                 pending = []
             buf = memoryview(state.bounce_for(n).numpy())
             read([buf], at)
-            _finish(plan, i, buf, targets, src_dtypes)
+            _finish(plan, i, buf, targets, src_dtypes, state.paths)
             start = at + n
         elif kind == TARGET:
             pending.append(target_bytes[plan.transfers[i].target][offset : offset + n])
@@ -292,11 +299,19 @@ def _run_streamed(
     ]
 
 
-def _run_repeated(r: Request, target_bytes, staging, transfers, state: _Task) -> None:
-    """``count`` reads of one span at a fixed stride (the rows of a strided region)."""
+def _run_repeated(plan: ReadPlan, r: Request, memory, state: _Task) -> None:
+    """``count`` reads of one span at a fixed stride (the rows of a strided region); a staged
+    transfer that they fill whole (`_staging`) goes through the thread's bounce buffer and is
+    copied into place at once."""
+    target_bytes, staging, _, _, targets, src_dtypes = memory
     ((kind, i, offset, n),) = r.spans
+    assert r.repeat is not None
     count, file_stride, dst_stride = r.repeat
-    mem = target_bytes[transfers[i].target] if kind == TARGET else staging[i]
+    streamed = kind == STAGING and i not in staging
+    if streamed:
+        mem = memoryview(state.bounce_for(count * n).numpy())
+    else:
+        mem = target_bytes[plan.transfers[i].target] if kind == TARGET else staging[i]
     reader = state.reader(r.rank)
     fd = reader.fd
     if fd is None:  # a URL: near rows share ranged GETs, issued concurrently
@@ -313,6 +328,8 @@ def _run_repeated(r: Request, target_bytes, staging, transfers, state: _Task) ->
             raise CorruptCheckpointError(
                 f"{reader.path}: data file is missing; restore it or load an earlier step"
             ) from None
+        if streamed:
+            _finish(plan, i, mem, targets, src_dtypes, state.paths)
         return
     pos, dst = r.offset, offset
     preadv = os.preadv
@@ -330,6 +347,8 @@ def _run_repeated(r: Request, target_bytes, staging, transfers, state: _Task) ->
         if isinstance(e, StorageError):
             raise
         raise StorageError(f"{reader.path}: read of {n} bytes at {pos} failed: {e}") from e
+    if streamed:
+        _finish(plan, i, mem, targets, src_dtypes, state.paths)
 
 
 def _read(reader: storage.FileReader, r: Request, buffers: list[memoryview], at: int = 0) -> None:
@@ -436,13 +455,15 @@ def _crc_ranges(buffers: list[memoryview], checks) -> list[int]:
     return out
 
 
-def _finish(plan: ReadPlan, i: int, mem: memoryview, targets, src_dtypes) -> None:
+def _finish(plan: ReadPlan, i: int, mem: memoryview, targets, src_dtypes, paths) -> None:
     t = plan.transfers[i]
     dtype = src_dtypes[(t.rank, t.fqn)]
     src = (
         torch.frombuffer(mem, dtype=torch.uint8) if len(mem) else torch.empty(0, dtype=torch.uint8)
     )
     src = src.view(dtype).reshape(box_shape(t.src.logical_box))
+    if t.tiles is not None:
+        _check_tiles(t, src, paths[t.rank])
     if t.window is not None:  # whole checksum blocks were read: the needed piece of them
         w = t.window
         strides, step = [], 1
@@ -453,6 +474,27 @@ def _finish(plan: ReadPlan, i: int, mem: memoryview, targets, src_dtypes) -> Non
         offset = w.base + sum(lo * s for (lo, _), s in zip(w.array_box, strides, strict=True))
         src = src.as_strided(box_shape(w.array_box), strides, src.storage_offset() + offset)
     piece_view(targets[t.target], t.dst).copy_(src)
+
+
+def _check_tiles(t: Transfer, staged: torch.Tensor, path: str) -> None:
+    """The tiles ``t`` staged (a 2-d box of whole tiles): their crc32c (`tile_crcs`) the
+    header's, else a `ChecksumError` naming the first tile that differs."""
+    assert t.tiles is not None
+    band, width, expected = t.tiles
+    got = tile_crcs(staged.view(torch.uint8), band, width * staged.element_size())
+    if got == list(expected):
+        return
+    j = next(k for k, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b)
+    per_band = staged.shape[1] // width
+    (lo, _), (clo, _) = t.src.array_box
+    r, c = lo + j // per_band * band, clo + j % per_band * width
+    r_end = min(r + band, t.src.array_box[0][1])
+    raise ChecksumError(
+        f"{path}: checksum mismatch in the stored shard of {t.fqn!r} (the tile of rows "
+        f"{r}..{r_end}, columns {c}..{c + width}: crc32c {got[j]:#010x}, header says "
+        f"{expected[j]:#010x}); the file is corrupt. Restore it from a replica or load an "
+        "earlier step"
+    )
 
 
 def _chain(start: int, stop: int, got: list[tuple[int, int, int]]) -> int | None:

@@ -15,6 +15,7 @@ from anyshard.format.datafile import DataFileHeader, ShardEntry, data_path, read
 from anyshard.format.dtypes import ST_TO_DTYPE
 from anyshard.format.manifest import Manifest
 from anyshard.geometry.boxes import Piece
+from anyshard.reshard import planner
 from anyshard.reshard.executor import execute_plan
 from anyshard.reshard.planner import ReadPlan, StoredShardInfo, Transfer, match_sources, plan_reads
 from anyshard.reshard.stored import describe_spec, stored_shards
@@ -96,7 +97,13 @@ def match_fills(
         )
         dtype = ST_TO_DTYPE[stored.dtype]
         info[(src, key)] = StoredShardInfo(
-            stored.start, stored.stop, dtype.itemsize, block=stored.block, crcs=stored.crcs
+            stored.start,
+            stored.stop,
+            dtype.itemsize,
+            block=stored.block,
+            crcs=stored.crcs,
+            tiles=stored.tiles,
+            tile_crcs=stored.tile_crcs,
         )
         dtypes[(src, key)] = dtype
     if manifest.refs:
@@ -167,7 +174,11 @@ def execute_fills(
     ]
     # Object stores: fewer, longer reads (each a GET streamed into the targets); locally,
     # 64 MiB parts that threads read in parallel.
-    remote = {"max_part": 128 << 20, "max_request": 128 << 20} if storage.is_url(path) else {}
+    remote = (
+        {"max_part": 128 << 20, "max_request": 128 << 20, "tile_skip": 0}
+        if storage.is_url(path)
+        else {"tile_skip": planner.TILE_SKIP_LOCAL}
+    )
     plan = plan_reads(matched.transfers, matched.info, direct_ok, verify=verify, **remote)
     paths = {r: data_path(path, manifest, r) for r in {t.rank for t in plan.transfers}}
     execute_plan(plan, list(dests), matched.dtypes, paths, threads=threads)

@@ -35,6 +35,10 @@ __all__ = [
 ]
 
 MiB = 1 << 20
+# A read of a local file's row costs about as much as copying and checksumming this many bytes
+# (a page-cache read call, and a tile's copy into one buffer for its checksum): a column slice
+# reads its tiles row by row only where that skips this many bytes a row more than it reads.
+TILE_SKIP_LOCAL = 6 << 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +55,12 @@ class Transfer:
     src: Piece
     dst: Piece
     # Set when the read was widened to whole checksum blocks: ``src`` is then the run of whole
-    # blocks read (a flat piece), staged, and ``window`` the needed piece within that run.
+    # blocks read (a flat piece), staged, and ``window`` the needed piece within that run. Or,
+    # widened to whole tiles of a 2-d shard: ``src`` is the box of tiles read (staged in C
+    # order) and ``tiles`` = ``(band, width, crcs)``: the box cut into tiles of ``band`` rows
+    # (the last band possibly shorter) by ``width`` columns, the crc32c of each, row-major.
     window: Piece | None = None
+    tiles: tuple[int, int, tuple[int, ...]] | None = None
 
     @property
     def numel(self) -> int:
@@ -71,6 +79,9 @@ class StoredShardInfo:
     crc32c: int = 0
     block: int | None = None
     crcs: tuple[int, ...] | None = None
+    # tiles: the last dim in ``tiles`` column blocks, the crc32c of each (block, column block)
+    tiles: int = 1
+    tile_crcs: tuple[int, ...] = ()
 
     @property
     def block_bytes(self) -> int:
@@ -243,6 +254,7 @@ def plan_reads(
     max_request: int = 64 * MiB,
     max_spans: int = 1024,
     verify: bool = True,
+    tile_skip: int = TILE_SKIP_LOCAL,
 ) -> ReadPlan:
     """Coalesced reads for ``transfers``.
 
@@ -258,16 +270,25 @@ def plan_reads(
     transfer that needs part of a checksum block reads the whole blocks it touches into staging
     (`Transfer.window`), in parts of about ``max_widened`` bytes (at most ``max_staging``; small
     enough to pass through a reading thread's reused buffer while in cache), and every request
-    carries the checks of the blocks it reads.
+    carries the checks of the blocks it reads. A transfer that needs some columns of a 2-d
+    shard with checksum tiles reads, instead, only the rows of the tiles it touches (one read a
+    row, `Transfer.tiles`), where the bytes it skips of each row exceed those it reads by at
+    least ``tile_skip`` (`TILE_SKIP_LOCAL` for a local file; object storage: 0, since there
+    every byte costs network time).
     """
     final: list[Transfer] = []
     direct: list[bool] = []
     fully = _fully_read(transfers, shard_info)
     widened = min(max_staging, max_widened)
+    tiled = _tiled_shards(transfers, shard_info, fully, tile_skip) if verify else set()
     for t in transfers:
         info = shard_info[(t.rank, t.fqn)]
         per = max(1, max_staging // info.itemsize)
-        if verify and (t.rank, t.fqn) not in fully and not _whole_blocks(t.src, info):
+        if (t.rank, t.fqn) in tiled:
+            parts = [_tiled(p, info) for p in _tiled_parts(t, info, widened)]
+            final.extend(parts)
+            direct.extend([False] * len(parts))
+        elif verify and (t.rank, t.fqn) not in fully and not _whole_blocks(t.src, info):
             parts = [
                 _widened(p, info) for p in _split_transfer(t, _widened_budget(t, info, widened))
             ]
@@ -293,11 +314,14 @@ def plan_reads(
     # Checksum blocks get an id when a request reads part of them; the executor verifies each
     # from the parts the requests read. Without verification, single-unit reads may become
     # repeated requests that carry no checks.
-    shard_ids = _ShardIds(plan, shard_info, verify)
+    shard_ids = _ShardIds(plan, shard_info, verify, tiled)
     limits = (max_part, max_gap, slack, max_request, max_spans)
     for batch in batches:
+        rows = [i for i in batch if final[i].tiles is not None]
         units = [_units(i, final[i], direct[i], shard_info, max_part) for i in batch]
-        plan.batches.append(_coalesce(units, final, direct, shard_info, shard_ids, limits))
+        units = [u for u in units if final[u[0]].tiles is None]
+        out = _coalesce(units, final, direct, shard_info, shard_ids, limits)
+        plan.batches.append(out + [_tile_rows(i, final[i], shard_info) for i in rows])
     return plan
 
 
@@ -332,6 +356,94 @@ def _whole_blocks(p: Piece, info: StoredShardInfo) -> bool:
     start, stop = a * info.itemsize, b * info.itemsize
     size = info.stop - info.start
     return start % info.block_bytes == 0 and (stop % info.block_bytes == 0 or stop == size)
+
+
+def _tile_span(t: Transfer, info: StoredShardInfo) -> tuple[int, int, int, int, int, int]:
+    """The whole tiles that ``t`` (a box of a 2-d stored shard) touches: rows ``[r0, r1)`` in
+    whole checksum blocks, columns ``[c0, c1)`` in whole column blocks; and the rows of a block
+    and the columns of a column block."""
+    rows_total, cols = t.src.array_shape
+    band = info.block_bytes // (cols * info.itemsize)
+    width = cols // info.tiles
+    (lo, hi), (clo, chi) = t.src.array_box
+    r0, r1 = lo // band * band, min(rows_total, -(-hi // band) * band)
+    c0, c1 = clo // width * width, -(-chi // width) * width
+    return r0, r1, c0, c1, band, width
+
+
+def _tiled_shards(
+    transfers: Sequence[Transfer], shard_info, fully, skip: int
+) -> set[tuple[int, str]]:
+    """Stored shards to read by tiles: 2-d, tiled, not read whole, and read only by boxes whose
+    tiles leave out some columns of each row, and ``skip`` bytes more than they take."""
+    by_key: dict[tuple[int, str], list[Transfer]] = {}
+    for t in transfers:
+        by_key.setdefault((t.rank, t.fqn), []).append(t)
+    out = set()
+    for key, ts in by_key.items():
+        info = shard_info[key]
+        if key in fully or info.tiles < 2 or len(info.tile_crcs) == 0:
+            continue
+        if any(t.src.base != 0 or len(t.src.array_shape) != 2 for t in ts):
+            continue
+        cols = ts[0].src.array_shape[1]
+        took = max(sp[3] - sp[2] for sp in (_tile_span(t, info) for t in ts))
+        if took < cols and (cols - 2 * took) * info.itemsize >= skip:
+            out.add(key)
+    return out
+
+
+def _tile_rows(i: int, t: Transfer, shard_info) -> Request:
+    """The read of tiled transfer ``i``: its rows, one read each, into its staging buffer."""
+    info = shard_info[(t.rank, t.fqn)]
+    (r0, r1), (c0, c1) = t.src.array_box
+    row = t.src.array_shape[1] * info.itemsize
+    n = (c1 - c0) * info.itemsize
+    offset = info.start + r0 * row + c0 * info.itemsize
+    if offset + (r1 - r0 - 1) * row + n > info.stop:
+        raise CorruptCheckpointError(
+            f"{t.fqn}: stored shard in rank {t.rank}'s file is shorter than its mapping says"
+        )
+    return Request(t.rank, offset, n, ((STAGING, i, 0, n),), (), (r1 - r0, row, n), None, True)
+
+
+def _tiled_parts(t: Transfer, info: StoredShardInfo, max_staging: int) -> list[Transfer]:
+    """``t`` cut along its rows so that each part, widened to whole tiles, stages about
+    ``max_staging`` bytes; the cuts fall on band edges, so that no tile is read twice."""
+    r0, r1, c0, c1, band, _ = _tile_span(t, info)
+    step = max(1, max_staging // max((c1 - c0) * info.itemsize * band, 1)) * band
+    (lo, hi), cols = t.src.array_box[0], t.src.logical_box[1:]
+    shift = t.src.logical_box[0][0] - lo  # logical row of array row 0
+    cuts = [lo, *range((lo // step + 1) * step, hi, step), hi]
+    out = []
+    for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+        box = ((a + shift, b + shift), *cols)
+        out.append(Transfer(t.fqn, t.target, t.rank, t.src.restrict(box), t.dst.restrict(box)))
+    return out
+
+
+def _tiled(t: Transfer, info: StoredShardInfo) -> Transfer:
+    """``t`` reading the whole tiles its source touches (staged, their rows in C order), the
+    needed piece taken from them (`Transfer.window`), each tile checked (`Transfer.tiles`)."""
+    r0, r1, c0, c1, band, width = _tile_span(t, info)
+    rows_total, cols = t.src.array_shape
+    box = ((r0, r1), (c0, c1))
+    src = Piece(base=0, array_shape=(rows_total, cols), array_box=box, logical_box=box)
+    (lo, hi), (clo, chi) = t.src.array_box
+    window = Piece(
+        base=0,
+        array_shape=(r1 - r0, c1 - c0),
+        array_box=((lo - r0, hi - r0), (clo - c0, chi - c0)),
+        logical_box=t.src.logical_box,
+    )
+    per_band = info.tiles
+    crcs = tuple(
+        info.tile_crcs[(r // band) * per_band + c // width]
+        for r in range(r0, r1, band)
+        for c in range(c0, c1, width)
+    )
+    checks = (band, width, crcs)
+    return Transfer(t.fqn, t.target, t.rank, src, t.dst, window, checks)
 
 
 def _widened_budget(t: Transfer, info: StoredShardInfo, max_staging: int) -> int:
@@ -370,10 +482,11 @@ class _ShardIds:
     """Numbers checksum blocks in the order requests first read them, listing them in the plan
     as ``(rank, stored key, start, stop, crc32c)``."""
 
-    def __init__(self, plan: ReadPlan, shard_info, verify: bool):
+    def __init__(self, plan: ReadPlan, shard_info, verify: bool, tiled=frozenset()):
         self._plan, self._info = plan, shard_info
         self._ids: dict[tuple[int, str], dict[int, int]] = {}  # stored shard -> block -> id
         self.verify = verify
+        self.tiled = tiled  # stored shards read by tiles, each checked where it is staged
 
     def ids(self, key: tuple[int, str], k0: int, k1: int) -> list[int]:
         """The ids of blocks ``k0 .. k1 - 1`` of stored shard ``key``."""
@@ -624,6 +737,8 @@ def _checks(transfers, unit_ids, start, end, shard_info, shard_ids) -> tuple[Sha
     checks = []
     keys = dict.fromkeys((transfers[i].rank, transfers[i].fqn) for i in dict.fromkeys(unit_ids))
     for key in keys:
+        if key in shard_ids.tiled:
+            continue
         info = shard_info[key]
         a, b = max(start, info.start), min(end, info.stop)
         if a >= b:

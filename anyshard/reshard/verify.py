@@ -5,10 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import torch
+
 from anyshard.errors import ChecksumError, CorruptCheckpointError
 from anyshard.format import storage
 from anyshard.format.checksum import Digester, crc32c
-from anyshard.format.datafile import data_path, read_headers
+from anyshard.format.datafile import data_path, read_headers, tile_crcs
+from anyshard.format.dtypes import ST_TO_DTYPE
 from anyshard.format.manifest import read_manifest
 from anyshard.geometry.boxes import box_numel, intersect
 from anyshard.reshard.fill import check_stored
@@ -58,6 +61,7 @@ def _check_blocks(
     per = max(1, _BLOCK // s.block) * s.block
     k = 0
     digest = Digester(expected.partition(":")[0]) if expected else None
+    row = s.shape[-1] * ST_TO_DTYPE[s.dtype].itemsize if s.tiles > 1 else 0
     for a in range(s.start, s.stop, per):
         buf = memoryview(bytearray(min(per, s.stop - a)))
         try:
@@ -72,6 +76,16 @@ def _check_blocks(
                     "of the file); the file is corrupt. Restore it or load an earlier step"
                 )
             k += 1
+        if row:  # the tiles of these blocks, as a column split reads them
+            k0 = (a - s.start) // s.block
+            rows = torch.frombuffer(buf, dtype=torch.uint8).view(-1, row)
+            sums = tile_crcs(rows, s.block // row, row // s.tiles)
+            if sums != list(s.tile_crcs[k0 * s.tiles : k0 * s.tiles + len(sums)]):
+                raise ChecksumError(
+                    f"{file}: checksum mismatch in a tile of the stored shard of {fqn!r} (bytes "
+                    f"{a}..{a + len(buf)} of the file); the file is corrupt. Restore it or load "
+                    "an earlier step"
+                )
         if digest is not None:
             digest.update(buf)
     if digest is not None and digest.digest() != expected:

@@ -27,7 +27,6 @@ from anyshard.errors import (
     SaveError,
     StateDictMismatchError,
 )
-from anyshard.format import storage
 
 DATA_FILE = os.path.join("data", "rank-00000.safetensors")
 
@@ -325,23 +324,19 @@ def test_get_slice_rejects_out_of_range_indices_like_torch(full_ckpt):
 
 
 class CountingReads:
-    """Wraps `FileReader.read_into` and `FileReader.readv` (the real reads still happen) to
-    total the bytes read (local files: readv does not go through read_into)."""
+    """Wraps ``os.preadv``, which every read of a local data file goes through (the real reads
+    still happen), to total the bytes read."""
 
     def __init__(self, monkeypatch):
         self.calls: list[tuple[int, int]] = []
-        real, real_v = storage.FileReader.read_into, storage.FileReader.readv
+        real = os.preadv
 
-        def read_into(reader, offset, buf):
-            self.calls.append((offset, memoryview(buf).nbytes))
-            return real(reader, offset, buf)
+        def preadv(fd, buffers, offset, *args):
+            got = real(fd, buffers, offset, *args)
+            self.calls.append((offset, got))
+            return got
 
-        def readv(reader, offset, buffers):
-            self.calls.append((offset, sum(memoryview(b).nbytes for b in buffers)))
-            return real_v(reader, offset, buffers)
-
-        monkeypatch.setattr(storage.FileReader, "read_into", read_into)
-        monkeypatch.setattr(storage.FileReader, "readv", readv)
+        monkeypatch.setattr(os, "preadv", preadv)
 
     @property
     def total(self) -> int:
@@ -366,19 +361,33 @@ def test_get_slice_of_one_element_reads_four_bytes_when_unverified(full_ckpt, mo
     assert reads.calls and reads.total == 4
 
 
-def test_a_verified_slice_reads_the_whole_checksum_blocks_it_touches(tmp_path, monkeypatch):
-    w = torch.arange(1024 * 256, dtype=torch.float32).reshape(1024, 256)  # 1 KiB rows
+def test_a_verified_slice_reads_the_whole_checksum_blocks_or_tiles_it_touches(
+    tmp_path, monkeypatch
+):
+    narrow = torch.arange(1024 * 256, dtype=torch.float32).reshape(1024, 256)  # 1 KiB rows
+    wide = torch.arange(256 * 4096, dtype=torch.float32).reshape(256, 4096)  # 16 KiB rows
     path = str(tmp_path / "big")
-    anyshard.save(path, {"w": w})
+    anyshard.save(path, {"narrow": narrow, "wide": wide})
     with anyshard.open(path) as view:
-        view.get_slice("w")[0]  # reads the data file's header
-        block = next(iter(view._headers.values())).shards["w"].block
-        assert block == 128 * 1024  # 128 rows: a power of two that divides an eighth of them
+        view.get_slice("narrow")[0]  # reads the data file's header
+        shards = next(iter(view._headers.values())).shards
+        n, w = shards["narrow"], shards["wide"]
+        assert n.block == 128 * 1024  # 128 rows: a power of two that divides an eighth
+        assert n.tiles == 2  # two column blocks of 128 columns: 512-byte row segments
+        assert w.block == 256 * 1024 and w.tiles == 16  # 16 rows; column blocks of 1 KiB
         reads = CountingReads(monkeypatch)
-        assert_bit_exact(view.get_slice("w")[130:140, 5:9], w[130:140, 5:9].contiguous())
-        assert reads.total == block  # rows 128..255: one block, not the whole tensor
+        # what a narrow row's columns leave out costs less than a read call a row: the block
+        assert_bit_exact(view.get_slice("narrow")[130:140, 5:9], narrow[130:140, 5:9].clone())
+        assert reads.total == n.block
         reads.calls.clear()
-        assert_bit_exact(view.get_slice("w")[256:512], w[256:512].contiguous())
+        # a wide row's: rows 128..143 x columns 0..255, one tile, not the block's whole rows
+        assert_bit_exact(view.get_slice("wide")[130:140, 5:9], wide[130:140, 5:9].clone())
+        assert reads.total == w.block // 16
+        reads.calls.clear()
+        assert_bit_exact(view.get_slice("wide")[130:140, 200:300], wide[130:140, 200:300].clone())
+        assert reads.total == w.block // 8  # two tiles of the block
+        reads.calls.clear()
+        assert_bit_exact(view.get_slice("narrow")[256:512], narrow[256:512].contiguous())
         assert reads.total == 256 * 1024  # aligned rows: exactly what is needed
 
 

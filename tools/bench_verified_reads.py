@@ -1,0 +1,238 @@
+"""Verified reads at the floor: the bytes and time of verified loads of column and row splits.
+
+    python tools/bench_verified_reads.py --write-docs            # smoke test: --quick
+
+Four gloo ranks save a (dp_shard=2, tp=2) checkpoint with anyshard and with DCP; eight load it
+into tp=2, tp=4, tp=8 and dp_shard=4 (each replicated over the ranks left). The method, as written
+into the docs, is `METHOD` below.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import struct
+import sys
+import tempfile
+import time
+from functools import partial
+
+import bench_reshard as br
+import benchkit as h
+from benchkit import GiB, MiB
+
+SAVE_WORLD, LOAD_WORLD = 4, 8
+TARGETS = {  # name: mesh shape, dim names, the tp dim's place in the mesh (None: dp_shard)
+    "tp2": ((4, 2), ("dp_replicate", "tp")),
+    "tp4": ((2, 4), ("dp_replicate", "tp")),
+    "tp8": ((8,), ("tp",)),
+    "dp4": ((2, 4), ("dp_replicate", "dp_shard")),
+}
+SYSTEMS = ("tiles", "blocks", "dcp", "dcp_any")
+LABELS = {"tiles": "anyshard", "blocks": "anyshard, blocks only", "dcp": "DCP",
+          "dcp_any": "DCP+anyshard"}  # fmt: skip
+BYTES_TARGET = 1.02
+METHOD = """Method: 4 gloo ranks (one torch thread each) save a Llama-shaped fp32 state as DTensors on a
+(dp_shard=2, tp=2) mesh (column-parallel weights `[Shard(0), Shard(0)]`, row-parallel
+`[Shard(0), Shard(1)]`, norms replicated over tp) with `anyshard.save` and with DCP
+(`FileSystemWriter`), on tmpfs. A copy of the anyshard checkpoint has its data files' headers
+rewritten without tile checksums (sealed again, the same length): the files as written before
+tiles, which a verified load reads by whole row blocks. After an untimed load of a few tensors by each system, 8 gloo ranks load each checkpoint
+into tp=2, tp=4 and tp=8 (column-parallel weights `Shard(0)`, row-parallel `Shard(1)`; ranks left
+over replicate) and dp_shard=4 (`Shard(0)`): anyshard (verified), anyshard on the copy (verified,
+blocks only), DCP (`FileSystemReader`) and DCP with `anyshard.dcp.AnyshardReader` (verified).
+Systems alternate in a rotated order within each repetition; every load is compared bit-exact.
+Bytes: `rchar` (/proc/self/io) of each rank over the load, divided by the bytes of its target
+shards; the worst rank. Times: the slowest rank, median [min-max] over the repetitions. Save
+checksums: one process times `block_crcs` and `shard_tile_crcs` over rank 0's saved shards
+(CPU seconds, median of 5)."""
+
+
+def placements(target: str, kind: str):
+    from torch.distributed.tensor import Replicate, Shard
+
+    shape, _ = TARGETS[target]
+    if target == "dp4":
+        one = Shard(0)
+    else:
+        one = {"col": Shard(0), "row": Shard(1), "norm": Replicate()}[kind]
+    return [Replicate()] * (len(shape) - 1) + [one]
+
+
+def strip_tiles(path: str) -> int:
+    """Rewrite the data files under ``path`` without tile checksums; the headers rewritten."""
+    from anyshard.format.checksum import seal
+    from anyshard.format.datafile import _SEAL_PREFIX
+
+    done = 0
+    for name in os.listdir(os.path.join(path, "data")):
+        with open(os.path.join(path, "data", name), "r+b") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+            meta = json.loads(header["__metadata__"]["anyshard"])
+            for b in meta["blocks"].values():
+                b.pop("tiles", None), b.pop("tile_crc32c", None)
+            header["__metadata__"]["anyshard"] = json.dumps(meta, separators=(",", ":"))
+            header["__metadata__"]["anyshard_crc32c"] = "00000000"
+            raw = seal(json.dumps(header, separators=(",", ":")).encode(), _SEAL_PREFIX)
+            f.seek(8)
+            f.write(raw + b" " * (n - len(raw)))
+            done += 1
+    return done
+
+
+def saver(rank: int, world: int, cfg: dict) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    import anyshard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    state = {}
+    for name, shape, kind in br.model_spec(cfg["gib"]):
+        full = br.full_tensor(name, shape)
+        pl = br.placements_for("src", kind)
+        local = distribute_tensor(full, mesh, pl, src_data_rank=None).to_local()
+        kw = {"run_check": False, "shape": full.shape, "stride": full.stride()}
+        state[name] = DTensor.from_local(local.clone(), mesh, pl, **kw)
+    anyshard.save(cfg["paths"]["tiles"], state)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(cfg["paths"]["dcp"]))
+
+
+def loader(rank: int, world: int, cfg: dict) -> list[dict]:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    import anyshard
+
+    spec, paths, out = br.model_spec(cfg["gib"]), cfg["paths"], []
+    targets, expected, needed = {}, {}, {}
+    for t, (shape, dims) in TARGETS.items():
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=dims)
+        targets[t], expected[t] = {}, {}
+        for name, gshape, kind in spec:
+            full, pl = br.full_tensor(name, gshape), placements(t, kind)
+            local = distribute_tensor(full, mesh, pl, src_data_rank=None).to_local()
+            expected[t][name] = br.digest(local)
+            kw = {"run_check": False, "shape": full.shape, "stride": full.stride()}
+            targets[t][name] = DTensor.from_local(torch.zeros_like(local), mesh, pl, **kw)
+        needed[t] = sum(v.to_local().numel() * 4 for v in targets[t].values())
+    systems = {
+        "tiles": lambda s: anyshard.load(paths["tiles"], s, strict=len(s) == len(spec)),
+        "blocks": lambda s: anyshard.load(paths["blocks"], s, strict=len(s) == len(spec)),
+        "dcp": partial(br._dcp, "load", "dcp", path=paths["dcp"]),
+        "dcp_any": partial(br._dcp, "load", "anyshard", path=paths["tiles"]),
+    }
+    for system in SYSTEMS:  # untimed: imports, caches, thread pools, DCP's first-call setup
+        systems[system]({n: v for n, v in list(targets["tp8"].items())[:4]})
+    for rep, order in h.rotations(SYSTEMS, cfg["reps"]):
+        for t in TARGETS:
+            for system in order:
+                state = targets[t]
+                for v in state.values():
+                    v.to_local().fill_(-7.25)
+                recs = h.measure_ranks(partial(systems[system], state))
+                bad = br.mismatched({n: v.to_local() for n, v in state.items()}, expected[t])
+                got: list = [None] * world
+                dist.all_gather_object(got, (needed[t], bad[:3]))
+                if rank == 0:
+                    ratio = max(r["rchar"] / n for r, (n, _) in zip(recs, got, strict=True))
+                    wall = max(r["wall_s"] for r in recs)
+                    bad = sorted({b for _, x in got for b in x})
+                    out.append(dict(rep=rep, target=t, system=system, ratio=ratio, wall_s=wall,
+                                    needed=max(n for n, _ in got), bad=bad))  # fmt: skip
+                    print(f"  rep {rep + 1} {t} {system:8s} {wall:6.3f} s  bytes {ratio:.3f}x"
+                          + ("  MISMATCH" if bad else ""), flush=True)  # fmt: skip
+    return out
+
+
+def checksum_costs(path: str) -> tuple[float, float, int]:
+    """CPU seconds of the block checksums and of the tile checksums of the shards in rank 0's
+    data file of ``path`` (median of 5), and their bytes."""
+    import torch
+
+    from anyshard.format.datafile import block_crcs, read_header, shard_tile_crcs
+    from anyshard.format.dtypes import ST_TO_DTYPE
+
+    file = os.path.join(path, "data", "rank-00000.safetensors")
+    shards, data = read_header(file).shards.values(), open(file, "rb").read()
+    views = [(s, memoryview(bytearray(data[s.start : s.stop]))) for s in shards]
+    torch.set_num_threads(1)
+
+    def cpu(fn) -> float:
+        times = []
+        for _ in range(5):
+            t0 = time.process_time()
+            for s, mv in views:
+                fn(s, mv)
+            times.append(time.process_time() - t0)
+        return h.median(times)
+
+    blocks = cpu(lambda s, mv: block_crcs(mv, s.block))
+    item = lambda s: ST_TO_DTYPE[s.dtype].itemsize  # noqa: E731
+    tiles = cpu(lambda s, mv: shard_tile_crcs(mv, s.shape, item(s), s.block))
+    return blocks, tiles, sum(mv.nbytes for _, mv in views)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = h.parser(__doc__, reps=3, quick={"gib": 0.05, "reps": 1})
+    p.add_argument("--gib", type=float, default=0.5, help="total fp32 state size in GiB (0.5)")
+    p.add_argument("--dir", default="/dev/shm", help="parent directory of the checkpoints")
+    args = p.parse_args(argv)
+    root = tempfile.mkdtemp(prefix="bench-verified-", dir=args.dir)
+    paths = {s: os.path.join(root, s) for s in ("tiles", "blocks", "dcp")}
+    spec = br.model_spec(args.gib)
+    total = sum(4 * math.prod(s) for _, s, _ in spec)
+    print(f"state: {total / GiB:.3f} GiB fp32 in {len(spec)} tensors; {args.reps} repetition(s)")
+    load = h.RunLoad()
+    try:
+        h.run_ranks(saver, SAVE_WORLD, {"gib": args.gib, "paths": paths})
+        shutil.copytree(paths["tiles"], paths["blocks"])
+        strip_tiles(paths["blocks"])
+        costs = checksum_costs(paths["tiles"])
+        cfg = {"gib": args.gib, "paths": paths, "reps": args.reps}
+        recs = h.run_ranks(loader, LOAD_WORLD, cfg)[0]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    records = h.Records(args.jsonl, "verified_reads")
+    for r in recs:
+        records.add(r)
+    head = ["load", "MiB needed / rank", *(f"bytes read / needed: {LABELS[s]}" for s in SYSTEMS)]
+    head += [*(f"{LABELS[s]} s" for s in SYSTEMS), "anyshard / blocks only (time)", "bit-exact"]
+    rows, checks = [], []
+    for t in TARGETS:
+        got = {s: [r for r in recs if r["target"] == t and r["system"] == s] for s in SYSTEMS}
+        ratio = {s: max(r["ratio"] for r in got[s]) for s in SYSTEMS}
+        wall = {s: [r["wall_s"] for r in got[s]] for s in SYSTEMS}
+        bad = sorted({b for s in SYSTEMS for r in got[s] for b in r["bad"]})
+        rel = h.median(wall["tiles"]) / h.median(wall["blocks"])
+        rows.append([f"dp2xtp2 -> {t}", f"{got['tiles'][0]['needed'] / MiB:.1f}",
+                     *(f"{ratio[s]:.3f}" for s in SYSTEMS),
+                     *(h.fmt_spread(wall[s], ".3f") for s in SYSTEMS), f"{rel:.2f}",
+                     "yes" if not bad else f"NO: {bad[:2]}"])  # fmt: skip
+        for s in ("tiles", "dcp_any"):
+            checks.append((f"{t}: {LABELS[s]} bytes <= {BYTES_TARGET}x needed",
+                           ratio[s] <= BYTES_TARGET, f"{ratio[s]:.3f}"))  # fmt: skip
+        checks.append((f"{t}: verified load no slower than blocks only", rel <= 1.0, f"{rel:.2f}"))
+        checks.append((f"{t}: bit-exact", not bad, ", ".join(bad[:3]) or "all"))
+    blocks_s, tiles_s, nbytes = costs
+    cost = (f"Save checksums over rank 0's {nbytes / MiB:.0f} MiB of shards, one core: block "
+            f"checksums {blocks_s:.3f} CPU s, tile checksums {tiles_s:.3f} CPU s (the save computes "
+            "both, in its thread pool).")  # fmt: skip
+    run = (f"{total / GiB:.2f} GiB fp32 in {len(spec)} tensors, {args.reps} repetitions, "
+           f"median [min-max] of the slowest rank")  # fmt: skip
+    blocks = [METHOD, (head, rows), cost, h.targets(checks)]
+    h.report(args, argv, __file__, "verified_reads", run, blocks, load,
+             heading="## Verified reads: column splits at the floor "
+             "(`tools/bench_verified_reads.py`)", dirs={"tmpfs": args.dir},
+             data={"records": recs, "checks": checks, "costs": costs})  # fmt: skip
+    return 1 if any(not ok for name, ok, _ in checks if name.endswith("bit-exact")) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
