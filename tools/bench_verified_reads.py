@@ -50,6 +50,16 @@ checksums: one process times `block_crcs` and `shard_tile_crcs` over rank 0's sa
 (CPU seconds, median of 5)."""
 
 
+def model(gib: float, hidden: int) -> list:
+    """bench_reshard's Llama-shaped model of about ``gib`` GiB; of width ``hidden`` if given (at
+    least one layer)."""
+    if not hidden:
+        return br.model_spec(gib)
+    d, f, v = hidden, 4 * hidden, 8192
+    layers = max(1, round((gib * GiB / 4 - 2 * v * d - d) / (4 * d * d + 3 * f * d + 2 * d)))
+    return br.gpt_shapes(d, f, v, layers)
+
+
 def placements(target: str, kind: str):
     from torch.distributed.tensor import Replicate, Shard
 
@@ -92,7 +102,7 @@ def saver(rank: int, world: int, cfg: dict) -> None:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
     state = {}
-    for name, shape, kind in br.model_spec(cfg["gib"]):
+    for name, shape, kind in model(cfg["gib"], cfg["hidden"]):
         full = br.full_tensor(name, shape)
         pl = br.placements_for("src", kind)
         local = distribute_tensor(full, mesh, pl, src_data_rank=None).to_local()
@@ -110,7 +120,7 @@ def loader(rank: int, world: int, cfg: dict) -> list[dict]:
 
     import anyshard
 
-    spec, paths, out = br.model_spec(cfg["gib"]), cfg["paths"], []
+    spec, paths, out = model(cfg["gib"], cfg["hidden"]), cfg["paths"], []
     targets, expected, needed = {}, {}, {}
     for t, (shape, dims) in TARGETS.items():
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=dims)
@@ -182,20 +192,21 @@ def checksum_costs(path: str) -> tuple[float, float, int]:
 def main(argv: list[str] | None = None) -> int:
     p = h.parser(__doc__, reps=3, quick={"gib": 0.05, "reps": 1})
     p.add_argument("--gib", type=float, default=0.5, help="total fp32 state size in GiB (0.5)")
+    p.add_argument("--hidden", type=int, default=0, help="model width (default: bench_reshard's)")
     p.add_argument("--dir", default="/dev/shm", help="parent directory of the checkpoints")
     args = p.parse_args(argv)
     root = tempfile.mkdtemp(prefix="bench-verified-", dir=args.dir)
     paths = {s: os.path.join(root, s) for s in ("tiles", "blocks", "dcp")}
-    spec = br.model_spec(args.gib)
+    spec = model(args.gib, args.hidden)
     total = sum(4 * math.prod(s) for _, s, _ in spec)
     print(f"state: {total / GiB:.3f} GiB fp32 in {len(spec)} tensors; {args.reps} repetition(s)")
     load = h.RunLoad()
     try:
-        h.run_ranks(saver, SAVE_WORLD, {"gib": args.gib, "paths": paths})
+        h.run_ranks(saver, SAVE_WORLD, {"gib": args.gib, "hidden": args.hidden, "paths": paths})
         shutil.copytree(paths["tiles"], paths["blocks"])
         strip_tiles(paths["blocks"])
         costs = checksum_costs(paths["tiles"])
-        cfg = {"gib": args.gib, "paths": paths, "reps": args.reps}
+        cfg = {"gib": args.gib, "hidden": args.hidden, "paths": paths, "reps": args.reps}
         recs = h.run_ranks(loader, LOAD_WORLD, cfg)[0]
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -224,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     cost = (f"Save checksums over rank 0's {nbytes / MiB:.0f} MiB of shards, one core: block "
             f"checksums {blocks_s:.3f} CPU s, tile checksums {tiles_s:.3f} CPU s (the save computes "
             "both, in its thread pool).")  # fmt: skip
-    run = (f"{total / GiB:.2f} GiB fp32 in {len(spec)} tensors, {args.reps} repetitions, "
+    width = spec[0][1][1]
+    run = (f"{total / GiB:.2f} GiB fp32 in {len(spec)} tensors of width {width}, {args.reps} repetitions, "
            f"median [min-max] of the slowest rank")  # fmt: skip
     blocks = [METHOD, (head, rows), cost, h.targets(checks)]
     h.report(args, argv, __file__, "verified_reads", run, blocks, load,
