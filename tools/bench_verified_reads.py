@@ -119,7 +119,10 @@ def loader(rank: int, world: int, cfg: dict) -> list[dict]:
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     import anyshard
+    from anyshard.reshard import planner
 
+    if cfg["tile_skip"] is not None:  # the local rule for reading tiles, as given
+        planner.TILE_SKIP_LOCAL = cfg["tile_skip"]
     spec, paths, out = model(cfg["gib"], cfg["hidden"]), cfg["paths"], []
     targets, expected, needed = {}, {}, {}
     for t, (shape, dims) in TARGETS.items():
@@ -194,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gib", type=float, default=0.5, help="total fp32 state size in GiB (0.5)")
     p.add_argument("--hidden", type=int, default=0, help="model width (default: bench_reshard's)")
     p.add_argument("--dir", default="/dev/shm", help="parent directory of the checkpoints")
+    p.add_argument("--tile-skip", type=int, default=None,
+                   help="bytes a row's tiles must skip beyond those they read, on a local file "
+                   "(default: the library's TILE_SKIP_LOCAL; 0: tiles for every column split)")  # fmt: skip
     args = p.parse_args(argv)
     root = tempfile.mkdtemp(prefix="bench-verified-", dir=args.dir)
     paths = {s: os.path.join(root, s) for s in ("tiles", "blocks", "dcp")}
@@ -207,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         strip_tiles(paths["blocks"])
         costs = checksum_costs(paths["tiles"])
         cfg = {"gib": args.gib, "hidden": args.hidden, "paths": paths, "reps": args.reps}
+        cfg["tile_skip"] = args.tile_skip
         recs = h.run_ranks(loader, LOAD_WORLD, cfg)[0]
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -239,9 +246,15 @@ def main(argv: list[str] | None = None) -> int:
     run = (f"{total / GiB:.2f} GiB fp32 in {len(spec)} tensors of width {width}, {args.reps} repetitions, "
            f"median [min-max] of the slowest rank")  # fmt: skip
     blocks = [METHOD, (head, rows), cost, h.targets(checks)]
-    h.report(args, argv, __file__, "verified_reads", run, blocks, load,
-             heading="## Verified reads: column splits at the floor "
-             "(`tools/bench_verified_reads.py`)", dirs={"tmpfs": args.dir},
+    name, heading = "verified_reads", "## Verified reads: column splits at the floor"
+    if args.tile_skip is not None:
+        name, heading = (
+            f"{name}_tile_skip",
+            f"{heading}, tiles read where they skip "
+            f"{args.tile_skip} bytes a row more than they read",
+        )
+    h.report(args, argv, __file__, name, run, blocks, load,
+             heading=f"{heading} (`tools/bench_verified_reads.py`)", dirs={"tmpfs": args.dir},
              data={"records": recs, "checks": checks, "costs": costs})  # fmt: skip
     return 1 if any(not ok for name, ok, _ in checks if name.endswith("bit-exact")) else 0
 

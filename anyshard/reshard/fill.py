@@ -10,6 +10,7 @@ import torch
 
 from anyshard.errors import ChecksumError, CorruptCheckpointError
 from anyshard.format import storage
+from anyshard.format._remote import MAX_GAP
 from anyshard.format.checksum import same_algorithm
 from anyshard.format.datafile import DataFileHeader, ShardEntry, data_path, read_headers
 from anyshard.format.dtypes import ST_TO_DTYPE
@@ -175,7 +176,8 @@ def execute_fills(
     # Object stores: fewer, longer reads (each a GET streamed into the targets); locally,
     # 64 MiB parts that threads read in parallel.
     remote = (
-        {"max_part": 128 << 20, "max_request": 128 << 20, "tile_skip": 0}
+        # ranges closer than MAX_GAP share one GET, gap included: tiles skip nothing nearer
+        {"max_part": 128 << 20, "max_request": 128 << 20, "tile_skip": MAX_GAP}
         if storage.is_url(path)
         else {"tile_skip": planner.TILE_SKIP_LOCAL}
     )

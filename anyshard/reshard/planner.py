@@ -273,8 +273,8 @@ def plan_reads(
     carries the checks of the blocks it reads. A transfer that needs some columns of a 2-d
     shard with checksum tiles reads, instead, only the rows of the tiles it touches (one read a
     row, `Transfer.tiles`), where the bytes it skips of each row exceed those it reads by at
-    least ``tile_skip`` (`TILE_SKIP_LOCAL` for a local file; object storage: 0, since there
-    every byte costs network time).
+    least ``tile_skip`` (`TILE_SKIP_LOCAL` for a local file; on object storage, where closer
+    ranges share one GET, the gap a GET reads through).
     """
     final: list[Transfer] = []
     direct: list[bool] = []
