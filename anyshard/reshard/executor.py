@@ -330,6 +330,9 @@ def _run_repeated(plan: ReadPlan, r: Request, memory, state: _Task) -> None:
             ) from None
         if streamed:
             _finish(plan, i, mem, targets, src_dtypes, state.paths)
+        elif kind == TARGET and plan.transfers[i].tiles is not None:
+            t = plan.transfers[i]
+            _check_tiles(t, piece_view(targets[t.target], t.dst), state.paths[t.rank])
         return
     pos, dst = r.offset, offset
     preadv = os.preadv
@@ -349,6 +352,9 @@ def _run_repeated(plan: ReadPlan, r: Request, memory, state: _Task) -> None:
         raise StorageError(f"{reader.path}: read of {n} bytes at {pos} failed: {e}") from e
     if streamed:
         _finish(plan, i, mem, targets, src_dtypes, state.paths)
+    elif kind == TARGET and plan.transfers[i].tiles is not None:  # read straight into place
+        t = plan.transfers[i]
+        _check_tiles(t, piece_view(targets[t.target], t.dst), state.paths[t.rank])
 
 
 def _read(reader: storage.FileReader, r: Request, buffers: list[memoryview], at: int = 0) -> None:

@@ -177,7 +177,7 @@ def execute_fills(
     # 64 MiB parts that threads read in parallel.
     remote = (
         # ranges closer than MAX_GAP share one GET, gap included: tiles skip nothing nearer
-        {"max_part": 128 << 20, "max_request": 128 << 20, "tile_skip": MAX_GAP}
+        {"max_part": 128 << 20, "max_request": 128 << 20, "tile_skip": MAX_GAP + 1}
         if storage.is_url(path)
         else {"tile_skip": planner.TILE_SKIP_LOCAL}
     )

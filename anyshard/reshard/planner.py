@@ -35,10 +35,10 @@ __all__ = [
 ]
 
 MiB = 1 << 20
-# A read of a local file's row costs about as much as copying and checksumming this many bytes
-# (a page-cache read call, and a tile's copy into one buffer for its checksum): a column slice
-# reads its tiles row by row only where that skips this many bytes a row more than it reads.
-TILE_SKIP_LOCAL = 6 << 10
+# A column slice of a local file reads its tiles row by row only where that skips at least a
+# page of each row: a file is read from its device by pages, so skipping less saves no device
+# read, while the read call a row costs about as much as copying and checksumming 2-4 KiB.
+TILE_SKIP_LOCAL = 4 << 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,9 +272,9 @@ def plan_reads(
     enough to pass through a reading thread's reused buffer while in cache), and every request
     carries the checks of the blocks it reads. A transfer that needs some columns of a 2-d
     shard with checksum tiles reads, instead, only the rows of the tiles it touches (one read a
-    row, `Transfer.tiles`), where the bytes it skips of each row exceed those it reads by at
-    least ``tile_skip`` (`TILE_SKIP_LOCAL` for a local file; on object storage, where closer
-    ranges share one GET, the gap a GET reads through).
+    row, `Transfer.tiles`), where that skips at least ``tile_skip`` bytes of each row
+    (`TILE_SKIP_LOCAL` for a local file; on object storage, where closer ranges share one GET,
+    more than the gap a GET reads through).
     """
     final: list[Transfer] = []
     direct: list[bool] = []
@@ -285,9 +285,9 @@ def plan_reads(
         info = shard_info[(t.rank, t.fqn)]
         per = max(1, max_staging // info.itemsize)
         if (t.rank, t.fqn) in tiled:
-            parts = [_tiled(p, info) for p in _tiled_parts(t, info, widened)]
+            parts = [_tiled(p, info, direct_ok[t.target]) for p in _tiled_parts(t, info, widened)]
             final.extend(parts)
-            direct.extend([False] * len(parts))
+            direct.extend([p.window is None for p in parts])  # read into the target itself
         elif verify and (t.rank, t.fqn) not in fully and not _whole_blocks(t.src, info):
             parts = [
                 _widened(p, info) for p in _split_transfer(t, _widened_budget(t, info, widened))
@@ -375,7 +375,7 @@ def _tiled_shards(
     transfers: Sequence[Transfer], shard_info, fully, skip: int
 ) -> set[tuple[int, str]]:
     """Stored shards to read by tiles: 2-d, tiled, not read whole, and read only by boxes whose
-    tiles leave out some columns of each row, and ``skip`` bytes more than they take."""
+    tiles leave out some columns, at least ``skip`` bytes, of each row."""
     by_key: dict[tuple[int, str], list[Transfer]] = {}
     for t in transfers:
         by_key.setdefault((t.rank, t.fqn), []).append(t)
@@ -388,13 +388,14 @@ def _tiled_shards(
             continue
         cols = ts[0].src.array_shape[1]
         took = max(sp[3] - sp[2] for sp in (_tile_span(t, info) for t in ts))
-        if took < cols and (cols - 2 * took) * info.itemsize >= skip:
+        if took < cols and (cols - took) * info.itemsize >= skip:
             out.add(key)
     return out
 
 
 def _tile_rows(i: int, t: Transfer, shard_info) -> Request:
-    """The read of tiled transfer ``i``: its rows, one read each, into its staging buffer."""
+    """The read of tiled transfer ``i``: its rows, one read each, into its staging buffer (or,
+    without a window, straight into its target)."""
     info = shard_info[(t.rank, t.fqn)]
     (r0, r1), (c0, c1) = t.src.array_box
     row = t.src.array_shape[1] * info.itemsize
@@ -404,6 +405,11 @@ def _tile_rows(i: int, t: Transfer, shard_info) -> Request:
         raise CorruptCheckpointError(
             f"{t.fqn}: stored shard in rank {t.rank}'s file is shorter than its mapping says"
         )
+    if t.window is None:
+        into = _target_rows(t, info.itemsize)
+        assert into is not None  # `_tiled` checked it
+        first, stride = into
+        return Request(t.rank, offset, n, ((TARGET, i, first, n),), (), (r1 - r0, row, stride))
     return Request(t.rank, offset, n, ((STAGING, i, 0, n),), (), (r1 - r0, row, n), None, True)
 
 
@@ -422,9 +428,11 @@ def _tiled_parts(t: Transfer, info: StoredShardInfo, max_staging: int) -> list[T
     return out
 
 
-def _tiled(t: Transfer, info: StoredShardInfo) -> Transfer:
+def _tiled(t: Transfer, info: StoredShardInfo, direct: bool) -> Transfer:
     """``t`` reading the whole tiles its source touches (staged, their rows in C order), the
-    needed piece taken from them (`Transfer.window`), each tile checked (`Transfer.tiles`)."""
+    needed piece taken from them (`Transfer.window`), each tile checked (`Transfer.tiles`); or,
+    where it needs whole tiles and may read into its target (``direct``) in rows at a fixed
+    stride, straight into the target (no window), its tiles checked there."""
     r0, r1, c0, c1, band, width = _tile_span(t, info)
     rows_total, cols = t.src.array_shape
     box = ((r0, r1), (c0, c1))
@@ -443,7 +451,24 @@ def _tiled(t: Transfer, info: StoredShardInfo) -> Transfer:
         for c in range(c0, c1, width)
     )
     checks = (band, width, crcs)
+    if direct and box == tuple(t.src.array_box) and _target_rows(t, info.itemsize) is not None:
+        return Transfer(t.fqn, t.target, t.rank, t.src, t.dst, None, checks)
     return Transfer(t.fqn, t.target, t.rank, src, t.dst, window, checks)
+
+
+def _target_rows(t: Transfer, itemsize: int) -> tuple[int, int] | None:
+    """Where the rows of ``t`` (a box of a 2-d stored shard) go in its target, when they go to
+    one byte offset after another at a fixed stride: ``(first, stride)``; else None."""
+    n = box_shape(t.src.array_box)
+    if len(n) != 2 or unit_length_dim(t.src, t.dst) != 1 or n[0] == 0:
+        return None
+    at = piece_offsets(t.dst, 1) * itemsize
+    if at.size != n[0]:
+        return None
+    stride = int(at[1] - at[0]) if at.size > 1 else n[1] * itemsize
+    if at.size > 1 and (stride < n[1] * itemsize or not bool((np.diff(at) == stride).all())):
+        return None
+    return int(at[0]), stride
 
 
 def _widened_budget(t: Transfer, info: StoredShardInfo, max_staging: int) -> int:

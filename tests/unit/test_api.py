@@ -376,7 +376,7 @@ def test_a_verified_slice_reads_the_whole_checksum_blocks_or_tiles_it_touches(
         assert n.tiles == 2  # two column blocks of 128 columns: 512-byte row segments
         assert w.block == 256 * 1024 and w.tiles == 16  # 16 rows; column blocks of 1 KiB
         reads = CountingReads(monkeypatch)
-        # what a narrow row's columns leave out costs less than a read call a row: the block
+        # a narrow row's columns skip less than a page of it (docs/format.md): the whole block
         assert_bit_exact(view.get_slice("narrow")[130:140, 5:9], narrow[130:140, 5:9].clone())
         assert reads.total == n.block
         reads.calls.clear()
