@@ -250,8 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tile_skip is not None:
         name, heading = (
             f"{name}_tile_skip",
-            f"{heading}, tiles read where they skip "
-            f"{args.tile_skip} bytes a row more than they read",
+            f"{heading}, with --tile-skip {args.tile_skip}",
         )
     h.report(args, argv, __file__, name, run, blocks, load,
              heading=f"{heading} (`tools/bench_verified_reads.py`)", dirs={"tmpfs": args.dir},
