@@ -62,6 +62,10 @@ BLOCK_BYTES = 256 << 10  # a checksum block's bytes, at most (unless one row is 
 WHOLE_BELOW = 64 << 10  # a shard smaller than this is one block
 TILE_COUNTS = (16, 8, 4, 2)  # column blocks of a tiled shard: splits 2..16 ways fall on edges
 TILE_MIN_BYTES = 512  # a tile's row segment, at least: shorter ones cost more than they save
+# a tiled shard's rows, at least: a split of a narrower row skips under a page of it, which a
+# local read would not skip (anyshard.reshard.planner.TILE_SKIP_LOCAL): tiles would cost the
+# save their checksums and save no read
+TILE_MIN_ROW = 8 << 10
 _TILE_CHUNK = 1 << 20  # bytes made tile-major at a time, to checksum them while in cache
 _FIRST_READ = 64 * 1024
 _MAX_HEADER = 100 * 1024 * 1024
@@ -107,9 +111,9 @@ def block_size(shape: Sequence[int], itemsize: int) -> int:
 def tile_count(shape: Sequence[int], itemsize: int) -> int:
     """The column blocks of a 2-d shard's checksum tiles: the most of `TILE_COUNTS` that
     divides its columns into segments of at least `TILE_MIN_BYTES`; 1 (no tiles) for a shard of
-    other dims or of one block."""
+    other dims, of one block, or of rows under `TILE_MIN_ROW` bytes."""
     nbytes = math.prod(shape) * itemsize
-    if len(shape) != 2 or nbytes <= WHOLE_BELOW:
+    if len(shape) != 2 or nbytes <= WHOLE_BELOW or shape[-1] * itemsize < TILE_MIN_ROW:
         return 1
     cols = shape[-1]
     return next(

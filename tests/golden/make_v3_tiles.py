@@ -11,9 +11,9 @@ import torch
 
 
 def tiles_state() -> dict:
-    """A 2-d tensor of 128 KiB (32 rows of 4 KiB): checksum blocks of 4 rows, 8 column blocks of
+    """A 2-d tensor of 256 KiB (32 rows of 8 KiB): checksum blocks of 4 rows, 16 column blocks of
     512 bytes; its values exact in fp32."""
-    return {"w": torch.arange(32 * 1024, dtype=torch.float32).reshape(32, 1024) * 0.25 - 100.0}
+    return {"w": torch.arange(32 * 2048, dtype=torch.float32).reshape(32, 2048) * 0.25 - 100.0}
 
 
 if __name__ == "__main__":

@@ -373,10 +373,10 @@ def test_a_verified_slice_reads_the_whole_checksum_blocks_or_tiles_it_touches(
         shards = next(iter(view._headers.values())).shards
         n, w = shards["narrow"], shards["wide"]
         assert n.block == 128 * 1024  # 128 rows: a power of two that divides an eighth
-        assert n.tiles == 2  # two column blocks of 128 columns: 512-byte row segments
+        assert n.tiles == 1  # rows under 8 KiB: no tiles
         assert w.block == 256 * 1024 and w.tiles == 16  # 16 rows; column blocks of 1 KiB
         reads = CountingReads(monkeypatch)
-        # a narrow row's columns skip less than a page of it (docs/format.md): the whole block
+        # a narrow row has no tiles (a slice of it would skip less than a page): the block
         assert_bit_exact(view.get_slice("narrow")[130:140, 5:9], narrow[130:140, 5:9].clone())
         assert reads.total == n.block
         reads.calls.clear()

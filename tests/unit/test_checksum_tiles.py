@@ -68,6 +68,7 @@ def test_the_writer_records_the_crc32c_of_every_tile(saved):
     # 1-d shards, and 2-d ones whose column blocks would be under 512 bytes, have none
     h = read_header(_data(path))
     assert h.shards["v"].tiles == 1 and h.shards["tall"].tiles == 1
+    assert h.shards["narrow"].tiles == 1  # 4 KiB rows: under `TILE_MIN_ROW`
 
 
 @pytest.fixture()
@@ -87,18 +88,21 @@ def test_a_verified_column_split_reads_only_the_bytes_it_needs(saved, ways, ever
         assert read == got.numel() * 4  # 1.00x: whole tiles, no whole rows
 
 
-@pytest.mark.parametrize("name, ways, factor", [("w", 2, 1), ("narrow", 2, 2), ("narrow", 8, 8)])
+@pytest.mark.parametrize(
+    "name, cols, rows_read",
+    [("w", COLS // 2, COLS // 2), ("w", 13 * 256, COLS), ("narrow", 512, 1024)],
+)
 def test_a_local_file_is_read_by_tiles_where_they_skip_a_page_of_each_row(
-    saved, name, ways, factor
+    saved, name, cols, rows_read
 ):
-    """A 2-way split of 16 KiB rows skips 8 KiB of each: tiles, the bytes needed. Of 4 KiB rows,
-    a split skips less than a page (`TILE_SKIP_LOCAL`), which a file is read by: whole blocks."""
-    path, w = saved
-    cols = 1024 if name == "narrow" else COLS
-    got, read = _read_cols(path, 0, cols // ways, rows=(0, 128), name=name)
+    """Half of a 16 KiB row skips 8 KiB of it: tiles, the bytes needed. Thirteen of its sixteen
+    column blocks skip 3 KiB, less than a page (`TILE_SKIP_LOCAL`), which a local read would
+    not skip: whole blocks, whole rows. A 4 KiB row has no tiles: whole rows."""
+    path, _ = saved
+    got, read = _read_cols(path, 0, cols, rows=(0, 128), name=name)
     with anyshard.open(path) as view:
-        assert torch.equal(got, view.get_tensor(name)[:128, : cols // ways])
-    assert read == factor * got.numel() * 4
+        assert torch.equal(got, view.get_tensor(name)[:128, :cols])
+    assert read == 128 * rows_read * 4
 
 
 def test_an_unaligned_slice_reads_the_tiles_it_touches(saved, every_split):
