@@ -121,11 +121,15 @@ def tile_count(shape: Sequence[int], itemsize: int) -> int:
     )
 
 
-def tile_crcs(rows: torch.Tensor, band: int, width: int) -> list[int]:
+def tile_crcs(
+    rows: torch.Tensor, band: int, width: int, bands: list[int] | None = None
+) -> list[int]:
     """The crc32c of every tile of ``rows``, a 2-d uint8 tensor (rows of bytes, whole column
     blocks of ``width`` bytes), cut into bands of ``band`` rows (the last one possibly shorter):
     row-major, band by band. A few bands at a time are made tile-major with one strided copy into
-    a buffer that stays in cache, then each tile is one crc32c call."""
+    a buffer that stays in cache, then each tile is one crc32c call. Given ``bands`` (``rows``
+    contiguous), the crc32c of each band's bytes is appended to it on the way, each band just
+    before its copy reads it again from the cache: a shard's block checksums, in the same pass."""
     n_rows, n_bytes = rows.shape
     if n_rows == 0 or n_bytes == 0:
         return []
@@ -138,6 +142,10 @@ def tile_crcs(rows: torch.Tensor, band: int, width: int) -> list[int]:
         part = rows[r : r + step]
         full, rest = divmod(part.shape[0], band)
         k = full * band
+        if bands is not None:
+            raw = memoryview(part.numpy()).cast("B")
+            size = band * n_bytes
+            bands += [crc32c.crc32c(raw[a : a + size]) for a in range(0, len(raw), size)]
         if full:
             scratch[: k * n_bytes].view(full, tiles, band, width).copy_(
                 part[:k].unflatten(0, (full, band)).unflatten(2, (tiles, width)).transpose(1, 2)
@@ -154,15 +162,22 @@ def tile_crcs(rows: torch.Tensor, band: int, width: int) -> list[int]:
     return out
 
 
-def shard_tile_crcs(data: memoryview, shape: Sequence[int], itemsize: int, block: int) -> list[int]:
+def shard_tile_crcs(
+    data: memoryview,
+    shape: Sequence[int],
+    itemsize: int,
+    block: int,
+    blocks: list[int] | None = None,
+) -> list[int]:
     """The tile checksums a writer records for a stored shard of ``shape`` (bytes ``data``, its
-    checksum blocks of ``block`` bytes); none for a shard without tiles (`tile_count`)."""
+    checksum blocks of ``block`` bytes); none for a shard without tiles (`tile_count`). Given
+    ``blocks``, its block checksums are appended to it in the same pass (`tile_crcs`)."""
     tiles = tile_count(shape, itemsize)
     if tiles == 1:
         return []
     row = shape[-1] * itemsize
     rows = torch.frombuffer(data, dtype=torch.uint8).view(-1, row)
-    return tile_crcs(rows, block // row, row // tiles)
+    return tile_crcs(rows, block // row, row // tiles, blocks)
 
 
 def block_crcs(data: memoryview, block: int) -> list[int]:
@@ -249,22 +264,21 @@ def write_datafile(
     tiled = [
         i for i, (_, t) in enumerate(shards) if tile_count(tuple(t.shape), t.element_size()) > 1
     ]
-    # block checksums and tile checksums, one job each, largest first, over the pool
-    jobs = [(0, i, views[i].nbytes) for i in todo] + [(1, i, views[i].nbytes) for i in tiled]
-    jobs.sort(key=lambda j: -j[2])
+    # one job a shard, largest first, over the pool: block checksums, tile checksums, or both in
+    # one pass (a tiled shard whose block checksums are not known yet)
+    kinds = {i: 0 for i in todo} | {i: 1 if i not in todo else 2 for i in tiled}
+    jobs = sorted(kinds, key=lambda i: -views[i].nbytes)
 
-    def run(job: tuple[int, int, int]) -> list[int]:
-        kind, i, _ = job
-        if kind == 0:
-            return block_crcs(views[i], blocks[i])
-        t = shards[i][1]
-        return shard_tile_crcs(views[i], tuple(t.shape), t.element_size(), blocks[i])
+    def run(i: int) -> tuple[list[int], list[int]]:
+        if kinds[i] == 0:
+            return block_crcs(views[i], blocks[i]), []
+        t, sums = shards[i][1], [] if kinds[i] == 2 else None
+        tile_sums = shard_tile_crcs(views[i], tuple(t.shape), t.element_size(), blocks[i], sums)
+        return sums or [], tile_sums
 
-    done = dict(zip([(k, i) for k, i, _ in jobs], io_pool(threads).map(run, jobs), strict=True))
-    crcs = [
-        known[name] if (0, i) not in done else done[(0, i)] for i, (name, _) in enumerate(shards)
-    ]
-    tile_sums = {shards[i][0]: done[(1, i)] for i in tiled}
+    done = dict(zip(jobs, io_pool(threads).map(run, jobs), strict=True))
+    crcs = [known[name] if i not in todo else done[i][0] for i, (name, _) in enumerate(shards)]
+    tile_sums = {shards[i][0]: done[i][1] for i in tiled}
     layout = [(name, DTYPE_TO_ST[t.dtype], tuple(t.shape)) for name, t in shards]
     raw = header_bytes(
         layout, dict(zip((n for n, _ in shards), crcs, strict=True)), hashes, tile_sums

@@ -187,3 +187,23 @@ def test_object_storage_reads_whole_blocks_where_one_get_would_read_the_gaps_any
     got, read = _read_cols(url, 0, COLS // 4)
     assert torch.equal(got, w[:, : COLS // 4])
     assert read == 4 * got.numel() * 4
+
+
+def test_block_checksums_computed_in_the_tiles_pass_are_each_block_s_crc32c(tmp_path):
+    """A tiled shard's block checksums come from the pass that computes its tiles; with a last
+    block shorter than the others (100 rows in blocks of 8) they are still each block's."""
+    w = torch.randn(100, 2048, generator=torch.Generator().manual_seed(3))  # 8 KiB rows
+    path = str(tmp_path / "c")
+    anyshard.save(path, {"w": w})
+    e = read_header(_data(path)).shards["w"]
+    assert (e.block, e.tiles) == (8 * 8192, 16)
+    raw = w.numpy().tobytes()
+    assert list(e.crcs) == [
+        crc32c.crc32c(raw[a : a + e.block]) for a in range(0, len(raw), e.block)
+    ]
+    want = [
+        crc32c.crc32c(w[r : r + 8, c : c + 128].contiguous().numpy().tobytes())
+        for r in range(0, 100, 8)
+        for c in range(0, 2048, 128)
+    ]
+    assert list(e.tile_crcs) == want
