@@ -178,17 +178,6 @@ def test_a_wrong_tile_checksum_in_a_resealed_header_is_caught(saved, every_split
         verify_checkpoint(path)
 
 
-def test_object_storage_reads_whole_blocks_where_one_get_would_read_the_gaps_anyway(s3):
-    """On object storage, ranges closer than 1 MiB share one GET, gap included: a 4-way split of
-    16 KiB rows reads whole blocks (their checksums), not tiles that would save nothing."""
-    w = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(1))
-    url = f"{s3}/c"
-    anyshard.save(url, {"w": w})
-    got, read = _read_cols(url, 0, COLS // 4)
-    assert torch.equal(got, w[:, : COLS // 4])
-    assert read == 4 * got.numel() * 4
-
-
 def test_block_checksums_computed_in_the_tiles_pass_are_each_block_s_crc32c(tmp_path):
     """A tiled shard's block checksums come from the pass that computes its tiles; with a last
     block shorter than the others (100 rows in blocks of 8) they are still each block's."""
