@@ -114,7 +114,7 @@ def _staging(plan: ReadPlan, batch: list[Request], src_dtypes, paths) -> dict[in
                 continue
             t = plan.transfers[i]
             nbytes = t.numel * src_dtypes[(t.rank, t.fqn)].itemsize
-            if local and offset == 0 and n == nbytes and t.tiles is None:
+            if local and offset == 0 and n == nbytes:
                 continue
             if (
                 local
@@ -313,8 +313,7 @@ def _run_repeated(plan: ReadPlan, r: Request, memory, state: _Task) -> None:
     else:
         mem = target_bytes[plan.transfers[i].target] if kind == TARGET else staging[i]
     reader = state.reader(r.rank)
-    fd = reader.fd
-    if fd is None:  # a URL: near rows share ranged GETs, issued concurrently
+    if reader.fd is None:  # a URL: near rows share ranged GETs, issued concurrently
         spans = [
             (r.offset + k * file_stride, mem[offset + k * dst_stride :][:n]) for k in range(count)
         ]
@@ -328,32 +327,27 @@ def _run_repeated(plan: ReadPlan, r: Request, memory, state: _Task) -> None:
             raise CorruptCheckpointError(
                 f"{reader.path}: data file is missing; restore it or load an earlier step"
             ) from None
-        if streamed:
-            _finish(plan, i, mem, targets, src_dtypes, state.paths)
-        elif kind == TARGET and plan.transfers[i].tiles is not None:
-            t = plan.transfers[i]
-            _check_tiles(t, piece_view(targets[t.target], t.dst), state.paths[t.rank])
-        return
-    pos, dst = r.offset, offset
-    preadv = os.preadv
-    try:
-        for _ in range(count):
-            if preadv(fd, [mem[dst : dst + n]], pos) != n:
-                reader.read_into(pos, mem[dst : dst + n])  # short read or end of file
-            pos += file_stride
-            dst += dst_stride
-    except EOFError as e:
-        raise CorruptCheckpointError(
-            f"{reader.path}: data file is truncated ({e}); restore it or load an earlier step"
-        ) from None
-    except OSError as e:
-        if isinstance(e, StorageError):
-            raise
-        raise StorageError(f"{reader.path}: read of {n} bytes at {pos} failed: {e}") from e
+    else:
+        fd, pos, dst = reader.fd, r.offset, offset
+        preadv = os.preadv
+        try:
+            for _ in range(count):
+                if preadv(fd, [mem[dst : dst + n]], pos) != n:
+                    reader.read_into(pos, mem[dst : dst + n])  # short read or end of file
+                pos += file_stride
+                dst += dst_stride
+        except EOFError as e:
+            raise CorruptCheckpointError(
+                f"{reader.path}: data file is truncated ({e}); restore it or load an earlier step"
+            ) from None
+        except OSError as e:
+            if isinstance(e, StorageError):
+                raise
+            raise StorageError(f"{reader.path}: read of {n} bytes at {pos} failed: {e}") from e
+    t = plan.transfers[i]
     if streamed:
         _finish(plan, i, mem, targets, src_dtypes, state.paths)
-    elif kind == TARGET and plan.transfers[i].tiles is not None:  # read straight into place
-        t = plan.transfers[i]
+    elif kind == TARGET and t.tiles is not None:  # read straight into place
         _check_tiles(t, piece_view(targets[t.target], t.dst), state.paths[t.rank])
 
 

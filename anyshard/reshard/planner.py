@@ -314,7 +314,7 @@ def plan_reads(
     # Checksum blocks get an id when a request reads part of them; the executor verifies each
     # from the parts the requests read. Without verification, single-unit reads may become
     # repeated requests that carry no checks.
-    shard_ids = _ShardIds(plan, shard_info, verify, tiled)
+    shard_ids = _ShardIds(plan, shard_info, verify)
     limits = (max_part, max_gap, slack, max_request, max_spans)
     for batch in batches:
         rows = [i for i in batch if final[i].tiles is not None]
@@ -507,11 +507,10 @@ class _ShardIds:
     """Numbers checksum blocks in the order requests first read them, listing them in the plan
     as ``(rank, stored key, start, stop, crc32c)``."""
 
-    def __init__(self, plan: ReadPlan, shard_info, verify: bool, tiled=frozenset()):
+    def __init__(self, plan: ReadPlan, shard_info, verify: bool):
         self._plan, self._info = plan, shard_info
         self._ids: dict[tuple[int, str], dict[int, int]] = {}  # stored shard -> block -> id
         self.verify = verify
-        self.tiled = tiled  # stored shards read by tiles, each checked where it is staged
 
     def ids(self, key: tuple[int, str], k0: int, k1: int) -> list[int]:
         """The ids of blocks ``k0 .. k1 - 1`` of stored shard ``key``."""
@@ -762,8 +761,6 @@ def _checks(transfers, unit_ids, start, end, shard_info, shard_ids) -> tuple[Sha
     checks = []
     keys = dict.fromkeys((transfers[i].rank, transfers[i].fqn) for i in dict.fromkeys(unit_ids))
     for key in keys:
-        if key in shard_ids.tiled:
-            continue
         info = shard_info[key]
         a, b = max(start, info.start), min(end, info.stop)
         if a >= b:
