@@ -152,6 +152,30 @@ def test_online_a_drift_re_plans_and_a_slow_data_rank_gets_a_smaller_share():
     assert abs(final[0] / final[1] - 2.0) < 0.3  # shares follow the measured speeds
 
 
+def test_a_one_window_burst_on_a_data_rank_moves_no_share_and_two_windows_do():
+    # a neighbour's burst makes data rank 1 look 2x slower for one window (5 steps) only: the
+    # shares stay even; the same burst over two windows in a row (a straggler) moves them
+    def run(burst):
+        p = ParallelConfig(dp_shard=2)
+        s = _scheduler(100, current=p, online=True, policy=Policy(trials=0, trial_steps=3))
+
+        def busy(step, shares):
+            n = shares or (24, 24)
+            slow = 2.0 if burst[0] <= step < burst[1] else 1.0
+            return [0.004 * n[0], 0.004 * n[1] * slow], [0, 1]
+
+        job = _Job(s, lambda name, step: max(busy(step, s.shares)[0]))
+        job.run(0, 100, busy=busy)
+        return [d for d in s.decisions if d["event"] == "auto_rebalance"]
+
+    settled = 4  # three measured steps after the warm one: the online windows start here
+    window = Policy().window
+    one = (settled + window, settled + 2 * window)
+    assert run(one) == []
+    moved = run((one[0], one[1] + window))
+    assert moved and moved[0]["step"] == one[1] + window and moved[0]["shares"][1] < 24, moved
+
+
 def test_shares_keep_the_global_batch_and_one_sample_each():
     assert shares_for([1.0, 100.0], [4, 4], 8) == [7, 1]
     assert sum(shares_for([0.3, 0.2, 0.9, 0.1], [3, 3, 3, 3], 12)) == 12

@@ -20,7 +20,7 @@ The plan, with ``parallel.auto`` = ``start`` or ``online``:
 4. ``online`` only: every `Policy.window` steps compare the median step with the settled one;
    a drift of `Policy.drift` in two windows in a row re-plans (the old measurements describe
    another machine state and are dropped), and a data-parallel rank busier than the mean by
-   `Policy.imbalance` gets a smaller share of the same global batch (half-way to `shares_for`
+   `Policy.imbalance` in two windows in a row gets a smaller share of the same global batch (half-way to `shares_for`
    at a time; shares that make the busiest data rank's compute longer by `Policy.noise` go
    back).
 
@@ -99,6 +99,7 @@ class Decision:
     parallel: ParallelConfig | None = None
     shares: tuple[int, ...] | None = None
     reason: str = ""
+    slow: int | None = None  # a rebalance: the data rank it found busiest per sample
 
     def event(self, step: int) -> dict:
         """The decision as an events.jsonl record."""
@@ -178,6 +179,8 @@ class Scheduler:
         self.phase = "measure"  # measure -> trial -> settled (-> measure after a drift)
         self.reference: float | None = None  # the settled median step
         self.drifted = 0  # windows in a row whose median drifted from the reference
+        self.uneven: int | None = None  # online: the busiest data rank in the last window, if
+        # it was over the imbalance (a rebalance waits for a second window naming it)
         self.skews: list[float] = []  # online: busiest rank over the median rank, per step
         self.skew_ref: float | None = None  # their median when the reference was taken
         self.slow = 1.0  # a straggler's slowdown, seen at the last re-plan (1: none)
@@ -278,7 +281,7 @@ class Scheduler:
         if d.action != "keep" or d.reason:  # a decision, not a step of measuring or watching
             if d.parallel is not None:  # a new layout starts with even shares
                 self.current, self.shares = self._plain(d.parallel), None
-                self.busy, self.skews = [], []
+                self.busy, self.skews, self.uneven = [], [], None
             if d.shares is not None:
                 self.shares = d.shares
             self.decisions.append(self._record(step, d))
@@ -349,7 +352,7 @@ class Scheduler:
         back = self._share_check(_peak(busy))
         if back is not None:
             return back
-        rebalance = None if self.shares_settled else self._rebalance(busy)
+        rebalance = None if self.shares_settled else self._confirmed(self._rebalance(busy))
         if rebalance is not None:
             self.reference = None  # measured afresh under the new shares
             self.share_trial = (self.shares, _peak(busy))
@@ -381,7 +384,7 @@ class Scheduler:
             self.slow, self.known, why = 1.0, {}, "no one rank"
         self.trialled, self.out_of_reach = set(), set()
         self.reference = None
-        self.share_trial, self.shares_settled = None, False
+        self.share_trial, self.shares_settled, self.uneven = None, False, None
         self.phase = "trial"
         return Decision(
             "keep",
@@ -421,7 +424,7 @@ class Scheduler:
         best_name = min(measured, key=lambda n: measured[n].median)
         best, here = measured[best_name], measured[layout_text(self.current)]
         self.phase = "settled"
-        self.recent, self.busy, self.skews = [], [], []
+        self.recent, self.busy, self.skews, self.uneven = [], [], [], None
         if best_name == layout_text(self.current):
             why = "the running layout is the fastest measured"
             if self.out_of_reach:
@@ -474,6 +477,17 @@ class Scheduler:
             f"the busiest data rank against {was * 1e3:.1f} ms before them: back",
         )
 
+    def _confirmed(self, rebalance: Decision | None) -> Decision | None:
+        """An online rebalance once a second window in a row finds the same data rank over the
+        imbalance: one window may be a neighbour's burst on that rank's core, as one window's
+        drift may be (the windows' medians already pass over single steps)."""
+        slow = None if rebalance is None else rebalance.slow
+        if slow is None or slow != self.uneven:
+            self.uneven = slow
+            return None
+        self.uneven = None
+        return rebalance
+
     def _rebalance(self, busy: list[tuple[float, ...]]) -> Decision | None:
         """Uneven data shares when one data rank is busier than the rest (pipelines keep even
         shares: their microbatches split each rank's share; so do experts, whose ranks route
@@ -509,6 +523,7 @@ class Scheduler:
             "rebalance",
             shares=new,
             reason=f"data rank {slow} takes {per_sample[slow] / mean:.2f}x the mean time per sample",
+            slow=slow,
         )
 
 
