@@ -45,11 +45,11 @@ def _uninterrupted(pool4, run_dir, layout: list[str], extra: list[str]) -> list[
     return _UNINTERRUPTED[key]
 
 
-def _params(cases: list, suite: list[str], soak: list[str]) -> list:
-    """``cases`` with ids: the first ones run in the suite, the rest in the soak (tools/soak.sh)."""
-    marks = [()] * len(suite) + [pytest.mark.slow] * len(soak)
-    ids = suite + soak
-    return [pytest.param(*c, id=i, marks=m) for c, i, m in zip(cases, ids, marks, strict=True)]
+def _params(cases: list, ids: list[str]) -> list:
+    """``cases`` with their ids. The uninterrupted runs they compare against are shared where
+    two cases name the same layout (`_uninterrupted`): a case costs its own two runs and those
+    of a layout no other case runs."""
+    return [pytest.param(*c, id=i) for c, i in zip(cases, ids, strict=True)]
 
 
 PAIRS = [
@@ -82,8 +82,14 @@ PAIRS = [
     "a,b,extra",
     _params(
         PAIRS,
-        ["fsdp2xtp2-to-tp4", "pp2xdp2-to-dp4", "dp2xcp2-to-dp4", "moe-ep2-to-ep1"],
-        ["moe-ep2xtp2-to-fsdp2xtp2", "tied-pp2xdp2-to-dp4"],
+        [
+            "fsdp2xtp2-to-tp4",
+            "pp2xdp2-to-dp4",
+            "dp2xcp2-to-dp4",
+            "moe-ep2-to-ep1",
+            "moe-ep2xtp2-to-fsdp2xtp2",
+            "tied-pp2xdp2-to-dp4",
+        ],
     ),
 )
 def test_resume_under_another_layout_stays_within_the_noise_floor(pool4, tmp_path, a, b, extra):
@@ -134,8 +140,12 @@ RELAYOUTS = [
     "a,switch,b,extra",
     _params(
         RELAYOUTS,
-        ["pp2xdp2-to-tp2xdp2", "tied-pp2xdp2-to-dp4"],
-        ["moe-ep2xdp2-to-fsdp2xtp2", "tied-fsdp2xtp2-to-pp2xdp2"],
+        [
+            "pp2xdp2-to-tp2xdp2",
+            "tied-pp2xdp2-to-dp4",
+            "moe-ep2xdp2-to-fsdp2xtp2",
+            "tied-fsdp2xtp2-to-pp2xdp2",
+        ],
     ),
 )
 def test_relayout_in_a_running_job_stays_within_the_noise_floor(
@@ -168,8 +178,7 @@ def test_relayout_in_a_running_job_stays_within_the_noise_floor(
             (["--parallel.dp_shard", "2", "--parallel.tp", "2"],),
             (["--parallel.pp", "2", "--parallel.dp_shard", "2"],),
         ],
-        ["fsdp2xtp2"],
-        ["pp2xdp2"],
+        ["fsdp2xtp2", "pp2xdp2"],
     ),
 )
 def test_async_saves_staged_during_the_step_hold_the_state_a_sync_save_holds(

@@ -49,17 +49,22 @@ def records(path: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-@pytest.mark.parametrize(
-    # the demo's tests restart groups under the warm launcher: here it is a soak run
-    "launcher",
-    ["torchrun", pytest.param("warm", marks=pytest.mark.slow)],
-)
-def test_a_killed_rank_restarts_resumes_and_matches_an_uninterrupted_run(tmp_path, launcher):
-    clean, faulty = str(tmp_path / "clean"), str(tmp_path / "faulty")
-    # the uninterrupted run under the warm launcher (its ranks forked, not four new interpreters
-    # that import torch): the same trainer and layout, so the same losses bit for bit
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory) -> str:
+    """The uninterrupted run, once for both launchers, under the warm one (its ranks forked,
+    not four new interpreters that import torch): the same trainer and layout, so the same
+    losses bit for bit."""
+    clean = str(tmp_path_factory.mktemp("clean"))
     out = torchrun(clean, launcher="warm")
     assert out.returncode == 0, out.stderr[-3000:]
+    return clean
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "warm"])
+def test_a_killed_rank_restarts_resumes_and_matches_an_uninterrupted_run(
+    tmp_path, launcher, clean_run
+):
+    clean, faulty = clean_run, str(tmp_path / "faulty")
     out = torchrun(faulty, "--fault.kill_rank", "3", "--fault.kill_step", "7", launcher=launcher)
     assert out.returncode == 0, out.stderr[-3000:]
     fault = records(os.path.join(faulty, "fault.json"))[0]  # written just before the kill
