@@ -3,8 +3,9 @@
 Every command in it (``python tools/X.py ...`` and ``anyshard ...``, in inline code or in a
 fenced block) names a script that exists, whose ``--help`` exits 0 and lists every ``--flag``
 the command uses; every benchmark in tools/ (``bench_*``, ``scale_*``, ``fuzz_*``, ``crash_*``)
-has a section whose heading names it. The ``--help`` runs go concurrently, one per distinct
-script or subcommand (each imports torch).
+has a section whose heading names it. The ``--help`` runs, one per distinct script or
+subcommand, go in one interpreter (torch imported once), each as Python runs it from the command
+line (``runpy``, as ``__main__``, its folder first on ``sys.path``).
 
     python -m pytest tests/unit/test_benchmarks_doc.py -q
 """
@@ -17,7 +18,6 @@ import re
 import shlex
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -84,23 +84,55 @@ def _doc_text() -> str:
 DOC_COMMANDS = sorted(set(commands(_doc_text())))
 
 
+# runs each command line (a script's path, or -m and a module, then its arguments) as Python
+# runs it from the command line; prints one JSON line: [[returncode, stdout, stderr], ...]
+_HELP_DRIVER = """
+import contextlib, io, json, os, runpy, sys
+out = []
+for key in json.loads(sys.argv[1]):
+    argv, path0, stdout, stderr = list(key), list(sys.path), io.StringIO(), io.StringIO()
+    code = 0
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            try:
+                if argv[0] == "-m":
+                    sys.argv = [argv[1], *argv[2:]]
+                    runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+                else:
+                    sys.argv = argv
+                    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+                    runpy.run_path(argv[0], run_name="__main__")
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException as e:
+        code, _ = 1, stderr.write(f"{type(e).__name__}: {e}")
+    finally:
+        sys.path[:] = path0
+    out.append([code, stdout.getvalue(), stderr.getvalue()])
+print(json.dumps(out))
+"""
+
+
 @functools.cache
 def _helps() -> dict[tuple[str, ...], subprocess.CompletedProcess]:
-    """Every distinct help command of the doc's commands, run concurrently."""
+    """Every distinct help command of the doc's commands, in one interpreter."""
+    import json
+
     keys = sorted({help_argv(c) for c in DOC_COMMANDS if c[0] != "python" or _script_exists(c[1])})
-
-    def run(key):
-        return subprocess.run(
-            [sys.executable, *key],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env={**os.environ, "COLUMNS": "200"},
-        )
-
-    with ThreadPoolExecutor(max_workers=max(1, min(len(keys), 8))) as pool:
-        return dict(zip(keys, pool.map(run, keys), strict=True))
+    done = subprocess.run(
+        [sys.executable, "-c", _HELP_DRIVER, json.dumps(keys)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.splitlines()[-1])
+    return {
+        key: subprocess.CompletedProcess([sys.executable, *key], code, out, err)
+        for key, (code, out, err) in zip(keys, results, strict=True)
+    }
 
 
 def _script_exists(path: str) -> bool:
