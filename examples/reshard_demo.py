@@ -2,7 +2,8 @@
 
     python examples/reshard_demo.py [--dir DIR]
 
-Spawns 4 CPU processes (gloo). They build a small model's state as DTensors under
+Starts 4 CPU processes (gloo), forked from a server process that imports torch and anyshard
+once for all of them. They build a small model's state as DTensors under
 FSDP2 x TP (dp_shard=2 x tp=2) and save it with anyshard.save. Then 4 processes load it under
 tp=4, 2 processes under dp_shard=2, and this process loads it as plain tensors; every load is
 compared bit for bit with the original full tensors.
@@ -94,7 +95,7 @@ def worker(rank: int, world: int, init: str, path: str, layout: str, mode: str) 
 def run(world: int, path: str, layout: str, mode: str, tmp: str) -> None:
     init = "file://" + os.path.join(tmp, f"rdzv-{mode}-{layout}")
     mp.start_processes(
-        worker, args=(world, init, path, layout, mode), nprocs=world, start_method="spawn"
+        worker, args=(world, init, path, layout, mode), nprocs=world, start_method="forkserver"
     )
 
 
@@ -106,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         "removed at the end)",
     )
     args = parser.parse_args(argv)
+    mp.set_forkserver_preload(["torch", "torch.distributed", "anyshard"])
     with tempfile.TemporaryDirectory(prefix="anyshard-demo-") as tmp:
         return _demo(os.path.join(args.dir or tmp, "step-000100"), tmp)
 
