@@ -3,7 +3,7 @@
 A tool imports it as ``import benchkit``. `Meter`/`measure` take the same counters for every
 system (wall and CPU seconds, the /proc/self/io counters `IO_KEYS`, the peak RSS: VmHWM after a
 reset through /proc/self/clear_refs, else a 2 ms VmRSS sampler thread); `run_process` the same of
-a command. `run_ranks` spawns gloo ranks; `rotations`/`paired` alternate systems (A B, B A, ...)
+a command. `run_ranks` starts gloo ranks; `rotations`/`paired` alternate systems (A B, B A, ...)
 so that each pair sees the same machine state; `Records`, `table`, `report`: the results.
 """
 
@@ -160,7 +160,10 @@ def drop_cache(path: str) -> str:
 
 
 def _child(conn: Any, fn: Callable[..., Any], args: tuple, where: tuple) -> None:
-    (rank, world, store, threads), ok = where, True
+    (rank, world, store, threads, environ), ok = where, True
+    if environ is not None:  # the parent's environment now, not the fork server's at its start
+        os.environ.clear()
+        os.environ.update(environ)
     try:
         if store is None:
             value = fn(*args)
@@ -190,11 +193,18 @@ def _child(conn: Any, fn: Callable[..., Any], args: tuple, where: tuple) -> None
 def _spawn(
     fn: Callable[..., Any], args: tuple, world: int, store: str | None, threads: int
 ) -> list:
-    ctx = mp.get_context("spawn")
+    """Gloo ranks (``store`` given) fork from a server that imported torch once: each rank
+    starts in milliseconds and with the same modules, where a spawned rank imports torch for
+    seconds; a fresh process (no ``store``) is spawned."""
+    if store is None:
+        ctx, environ = mp.get_context("spawn"), None
+    else:
+        ctx, environ = mp.get_context("forkserver"), dict(os.environ)
+        ctx.set_forkserver_preload(["torch", "torch.distributed"])
     pipes = [ctx.Pipe(duplex=False) for _ in range(world)]
     procs = []
     for rank, (_, send) in enumerate(pipes):
-        where = (rank, world, store, threads)
+        where = (rank, world, store, threads, environ)
         procs.append(ctx.Process(target=_child, args=(send, fn, args, where)))
         procs[-1].start()
         send.close()
@@ -222,7 +232,7 @@ def _spawn(
 
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, threads: int = 1) -> list[Any]:
-    """Spawn ``world`` processes that join one gloo group (a FileStore; ``LOCAL_WORLD_SIZE``
+    """Start ``world`` processes that join one gloo group (a FileStore; ``LOCAL_WORLD_SIZE``
     set as torchrun sets it; ``threads`` torch threads each) and call ``fn(rank, world,
     *args)``; the ranks' return values, in rank order. A failed rank raises, naming it."""
     with tempfile.TemporaryDirectory(prefix="bench-ranks-") as d:

@@ -497,7 +497,9 @@ class LoadPool:
     def _start(self) -> None:
         import torch.multiprocessing as mp
 
-        ctx, store = mp.get_context("spawn"), tempfile.mktemp(prefix="store-", dir=self.work)
+        # forked from a server that imported torch and anyshard once, not four interpreters
+        ctx, store = mp.get_context("forkserver"), tempfile.mktemp(prefix="store-", dir=self.work)
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "anyshard"])
         self.outbox, self.inboxes = ctx.Queue(), [ctx.Queue() for _ in range(self.world)]
         shared, self.procs = (self.outbox, self.world, store, self.corpora), []
         for r, q in enumerate(self.inboxes):
