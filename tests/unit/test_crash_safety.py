@@ -20,7 +20,6 @@ import importlib.util
 import json
 import os
 import random
-import shutil
 import signal
 import struct
 import subprocess
@@ -28,6 +27,7 @@ import sys
 import time
 
 import pytest
+from cli_runner import cli
 
 import anyshard
 from anyshard.format.steps import list_steps
@@ -218,8 +218,9 @@ def _check_root(root: str, fixed: bool = False) -> int | None:
 
 
 def _gc(root: str, *options: str) -> list[str]:
-    exe = shutil.which("anyshard") or os.path.join(os.path.dirname(sys.executable), "anyshard")
-    done = subprocess.run([exe, "gc", root, *options], capture_output=True, text=True, timeout=60)
+    """``anyshard gc ROOT OPTIONS`` (the console script's function, in this process); the paths
+    it removed."""
+    done = cli("gc", root, *options)
     assert done.returncode == 0, done.stderr
     return [
         line.split(" ", 1)[1] for line in done.stdout.splitlines() if line.startswith("removed /")
