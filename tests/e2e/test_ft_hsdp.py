@@ -78,9 +78,11 @@ def test_elastic_a_lost_node_leaves_and_returns_4_2_4(tmp_path, pool4):
 
     elastic = tmp_path / "elastic"
     # paced (0.7 s a step at least): the survivors have 24 s of training left when the node is
-    # lost, time for the relaunched group to start (7 s here) and join on a slower machine too
+    # lost, time for the relaunched group to start (7 s here) and join on a slower machine too;
+    # the first step waits for both groups (a group slow to start would otherwise join, and
+    # heal, at about the step its node is lost)
     _launch(elastic, ELASTIC_STEPS, "--lose-group", "1:6:1", "--ft.check_heals", "true",
-            "--train.min_step_s", "0.7")  # fmt: skip
+            "--train.min_step_s", "0.7", "--ft.wait_all_s", "60")  # fmt: skip
     args = ["--train.steps", str(ELASTIC_STEPS), "--parallel.dp_replicate", "2"]
     args += ["--parallel.dp_shard", "2", "--run_dir", str(tmp_path / "plain")]
     args += ["--checkpoint.root", str(tmp_path / "plain" / "ckpt")]
