@@ -20,9 +20,9 @@ The plan, with ``parallel.auto`` = ``start`` or ``online``:
 4. ``online`` only: every `Policy.window` steps compare the median step with the settled one;
    a drift of `Policy.drift` in two windows in a row re-plans (the old measurements describe
    another machine state and are dropped), and a data-parallel rank busier than the mean by
-   `Policy.imbalance` in two windows in a row gets a smaller share of the same global batch (half-way to `shares_for`
-   at a time; shares that make the busiest data rank's compute longer by `Policy.noise` go
-   back).
+   `Policy.imbalance` in two windows in a row gets a smaller share of the same global batch
+   (half-way to `shares_for` at a time; shares that make the busiest data rank's compute longer
+   by `Policy.noise` go back).
 
 Every decision is identical on every rank: the inputs are the same gathered figures.
 
