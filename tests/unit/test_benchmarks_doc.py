@@ -13,6 +13,7 @@ line (``runpy``, as ``__main__``, its folder first on ``sys.path``).
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import shlex
@@ -105,7 +106,8 @@ for key in json.loads(sys.argv[1]):
             except SystemExit as e:
                 code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException as e:
-        code, _ = 1, stderr.write(f"{type(e).__name__}: {e}")
+        code = 1
+        stderr.write(f"{type(e).__name__}: {e}")
     finally:
         sys.path[:] = path0
     out.append([code, stdout.getvalue(), stderr.getvalue()])
@@ -116,8 +118,6 @@ print(json.dumps(out))
 @functools.cache
 def _helps() -> dict[tuple[str, ...], subprocess.CompletedProcess]:
     """Every distinct help command of the doc's commands, in one interpreter."""
-    import json
-
     keys = sorted({help_argv(c) for c in DOC_COMMANDS if c[0] != "python" or _script_exists(c[1])})
     done = subprocess.run(
         [sys.executable, "-c", _HELP_DRIVER, json.dumps(keys)],
