@@ -1,6 +1,7 @@
 """Verified reads at the floor: the bytes and time of verified loads of column and row splits.
 
     python tools/bench_verified_reads.py --write-docs            # smoke test: --quick
+    python tools/bench_verified_reads.py --hidden 2048,4096 --reps 3 --write-docs
 
 Four gloo ranks save a (dp_shard=2, tp=2) checkpoint with anyshard and with DCP; eight load it
 into tp=2, tp=4, tp=8 and dp_shard=4 (each replicated over the ranks left). The method, as written
@@ -43,7 +44,8 @@ tiles, which a verified load reads by whole row blocks. After an untimed load of
 into tp=2, tp=4 and tp=8 (column-parallel weights `Shard(0)`, row-parallel `Shard(1)`; ranks left
 over replicate) and dp_shard=4 (`Shard(0)`): anyshard (verified), anyshard on the copy (verified,
 blocks only), DCP (`FileSystemReader`) and DCP with `anyshard.dcp.AnyshardReader` (verified).
-Systems alternate in a rotated order within each repetition; every load is compared bit-exact.
+One target layout at a time, systems alternate in a rotated order within each repetition; every
+load is compared bit-exact.
 Bytes: `rchar` (/proc/self/io) of each rank over the load, divided by the bytes of its target
 shards; the worst rank. Times: the slowest rank, median [min-max] over the repetitions. Save
 checksums: one process times, over rank 0's saved shards, the block checksums alone and the
@@ -124,43 +126,43 @@ def loader(rank: int, world: int, cfg: dict) -> list[dict]:
     if cfg["tile_skip"] is not None:  # the local rule for reading tiles, as given
         planner.TILE_SKIP_LOCAL = cfg["tile_skip"]
     spec, paths, out = model(cfg["gib"], cfg["hidden"]), cfg["paths"], []
-    targets, expected, needed = {}, {}, {}
-    for t, (shape, dims) in TARGETS.items():
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=dims)
-        targets[t], expected[t] = {}, {}
-        for name, gshape, kind in spec:
-            full, pl = br.full_tensor(name, gshape), placements(t, kind)
-            local = distribute_tensor(full, mesh, pl, src_data_rank=None).to_local()
-            expected[t][name] = br.digest(local)
-            kw = {"run_check": False, "shape": full.shape, "stride": full.stride()}
-            targets[t][name] = DTensor.from_local(torch.zeros_like(local), mesh, pl, **kw)
-        needed[t] = sum(v.to_local().numel() * 4 for v in targets[t].values())
     systems = {
         "tiles": lambda s: anyshard.load(paths["tiles"], s, strict=len(s) == len(spec)),
         "blocks": lambda s: anyshard.load(paths["blocks"], s, strict=len(s) == len(spec)),
         "dcp": partial(br._dcp, "load", "dcp", path=paths["dcp"]),
         "dcp_any": partial(br._dcp, "load", "anyshard", path=paths["tiles"]),
     }
-    for system in SYSTEMS:  # untimed: imports, caches, thread pools, DCP's first-call setup
-        systems[system]({n: v for n, v in list(targets["tp8"].items())[:4]})
-    for rep, order in h.rotations(SYSTEMS, cfg["reps"]):
-        for t in TARGETS:
+    for t, (shape, dims) in TARGETS.items():  # one target's tensors at a time: less memory
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=dims)
+        state, expected = {}, {}
+        for name, gshape, kind in spec:
+            full, pl = br.full_tensor(name, gshape), placements(t, kind)
+            local = distribute_tensor(full, mesh, pl, src_data_rank=None).to_local()
+            expected[name] = br.digest(local)
+            kw = {"run_check": False, "shape": full.shape, "stride": full.stride()}
+            state[name] = DTensor.from_local(torch.zeros_like(local), mesh, pl, **kw)
+        needed = sum(v.to_local().numel() * 4 for v in state.values())
+        if t == next(iter(TARGETS)):  # untimed: imports, caches, thread pools, DCP's setup
+            for system in SYSTEMS:
+                systems[system]({n: v for n, v in list(state.items())[:4]})
+        for rep, order in h.rotations(SYSTEMS, cfg["reps"]):
             for system in order:
-                state = targets[t]
                 for v in state.values():
                     v.to_local().fill_(-7.25)
                 recs = h.measure_ranks(partial(systems[system], state))
-                bad = br.mismatched({n: v.to_local() for n, v in state.items()}, expected[t])
+                bad = br.mismatched({n: v.to_local() for n, v in state.items()}, expected)
                 got: list = [None] * world
-                dist.all_gather_object(got, (needed[t], bad[:3]))
+                dist.all_gather_object(got, (needed, bad[:3]))
                 if rank == 0:
                     ratio = max(r["rchar"] / n for r, (n, _) in zip(recs, got, strict=True))
                     wall = max(r["wall_s"] for r in recs)
                     bad = sorted({b for _, x in got for b in x})
                     out.append(dict(rep=rep, target=t, system=system, ratio=ratio, wall_s=wall,
-                                    needed=max(n for n, _ in got), bad=bad))  # fmt: skip
+                                    needed=max(n for n, _ in got), bad=bad,
+                                    width=spec[0][1][1]))  # fmt: skip
                     print(f"  rep {rep + 1} {t} {system:8s} {wall:6.3f} s  bytes {ratio:.3f}x"
                           + ("  MISMATCH" if bad else ""), flush=True)  # fmt: skip
+        del state, expected
     return out
 
 
@@ -200,57 +202,69 @@ def checksum_costs(path: str) -> tuple[float, float, int]:
 def main(argv: list[str] | None = None) -> int:
     p = h.parser(__doc__, reps=3, quick={"gib": 0.05, "reps": 1})
     p.add_argument("--gib", type=float, default=0.5, help="total fp32 state size in GiB (0.5)")
-    p.add_argument("--hidden", type=int, default=0, help="model width (default: bench_reshard's)")
+    p.add_argument("--hidden", default="0",
+                   help="model widths, comma-separated, one checkpoint each (default 0: "
+                   "bench_reshard's model); a width makes at least one layer")  # fmt: skip
     p.add_argument("--dir", default="/dev/shm", help="parent directory of the checkpoints")
     p.add_argument("--tile-skip", type=int, default=None,
                    help="bytes a row's tiles must skip beyond those they read, on a local file "
                    "(default: the library's TILE_SKIP_LOCAL; 0: tiles for every column split)")  # fmt: skip
     args = p.parse_args(argv)
-    root = tempfile.mkdtemp(prefix="bench-verified-", dir=args.dir)
-    paths = {s: os.path.join(root, s) for s in ("tiles", "blocks", "dcp")}
-    spec = model(args.gib, args.hidden)
-    total = sum(4 * math.prod(s) for _, s, _ in spec)
-    print(f"state: {total / GiB:.3f} GiB fp32 in {len(spec)} tensors; {args.reps} repetition(s)")
-    load = h.RunLoad()
-    try:
-        h.run_ranks(saver, SAVE_WORLD, {"gib": args.gib, "hidden": args.hidden, "paths": paths})
-        shutil.copytree(paths["tiles"], paths["blocks"])
-        strip_tiles(paths["blocks"])
-        costs = checksum_costs(paths["tiles"])
-        cfg = {"gib": args.gib, "hidden": args.hidden, "paths": paths, "reps": args.reps}
-        cfg["tile_skip"] = args.tile_skip
-        recs = h.run_ranks(loader, LOAD_WORLD, cfg)[0]
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    widths = h.words(p, "--hidden", args.hidden)
+    if not all(w.isdigit() for w in widths):
+        p.error(f"--hidden: widths are whole numbers, not {args.hidden!r}")
+    load, recs, costs, sizes = h.RunLoad(), [], {}, []
+    for hidden in widths:
+        spec = model(args.gib, int(hidden))
+        width, total = spec[0][1][1], sum(4 * math.prod(s) for _, s, _ in spec)
+        sizes.append(f"width {width}: {total / GiB:.2f} GiB fp32 in {len(spec)} tensors")
+        print(f"{sizes[-1]}; {args.reps} repetition(s)", flush=True)
+        root = tempfile.mkdtemp(prefix="bench-verified-", dir=args.dir)
+        paths = {s: os.path.join(root, s) for s in ("tiles", "blocks", "dcp")}
+        try:
+            h.run_ranks(saver, SAVE_WORLD, {"gib": args.gib, "hidden": int(hidden), "paths": paths})
+            shutil.copytree(paths["tiles"], paths["blocks"])
+            strip_tiles(paths["blocks"])
+            costs[width] = checksum_costs(paths["tiles"])
+            cfg = {"gib": args.gib, "hidden": int(hidden), "paths": paths, "reps": args.reps}
+            cfg["tile_skip"] = args.tile_skip
+            recs += h.run_ranks(loader, LOAD_WORLD, cfg)[0]
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
     records = h.Records(args.jsonl, "verified_reads")
     for r in recs:
         records.add(r)
-    head = ["load", "MiB needed / rank", *(f"bytes read / needed: {LABELS[s]}" for s in SYSTEMS)]
+    head = ["load", "width", "MiB needed / rank"]
+    head += [*(f"bytes read / needed: {LABELS[s]}" for s in SYSTEMS)]
     head += [*(f"{LABELS[s]} s" for s in SYSTEMS), "anyshard / blocks only (time)", "bit-exact"]
-    rows, checks = [], []
-    for t in TARGETS:
-        got = {s: [r for r in recs if r["target"] == t and r["system"] == s] for s in SYSTEMS}
-        ratio = {s: max(r["ratio"] for r in got[s]) for s in SYSTEMS}
-        wall = {s: [r["wall_s"] for r in got[s]] for s in SYSTEMS}
-        bad = sorted({b for s in SYSTEMS for r in got[s] for b in r["bad"]})
-        rel = h.median(wall["tiles"]) / h.median(wall["blocks"])
-        rows.append([f"dp2xtp2 -> {t}", f"{got['tiles'][0]['needed'] / MiB:.1f}",
-                     *(f"{ratio[s]:.3f}" for s in SYSTEMS),
-                     *(h.fmt_spread(wall[s], ".3f") for s in SYSTEMS), f"{rel:.2f}",
-                     "yes" if not bad else f"NO: {bad[:2]}"])  # fmt: skip
-        for s in ("tiles", "dcp_any"):
-            checks.append((f"{t}: {LABELS[s]} bytes <= {BYTES_TARGET}x needed",
-                           ratio[s] <= BYTES_TARGET, f"{ratio[s]:.3f}"))  # fmt: skip
-        checks.append((f"{t}: verified load no slower than blocks only", rel <= 1.0, f"{rel:.2f}"))
-        checks.append((f"{t}: bit-exact", not bad, ", ".join(bad[:3]) or "all"))
-    blocks_s, tiles_s, nbytes = costs
-    cost = (f"Save checksums over rank 0's {nbytes / MiB:.0f} MiB of shards, one core: block "
-            f"checksums alone {blocks_s:.3f} CPU s; block and tile checksums, as the save computes "
-            f"them, {tiles_s:.3f} CPU s ({tiles_s / blocks_s:.2f}x).")  # fmt: skip
-    width = spec[0][1][1]
-    run = (f"{total / GiB:.2f} GiB fp32 in {len(spec)} tensors of width {width}, {args.reps} repetitions, "
-           f"median [min-max] of the slowest rank")  # fmt: skip
-    blocks = [METHOD, (head, rows), cost, h.targets(checks)]
+    rows, checks, cost = [], [], []
+    for width in costs:
+        for t in TARGETS:
+            got = {s: [r for r in recs if (r["target"], r["system"], r["width"]) == (t, s, width)]
+                   for s in SYSTEMS}  # fmt: skip
+            ratio = {s: max(r["ratio"] for r in got[s]) for s in SYSTEMS}
+            wall = {s: [r["wall_s"] for r in got[s]] for s in SYSTEMS}
+            bad = sorted({b for s in SYSTEMS for r in got[s] for b in r["bad"]})
+            rel = h.median(wall["tiles"]) / h.median(wall["blocks"])
+            rows.append([f"dp2xtp2 -> {t}", width, f"{got['tiles'][0]['needed'] / MiB:.1f}",
+                         *(f"{ratio[s]:.3f}" for s in SYSTEMS),
+                         *(h.fmt_spread(wall[s], ".3f") for s in SYSTEMS), f"{rel:.2f}",
+                         "yes" if not bad else f"NO: {bad[:2]}"])  # fmt: skip
+            at = f"{t}, width {width}"
+            for s in ("tiles", "dcp_any"):
+                checks.append((f"{at}: {LABELS[s]} bytes <= {BYTES_TARGET}x needed",
+                               ratio[s] <= BYTES_TARGET, f"{ratio[s]:.3f}"))  # fmt: skip
+            checks.append((f"{at}: verified load no slower than blocks only", rel <= 1.0,
+                           f"{rel:.2f}"))  # fmt: skip
+            checks.append((f"{at}: bit-exact", not bad, ", ".join(bad[:3]) or "all"))
+        blocks_s, tiles_s, nbytes = costs[width]
+        cost.append(f"- width {width}: over rank 0's {nbytes / MiB:.0f} MiB of shards, block "
+                    f"checksums alone {blocks_s:.3f} CPU s; block and tile checksums, as the save "
+                    f"computes them, {tiles_s:.3f} CPU s ({tiles_s / blocks_s:.2f}x)")  # fmt: skip
+    run = (f"{'; '.join(sizes)}; {args.reps} repetitions, median [min-max] of the slowest "
+           f"rank")  # fmt: skip
+    blocks = [METHOD, (head, rows), "Save checksums, one core:\n\n" + "\n".join(cost)]
+    blocks.append(h.targets(checks))
     name, heading = "verified_reads", "## Verified reads: column splits at the floor"
     if args.tile_skip is not None:
         name, heading = (
