@@ -15,7 +15,6 @@ step x steps over the run's training time; every run's losses equal the checkpoi
 from __future__ import annotations
 
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -33,20 +32,18 @@ MODES = {
 }
 
 
-def run(args, root: str, mode: str, rep: int, tmp: str) -> dict:
-    where = tempfile.mkdtemp(prefix="bench-async-", dir=h.BASES.get(root, tmp))
+def run(args, root: str, mode: str, rep: int) -> dict:
     every = str(args.every if root != "-" else 10**6)
     opts = ["--parallel.pp", "2", "--parallel.dp_shard", "2", "--train.steps", str(args.steps)]
     opts += ["--checkpoint.every_steps", every, "--checkpoint.keep_last", "2"]
     opts += ["--train.seed", str(args.seed), *MODES.get(mode, []), *args.trainer]
-    try:
-        r = train(os.path.join(where, "run"), opts, nproc=4)
-        ckpt = os.path.join(where, "run", "ckpt")
-        steps = sorted(os.listdir(ckpt)) if os.path.isdir(ckpt) else []
-        last = os.path.join(ckpt, steps[-1]) if steps else where
-        size = h.du(last)
-    finally:
-        shutil.rmtree(where, ignore_errors=True)
+    with tempfile.TemporaryDirectory(
+        prefix="bench-async-", dir=h.BASES.get(root, h.BASES["disk"]), ignore_cleanup_errors=True
+    ) as d:
+        r = train(os.path.join(d, "run"), opts, nproc=4)
+        ckpt = os.path.join(d, "run", "ckpt")
+        last = max(os.listdir(ckpt) if os.path.isdir(ckpt) else [], default=None)
+        size = h.du(os.path.join(ckpt, last) if last else d)
     (end,) = [e for e in r["events"] if e["event"] == "end"]
     losses, saves = r["losses"], end["saves"]
     return {"root": root, "mode": mode, "rep": rep, "wall_s": r["wall_s"], "cpu_s": r["cpu_s"],
@@ -66,12 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     roots = h.words(ap, "--roots", args.roots)
     systems = [("-", "no checkpoints"), *((r, m) for r in roots for m in MODES)]
     records, load = h.Records(args.jsonl, "async_blocking"), h.RunLoad()
-    with tempfile.TemporaryDirectory(prefix="bench-async-") as tmp:
-        for rep, order in h.rotations(systems, args.reps):
-            for root, mode in order:
-                r = records.add(run(args, root, mode, rep, tmp))
-                print(f"{root:6} {mode:32} {r['per_save_s'] * 1e3:8.1f} ms blocked per save "
-                      f"({r['saves']} saves), training {r['train_s']:.1f} s", flush=True)  # fmt: skip
+    for rep, order in h.rotations(systems, args.reps):
+        for root, mode in order:
+            r = records.add(run(args, root, mode, rep))
+            print(f"{root:6} {mode:32} {r['per_save_s'] * 1e3:8.1f} ms blocked per save "
+                  f"({r['saves']} saves), training {r['train_s']:.1f} s", flush=True)  # fmt: skip
     runs = {(r["root"], r["mode"], r["rep"]): r for r in records.rows}
     base = {rep: runs[("-", "no checkpoints", rep)] for rep in range(args.reps)}
     for r in records.rows:
@@ -81,9 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     for root, mode in systems:
         rs = [runs[(root, mode, rep)] for rep in range(args.reps)]
         step = h.fmt_spread([1e3 * statistics.median(r["steps"]) for r in rs], ".0f")
-        good = [statistics.median(base[r["rep"]]["steps"]) * (args.steps - 1) / r["train_s"]
-                for r in rs]  # fmt: skip
-        good = h.fmt_spread([100 * x for x in good], ".0f")
+        good = h.fmt_spread([100 * (statistics.median(base[r["rep"]]["steps"]) * (args.steps - 1)
+                                    / r["train_s"]) for r in rs], ".0f")  # fmt: skip
         if root == "-":
             rows.append([root, mode, 0, "-", "-", step, good, "-"])
             continue
@@ -98,9 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     text = (f"{args.steps} steps, a save every {args.every}, checkpoints of {size:.1f} MiB; "
             f"median [min-max] of {args.reps} run(s); trainer seed {args.seed}, options "
             f"{' '.join(args.trainer) or '-'}")  # fmt: skip
-    dirs = {r: h.BASES[r] for r in roots if r in h.BASES}
     h.report(args, argv, __file__, "async_blocking", text, [(head, rows)], load, heading=HEADING,
-             dirs=dirs, data=records.rows)  # fmt: skip
+             dirs={r: h.BASES[r] for r in roots if r in h.BASES}, data=records.rows)  # fmt: skip
     return 0
 
 

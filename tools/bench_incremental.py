@@ -16,7 +16,6 @@ checked bit-exact (``--cold``: page cache dropped before disk loads). Disk: ``an
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import tempfile
 
@@ -136,8 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     roots = h.words(ap, "--roots", args.roots, h.BASES)
     records, load, results = h.Records(args.jsonl, "incremental"), h.RunLoad(), {}
     for where in roots:
-        tmp = tempfile.mkdtemp(prefix="bench-incremental-", dir=h.BASES[where])
-        try:
+        with tempfile.TemporaryDirectory(
+            prefix="bench-incremental-", dir=h.BASES[where], ignore_cleanup_errors=True
+        ) as tmp:
             runs = {k: train(k, os.path.join(tmp, str(i)), args) for i, k in enumerate(KINDS)}
             for kind, recs in loads(runs, where, args, records).items():
                 if not all(r["exact"] for r in recs):
@@ -146,25 +146,21 @@ def main(argv: list[str] | None = None) -> int:
                 records.add({k: v for k, v in runs[kind].items() if k != "final"}, root=where,
                             system=kind)  # fmt: skip
                 results[(where, kind)] = runs[kind]
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
     head = ["storage", "saves", "first save", "later saves: MiB each", "/ full", "ms each"]
     head += ["/ full", "load of the last step ms", "/ full", "on disk at the end MiB"]
     rows, checks, full = [], [], {}
-    for where in roots:
-        for kind in KINDS:
-            r, first = results[(where, kind)], results[(where, kind)]["saves"][0]
-            later, m = r["saves"][1:], {"load": h.median_of(r["loads"], "wall_s")}
-            m |= {"bytes": h.median_of(later, "bytes"), "save": h.median_of(later, "wall_s")}
-            full = m if kind == "full" else full  # KINDS[0]: every kind's baseline
-            got = {k: v / full[k] * (1 if k == "load" else 100) for k, v in m.items()}
-            rows.append([where, kind, f"{first['bytes'] / h.MiB:.1f} MiB, {first['wall_s']:.2f} s",
-                         f"{m['bytes'] / h.MiB:.2f}", f"{got['bytes']:.1f}%",
-                         f"{m['save'] * 1e3:.0f}", f"{got['save']:.1f}%", f"{m['load'] * 1e3:.0f}",
-                         f"{got['load']:.2f}x", f"{r['total'] / h.MiB:.1f}"])  # fmt: skip
-            if kind != "full":
-                checks += [(f"{where}, {kind}: {x} <= {t:g}{'x' if x == 'load' else '%'} of full",
-                            got[x] <= t, f"{got[x]:.2f}") for x, t in TARGETS.items()]  # fmt: skip
+    for (where, kind), r in results.items():
+        (first, *later), m = r["saves"], {"load": h.median_of(r["loads"], "wall_s")}
+        m |= {"bytes": h.median_of(later, "bytes"), "save": h.median_of(later, "wall_s")}
+        full = m if kind == "full" else full  # KINDS[0]: every kind's baseline
+        got = {k: v / full[k] * (1 if k == "load" else 100) for k, v in m.items()}
+        rows.append([where, kind, f"{first['bytes'] / h.MiB:.1f} MiB, {first['wall_s']:.2f} s",
+                     f"{m['bytes'] / h.MiB:.2f}", f"{got['bytes']:.1f}%",
+                     f"{m['save'] * 1e3:.0f}", f"{got['save']:.1f}%", f"{m['load'] * 1e3:.0f}",
+                     f"{got['load']:.2f}x", f"{r['total'] / h.MiB:.1f}"])  # fmt: skip
+        if kind != "full":
+            checks += [(f"{where}, {kind}: {x} <= {t:g}{'x' if x == 'load' else '%'} of full",
+                        got[x] <= t, f"{got[x]:.2f}") for x, t in TARGETS.items()]  # fmt: skip
     disk = []
     for step, committed, referenced, owns, shared in results[(roots[0], KINDS[1])]["disk"]:
         state = "committed" if committed else "kept: referenced" if referenced else "uncommitted"

