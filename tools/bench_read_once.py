@@ -47,12 +47,10 @@ class Relay:
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
-        while True:
-            try:
+        with contextlib.suppress(OSError):  # until closed
+            while True:
                 client, _ = self.sock.accept()
-            except OSError:  # closed
-                return
-            threading.Thread(target=self._pipe, args=(client,), daemon=True).start()
+                threading.Thread(target=self._pipe, args=(client,), daemon=True).start()
 
     def _pipe(self, client: socket.socket) -> None:
         with client, socket.create_connection(("127.0.0.1", self.port)) as server:
@@ -64,14 +62,12 @@ class Relay:
     @staticmethod
     def _copy(src: socket.socket, dst: socket.socket, counter=None) -> None:
         buf = memoryview(bytearray(1 << 20))
-        try:
+        with contextlib.suppress(OSError):
             while n := src.recv_into(buf):
                 if counter is not None:  # counted before the client can have it
                     with counter.get_lock():
                         counter.value += n
                 dst.sendall(buf[:n])
-        except OSError:
-            pass
         for s in (src, dst):  # either side closing ends both directions
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
@@ -99,15 +95,14 @@ def _rank(rank: int, world: int, url: str, mib: int, reps: int, seed: int, sent)
         for system in order:
             target = {k: distribute_tensor(torch.zeros_like(v), mesh, [Replicate()])
                       for k, v in full.items()}  # fmt: skip
+            once = system in (SYSTEMS[0], SYSTEMS[3])
             if system == "DCP (fsspec)":
                 fn = lambda: dcp.load(target, storage_reader=FsspecReader(f"{url}/dcp"))  # noqa: B023, E731
             elif "spec" in system:
-                once = system == SYSTEMS[3]
                 target = {k: torch.zeros_like(v) for k, v in full.items()}
                 fn = functools.partial(anyshard.load, f"{url}/spec", target, spec=spec,
                                        layout={"dp": world}, read_once=once)  # fmt: skip
             else:
-                once = system == SYSTEMS[0]
                 fn = lambda: anyshard.load(f"{url}/anyshard", target, read_once=once)  # noqa: B023, E731
             recs = h.measure_ranks(fn, before=lambda: setattr(sent, "value", 0))
             for k, v in full.items():

@@ -14,6 +14,7 @@ outside it; bytes received set against the minimum from global offsets.
 from __future__ import annotations
 
 import gc
+import itertools
 import math
 import os
 import shutil
@@ -39,8 +40,8 @@ def megatron_cfg(gib: float) -> dict:
                 layers=layers)  # fmt: skip
 
 
-def spec_locals(cfg: dict, sizes: dict, rank: int, seed: int) -> dict:
-    """The local tensors of ``rank`` under the megatron_gpt spec at ``sizes`` (ranks
+def spec_locals(layout: dict, rank: int, seed: int) -> dict:
+    """The local tensors of ``rank`` under the megatron_gpt spec at ``layout`` (ranks
     row-major), filled from seeded logical tensors as the spec's pieces place them."""
     import torch
 
@@ -48,7 +49,7 @@ def spec_locals(cfg: dict, sizes: dict, rank: int, seed: int) -> dict:
     from anyshard.ucl.library import load_spec
 
     spec = load_spec("megatron_gpt")
-    lay = layout_for(spec, {**sizes, **cfg})
+    lay = layout_for(spec, layout)
     if rank >= lay.world_size:
         return {}
     out, box = {}, lambda bounds: tuple(slice(*b) for b in bounds)
@@ -63,19 +64,10 @@ def spec_locals(cfg: dict, sizes: dict, rank: int, seed: int) -> dict:
     return out
 
 
-def _overlap(a: tuple, b: tuple) -> int:
-    """Elements two (shape, offset) boxes share."""
-    n = 1
-    for sa, oa, sb, ob in zip(*a, *b, strict=True):
-        n *= max(0, min(oa + sa, ob + sb) - max(oa, ob))
-    return n
-
-
 def worker(rank: int, world: int, cfg: dict) -> dict | None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset as box
 
     import anyshard
@@ -87,16 +79,18 @@ def worker(rank: int, world: int, cfg: dict) -> dict | None:
         held = box(shape, meshes["src"], rs.placements_for("src", kind))
         for t in rs.TARGETS:
             need = box(shape, meshes[t], rs.placements_for(t, kind))
-            minimum[t] += 4 * (math.prod(need[0]) - _overlap(held, need))
+            edges = zip(*held, *need, strict=True)  # each dim's (size, offset), held and needed
+            both = math.prod(max(0, min(a + m, b + n) - max(a, b)) for m, a, n, b in edges)
+            minimum[t] += 4 * (math.prod(need[0]) - both)
     mcfg = megatron_cfg(cfg["gib"])
-    m_src = spec_locals(mcfg, {"tp": 2, "pp": 2}, rank, seed)
-    m_want = spec_locals(mcfg, {"tp": 4}, rank, seed)
+    m_kw = {"src_spec": "megatron_gpt", "src_layout": {"tp": 2, "pp": 2, **mcfg},
+            "dst_spec": "megatron_gpt", "dst_layout": {"tp": 4, **mcfg}}  # fmt: skip
+    m_src = spec_locals(m_kw["src_layout"], rank, seed)
+    m_want = spec_locals(m_kw["dst_layout"], rank, seed)
     want = {case: expected[case[-3:]] for case in CASES[:2]}
     want[MEGA] = {k: rs.digest(v) for k, v in m_want.items()}
     m_dst = {k: torch.zeros_like(v) for k, v in m_want.items()}
     del m_want
-    m_kw = ({"src_spec": "megatron_gpt", "src_layout": {"tp": 2, "pp": 2, **mcfg}},
-            {"dst_spec": "megatron_gpt", "dst_layout": {"tp": 4, **mcfg}})  # fmt: skip
     state_bytes = {"dtensor": sum(v.to_local().numel() * 4 for v in source.values()),
                    "megatron": sum(v.numel() * 4 for v in m_src.values())}  # fmt: skip
     gc.collect()
@@ -108,38 +102,28 @@ def worker(rank: int, world: int, cfg: dict) -> dict | None:
         return m_dst if case == MEGA else {k: v.to_local() for k, v in targets[case[-3:]].items()}
 
     def make(case: str, system: str):
-        """(the operation, the dict it fills with its outputs), or None where it does not apply."""
+        """(the operation, the dict it fills with its outputs)."""
         mega = case == MEGA
-        src, dst = (m_src, m_dst) if mega else (source, targets[case[-3:]])
-        kw_src, kw_dst = m_kw if mega else ({}, {})
+        src, dst, kw = (m_src, m_dst, m_kw) if mega else (source, targets[case[-3:]], {})
         if system in OURS:
-            reuse = system == "redistribute"
-            return lambda: anyshard.redistribute(
-                src, dst, **kw_src, **kw_dst, reuse_plan=reuse
-            ), None
+            return lambda: anyshard.redistribute(src, dst, **kw, reuse_plan=system == OURS[0]), None
         if system == "anyshard-tmpfs":
-            save_kw = {"spec": "megatron_gpt", "layout": kw_src["src_layout"]} if mega else {}
-            load_kw = {"spec": "megatron_gpt", "layout": kw_dst["dst_layout"]} if mega else {}
+            save_kw = {"spec": "megatron_gpt", "layout": kw["src_layout"]} if mega else {}
+            load_kw = {"spec": "megatron_gpt", "layout": kw["dst_layout"]} if mega else {}
             path = os.path.join(shm, "anyshard")
             return lambda: (anyshard.save(path, src, **save_kw),
                             anyshard.load(path, dst, **load_kw)), None  # fmt: skip
-        if mega and system in ("dcp-tmpfs", "DTensor.redistribute"):  # DTensor cases only
-            return None
         if system == "dcp-tmpfs":
             path = os.path.join(shm, "dcp")
             writer, reader = dcp.FileSystemWriter(path), dcp.FileSystemReader(path)
             return lambda: (dcp.save(src, storage_writer=writer),
                             dcp.load(dst, storage_reader=reader)), None  # fmt: skip
-        if system == "DTensor.redistribute":
+        if system == "DTensor.redistribute":  # on the source mesh, to the target's shards
             out, kinds = {}, {n: k for n, _, k in spec}
-
-            def on_2x2(n: str):  # the placements on the source mesh that give the target's shard
-                (p,) = rs.placements_for(case[-3:], kinds[n])
-                return [p, p] if isinstance(p, Shard) else [Replicate(), Replicate()]
-
+            on_2x2 = lambda n: rs.placements_for(case[-3:], kinds[n]) * 2  # noqa: E731
             return lambda: out.update({n: v.redistribute(meshes["src"], on_2x2(n))
                                        for n, v in source.items()}), out  # fmt: skip
-        plan = anyshard.redistribute(src, dst, **kw_src, **kw_dst)  # the floors: its pair sizes
+        plan = anyshard.redistribute(src, dst, **kw)  # the floors: its pair sizes
         ops = []
         for (s, d), msgs in plan.messages.items():
             if rank in (s, d):
@@ -158,16 +142,15 @@ def worker(rank: int, world: int, cfg: dict) -> dict | None:
         return floor, None
 
     def measure(rep: int, case: str, system: str) -> dict | None:
-        made = make(case, system)
-        if made is None:
+        if case == MEGA and system in ("dcp-tmpfs", "DTensor.redistribute"):  # DTensor cases only
             return None
-        fn, out = made
+        fn, out = make(case, system)
         for v in dst_of(case).values():
             v.fill_(-7.25)
         gc.collect()
         dist.barrier()
-        plan = []  # what the operation returns: redistribute's plan
-        rec = h.measure(lambda: plan.append(fn()))
+        rec = h.measure(fn)
+        plan = rec.pop("result", None)  # what the operation returns: redistribute's plan
         dist.barrier()
         if out:
             rec["rss_over"] -= sum(v.to_local().numel() * 4 for v in out.values())
@@ -175,7 +158,7 @@ def worker(rank: int, world: int, cfg: dict) -> dict | None:
         rec["bad"] = [] if system.startswith("floor") else rs.mismatched(got, want[case])[:3]
         if system in OURS:
             mini = None if case == MEGA else minimum[case[-3:]]
-            rec.update(received=plan[0].received_bytes(rank), minimum=mini)
+            rec.update(received=plan.received_bytes(rank), minimum=mini)
         ranks = [None] * world
         dist.all_gather_object(ranks, rec)
         if rank == 0:
@@ -186,10 +169,8 @@ def worker(rank: int, world: int, cfg: dict) -> dict | None:
                   + ("  MISMATCH" if any(r["bad"] for r in ranks) else ""), flush=True)  # fmt: skip
         return {"rep": rep, "case": case, "system": system, "ranks": ranks}
 
-    if cfg["warmup"]:
-        for case in CASES:
-            for system in SYSTEMS:
-                measure(-1, case, system)
+    for case, system in itertools.product(CASES, SYSTEMS) if cfg["warmup"] else ():
+        measure(-1, case, system)
     records = [r for rep, order in h.rotations(SYSTEMS, cfg["reps"]) for case in CASES
                for s in order if (r := measure(rep, case, s))]  # fmt: skip
     dist.barrier()
@@ -210,7 +191,8 @@ def summary(data: dict, inflight: int) -> tuple[list[list], list[tuple]]:
         got.setdefault((r["case"], r["system"]), []).append(r["ranks"])
     times = {k: [max(x["wall_s"] for x in r) for r in recs] for k, recs in got.items()}
     med = {k: h.median(v) for k, v in times.items()}
-    rows, checks = [], []
+    rows, checks, limit = [], [], inflight + 64 * h.MiB
+    check = lambda what, ok, detail: checks.append((f"{label}: {what}", ok, detail))  # noqa: E731
     for case, system in sorted(got, key=lambda k: (CASES.index(k[0]), SYSTEMS.index(k[1]))):
         recs, t, recv = got[(case, system)], med[(case, system)], "-"
         rss = max(x["rss_over"] for r in recs for x in r)
@@ -220,25 +202,19 @@ def summary(data: dict, inflight: int) -> tuple[list[list], list[tuple]]:
             if all(x["minimum"] is not None for x in last):
                 recv += " (minimum " + " / ".join(mib(x["minimum"]) for x in last) + ")"
                 x = sum(y["received"] for y in last) / max(1, sum(y["minimum"] for y in last))
-                checks += [
-                    (f"{label}: bytes received <= 1.02x the minimum", x <= 1.02, f"{x:.3f}x")
-                ]
+                check("bytes received <= 1.02x the minimum", x <= 1.02, f"{x:.3f}x")
             trip, fl, fll = (med[(case, s)] for s in ("anyshard-tmpfs", "floor", "floor+local"))
-            what = f"{label}: >= 3x faster than anyshard's tmpfs round trip"
-            checks += [(what, trip / t >= 3, f"{trip / t:.1f}x")]
+            what = ">= 3x faster than anyshard's tmpfs round trip"
+            check(what, trip / t >= 3, f"{trip / t:.1f}x")
             if (dt := med.get((case, "DTensor.redistribute"))) is not None:  # DTensor cases
-                checks += [(f"{label}: no slower than DTensor.redistribute", t <= dt,
-                            f"{t / dt:.2f}x its time")]  # fmt: skip
-            note = f"{t / fl:.2f}x ({t / fll:.2f}x floor+local)"
-            checks += [(f"{label}: <= 1.5x the floor", t <= 1.5 * fl, note)]
-            limit = inflight + 64 * h.MiB
-            checks += [(f"{label}: peak RSS over the state <= max_inflight_bytes + 64 MiB",
-                        rss <= limit, f"{mib(rss)} MiB (limit {mib(limit)})")]  # fmt: skip
+                check("no slower than DTensor.redistribute", t <= dt, f"{t / dt:.2f}x its time")
+            check("<= 1.5x the floor", t <= 1.5 * fl, f"{t / fl:.2f}x ({t / fll:.2f}x floor+local)")
+            what = "peak RSS over the state <= max_inflight_bytes + 64 MiB"
+            check(what, rss <= limit, f"{mib(rss)} MiB (limit {mib(limit)})")
         bad = " MISMATCH" if any(x["bad"] for r in recs for x in r) else ""
         cpu = h.fmt_spread([sum(x["cpu_s"] for x in r) for r in recs], ".1f")
         rows.append([case, system, h.fmt_spread(times[(case, system)]) + bad,
-                     f"{t / med.get((case, OURS[0]), float('nan')):.2f}x", cpu, mib(max(0, rss)),
-                     recv])  # fmt: skip
+                     f"{t / med[(case, OURS[0])]:.2f}x", cpu, mib(max(0, rss)), recv])  # fmt: skip
     return rows, checks
 
 
@@ -251,8 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     from anyshard.api.redistribute import DEFAULT_MAX_INFLIGHT_BYTES
 
     load = h.RunLoad()
-    cfg = {"gib": args.gib, "reps": args.reps, "warmup": args.warmup, "seed": args.seed}
-    data = h.run_ranks(worker, 4, cfg)[0]
+    data = h.run_ranks(worker, 4, vars(args))[0]
     rows, checks = summary(data, DEFAULT_MAX_INFLIGHT_BYTES)
     head = ["case", "system", "time s (slowest rank)", "vs redistribute", "CPU s (all ranks)"]
     head += ["peak RSS over state MiB", "bytes received per rank MiB"]
@@ -260,10 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     run = (f"4 gloo ranks, one torch thread each; median [min-max] of {args.reps}; seed "
            f"{args.seed}; per rank {mib(sb['dtensor'])} MiB of DTensors on (dp_shard=2, tp=2); "
            f"megatron_gpt {data['megatron']}, {mib(sb['megatron'])} MiB on rank 0")  # fmt: skip
-    blocks = [(head, rows), h.targets(checks)]
-    h.report(
-        args, argv, __file__, "bench_redistribute", run, blocks, load, heading=HEADING, data=data
-    )
+    h.report(args, argv, __file__, "bench_redistribute", run, [(head, rows), h.targets(checks)],
+             load, heading=HEADING, data=data)  # fmt: skip
     return 1 if any("MISMATCH" in r[2] for r in rows) else 0
 
 

@@ -32,10 +32,8 @@ TIME_TARGETS = {  # anyshard's time <= ratio x the other's
 }
 DCP_BACKEND_TARGETS = {"save": 1.0, "load": 0.8}  # DCP with anyshard's backend vs its own
 READ_RATIO_TARGET, RSS_TARGET_MIB = 1.05, 256
-HEADING = (
-    "## Reshard benchmark: anyshard vs DCP (with its own and with anyshard's storage backend) "
-    "vs the physical floor (`tools/bench_reshard.py`)"
-)
+HEADING = "## Reshard benchmark: anyshard vs DCP (with its own and with anyshard's storage backend)"
+HEADING += " vs the physical floor (`tools/bench_reshard.py`)"
 METHOD = """Method: after an untimed warm-up round on a few small tensors, 4 gloo ranks on CPU (one torch
 thread each) hold a transformer-like state as DTensors on a (dp_shard=2, tp=2) mesh:
 column-parallel weights `[Shard(0), Shard(0)]`, row-parallel weights `[Shard(0), Shard(1)]`,
@@ -161,12 +159,11 @@ def _dcp(op: str, backend: str, state, path: str) -> None:
 
     from anyshard.dcp import AnyshardReader, AnyshardWriter
 
+    ours = backend == "anyshard"
     if op == "save":
-        writer = AnyshardWriter if backend == "anyshard" else dcp.FileSystemWriter
-        dcp.save(state, storage_writer=writer(path))
+        dcp.save(state, storage_writer=(AnyshardWriter if ours else dcp.FileSystemWriter)(path))
     else:
-        reader = AnyshardReader if backend == "anyshard" else dcp.FileSystemReader
-        dcp.load(state, storage_reader=reader(path))
+        dcp.load(state, storage_reader=(AnyshardReader if ours else dcp.FileSystemReader)(path))
 
 
 def worker(rank: int, world: int, cfg: dict) -> dict | None:
@@ -183,9 +180,8 @@ def worker(rank: int, world: int, cfg: dict) -> dict | None:
         for v in targets[t].values() if t else ():
             v.to_local().fill_(-7.25)
         recs = h.measure_ranks(fn, before=partial(h.drop_cache, root) if regime == "disk" else None)
-        check = t and system != "floor"  # the floor reads bytes, not tensors
-        got = {n: v.to_local() for n, v in targets[t].items()} if check else {}
-        bad: list = [None] * world
+        bad: list = [None] * world  # the floor reads bytes, not tensors: nothing to check
+        got = {n: v.to_local() for n, v in targets[t].items()} if t and system != "floor" else {}
         dist.all_gather_object(bad, mismatched(got, expected.get(t))[:5])
         if rank == 0:
             op, bad = "save" if t is None else f"load->{t}", sorted({b for x in bad for b in x})
@@ -195,19 +191,17 @@ def worker(rank: int, world: int, cfg: dict) -> dict | None:
 
     def systems(root: str, t: str | None, names=None) -> dict:
         """Every system's save (``t`` None) or load into ``t``, of ``names`` or everything."""
-        names = names or [n for n, _, _ in spec]
-        state = {n: (source if t is None else targets[t])[n] for n in names}
-        path = {s: os.path.join(root, s) for s in SYSTEMS}
-        floor_file = os.path.join(path["floor"], f"rank-{rank:05d}.bin")
+        state = {n: (source if t is None else targets[t])[n] for n in names or source}
+        path = partial(os.path.join, root)
+        floor_file = path("floor", f"rank-{rank:05d}.bin")
         if t is None:
-            floor, ours = partial(floor_save, floor_file, src_locals), anyshard.save
+            floor, ours, op = partial(floor_save, floor_file, src_locals), anyshard.save, "save"
         else:
             floor = partial(floor_load, floor_file, [v.to_local() for v in state.values()])
-            ours = partial(anyshard.load, verify=cfg["verify"])
-        op = "save" if t is None else "load"
+            ours, op = partial(anyshard.load, verify=cfg["verify"]), "load"
         both = (("dcp", "dcp"), ("dcp_any", "anyshard"))  # DCP with its own backend, with ours
-        dcps = {s: partial(_dcp, op, backend, state, path[s]) for s, backend in both}
-        return {"floor": floor, "anyshard": partial(ours, path["anyshard"], state), **dcps}
+        dcps = {s: partial(_dcp, op, backend, state, path(s)) for s, backend in both}
+        return {"floor": floor, "anyshard": partial(ours, path("anyshard"), state), **dcps}
 
     def remove(path: str) -> None:
         dist.barrier()
@@ -219,9 +213,8 @@ def worker(rank: int, world: int, cfg: dict) -> dict | None:
         few = [next(n for n, _, k in spec if k == kind) for kind in ("norm", "col", "row")]
         wroot = os.path.join(cfg["regimes"][-1][1], "warmup")
         for t in (None, *TARGETS):
-            for s, fn in systems(wroot, t, few).items():
-                if s != "floor":
-                    fn()
+            for s in SYSTEMS[1:]:  # the floor has nothing to warm up
+                systems(wroot, t, few)[s]()
         remove(wroot)
 
     for regime, base in cfg["regimes"]:
@@ -243,13 +236,8 @@ def worker(rank: int, world: int, cfg: dict) -> dict | None:
     if rank != 0:
         return None
     target_bytes = {t: sum(4 * math.prod(s) for s, _ in expected[t].values()) for t in TARGETS}
-    return {
-        "records": records,
-        "source_bytes": sum(t.numel() * 4 for t in src_locals),
-        "target_bytes": target_bytes,
-        "total_bytes": sum(4 * math.prod(s) for _, s, _ in spec),
-        "tensors": len(spec),
-    }
+    source_bytes = sum(t.numel() * 4 for t in src_locals)
+    return {"records": records, "source_bytes": source_bytes, "target_bytes": target_bytes}
 
 
 def summarize(data: dict) -> list[dict]:
@@ -257,10 +245,9 @@ def summarize(data: dict) -> list[dict]:
     (median repetition) and RSS+ (worst repetition), all ranks' CPU seconds (median)."""
     rows: dict[tuple[str, str], dict] = {}
     for rec in data["records"]:
-        key = (rec["regime"], rec["op"])
-        load = key[1].startswith("load")
-        row = rows.setdefault(key, {"regime": key[0], "op": key[1]})
-        row["target_bytes"] = data["target_bytes"][key[1][6:]] if load else data["source_bytes"]
+        regime, op = rec["regime"], rec["op"]
+        row = rows.setdefault((regime, op), {"regime": regime, "op": op})
+        row["target_bytes"] = data["target_bytes"][op[6:]] if op != "save" else data["source_bytes"]
         row.setdefault(rec["system"], []).append(rec)
     for row in rows.values():
         for s in SYSTEMS:
@@ -291,14 +278,13 @@ def table(rows: list[dict]) -> tuple[list, list]:
     for r in rows:
         f, a, d, da = (r[s] for s in SYSTEMS)
         bad = {s: r[s]["bad"][:2] for s in SYSTEMS if r[s]["bad"]}
-        exact = "yes" if not bad else f"NO: {bad}"
+        exact = "-" if not r["op"].startswith("load") else f"NO: {bad}" if bad else "yes"
         pairs = ((a, f), (a, d), (da, d))
         ratios = [f"{x['time'] / y['time']:.2f}" if y["time"] else "-" for x, y in pairs]
         times = (h.fmt_spread(x["times"]) for x in (f, a, d, da))
         body.append([r["regime"], r["op"], *times, *ratios])
         body[-1] += [_moved(a, r), _moved(d, r), f"{r['target_bytes'] / MiB:.0f}"]
-        body[-1] += [f"{a['rss_over'] / MiB:.0f}", f"{d['rss_over'] / MiB:.0f}"]
-        body[-1] += [exact if r["op"].startswith("load") else "-"]
+        body[-1] += [f"{a['rss_over'] / MiB:.0f}", f"{d['rss_over'] / MiB:.0f}", exact]
     return head, body
 
 
@@ -320,9 +306,8 @@ def check_targets(rows: list[dict]) -> list[tuple[str, bool | None, str]]:
             detail += f" (DCP {d['read_bytes'] / MiB:.1f} MiB)"
             what = "anyshard device bytes (read_bytes; readahead and code pages included)"
             out.append((f"{name}{what} vs target", None, detail))
-        ok = a["rss_over"] <= RSS_TARGET_MIB * MiB
-        rss = f"{a['rss_over'] / MiB:.0f} MiB"
-        out.append((f"{name}anyshard peak RSS over target <= {RSS_TARGET_MIB} MiB", ok, rss))
+        what, rss = f"anyshard peak RSS over target <= {RSS_TARGET_MIB} MiB", a["rss_over"]
+        out.append((name + what, rss <= RSS_TARGET_MIB * MiB, f"{rss / MiB:.0f} MiB"))
         lim = DCP_BACKEND_TARGETS[kind]
         what = f"DCP with AnyshardWriter/Reader <= {lim}x DCP with FileSystemWriter/Reader"
         detail = f"{da['time']:.2f} s vs {lim} x {d['time']:.2f} s = {lim * d['time']:.2f} s"
@@ -367,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = vars(args) | {"regimes": list(dirs.items()), "verify": not args.no_verify}
     load = h.RunLoad()
     try:
-        data = h.run_ranks(worker, WORLD, cfg)[0]
+        data = h.run_ranks(worker, WORLD, cfg)[0] | {"total_bytes": total, "tensors": len(spec)}
     finally:
         for d in dirs.values():
             shutil.rmtree(d, ignore_errors=True)
@@ -377,18 +362,15 @@ def main(argv: list[str] | None = None) -> int:
             records.add(r, regime=rec["regime"], op=rec["op"], system=rec["system"], rank=rank)
     rows = summarize(data)
     checks = check_targets(rows)
-    each = lambda r: " ".join(f"{s}={r[s]['times']}" for s in SYSTEMS)  # noqa: E731
-    times = "; ".join(f"{r['regime']} {r['op']} {each(r)}" for r in rows)
-    cpu = lambda r: " ".join(f"{LABELS[s]}={r[s]['cpu']:.2f}" for s in SYSTEMS)  # noqa: E731
-    cpu_line = "; ".join(f"{r['regime']} {r['op']} {cpu(r)}" for r in rows)
-    how = {
-        "drop_caches": " (`sync; echo 3 > /proc/sys/vm/drop_caches`)",
-        "fadvise": " (fsync + `posix_fadvise(POSIX_FADV_DONTNEED)` on every file)",
-    }
+    per_op = lambda f: "; ".join(f"{r['regime']} {r['op']} {f(r)}" for r in rows)  # noqa: E731
+    times = per_op(lambda r: " ".join(f"{s}={r[s]['times']}" for s in SYSTEMS))
+    cpu = per_op(lambda r: " ".join(f"{LABELS[s]}={r[s]['cpu']:.2f}" for s in SYSTEMS))
+    how = {"drop_caches": " (`sync; echo 3 > /proc/sys/vm/drop_caches`)",
+           "fadvise": " (fsync + `posix_fadvise(POSIX_FADV_DONTNEED)` on every file)"}  # fmt: skip
     run = (f"{data['total_bytes'] / GiB:.2f} GiB fp32 in {data['tensors']} tensors, "
            f"{args.reps} repetitions, median [min-max] of the slowest rank")  # fmt: skip
     blocks = [METHOD, table(rows), f"Per-repetition times (slowest rank): {times}."]
-    blocks += [f"CPU seconds, all ranks together (user + sys, median repetition): {cpu_line}."]
+    blocks += [f"CPU seconds, all ranks together (user + sys, median repetition): {cpu}."]
     blocks += [h.targets(checks)]
     drop = f"- page cache before each disk-regime operation: {drop}{how.get(drop, '')}"
     data = {"rows": rows, "checks": checks, "data": data}

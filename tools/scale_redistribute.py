@@ -30,22 +30,20 @@ from anyshard.format.manifest import MeshEntry  # noqa: E402
 from anyshard.reshard.exchange import rounds_for  # noqa: E402
 
 
-def describe(n: int, tp: int, target: str) -> dict:
+def describe(n: int, tp: int) -> dict:
     """One rank's description of the state on a (dp_shard = n / tp, tp) mesh."""
     sizes = {"dp_shard": n // tp, "tp": tp}
     mesh, names, dims = MeshEntry.row_major(sizes).to_json(), tuple(sizes), tuple(sizes.values())
     out = {}
     for name, shape, kind in model_spec(1.0):
-        (p,) = placements_for(target, kind)
-        places = [placements_for("src", kind)[0], p]
-        m = hold_mapping(name, places, names, dims, names, {})
+        m = hold_mapping(name, placements_for("src", kind), names, dims, names, {})
         out[name] = {"shape": list(shape), "mesh": mesh, "map": str(m), "dtype": "F32"}
     return {"tensors": out, "values": {}}
 
 
 def measure(n: int) -> list:
     """A row: ranks, one rank's planning seconds, rank 0's moves and rounds."""
-    mine = {"src": describe(n, 4, "tp4"), "dst": describe(n, 8, "tp4"), "problems": []}
+    mine = {"src": describe(n, 4), "dst": describe(n, 8), "problems": []}
     t0 = time.perf_counter()
     plan, _ = plan_redistribution([mine] * n, DEFAULT_MAX_INFLIGHT_BYTES, rank=0)  # all alike
     rounds = rounds_for(plan, 0, n)
