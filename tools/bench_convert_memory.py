@@ -100,9 +100,6 @@ def child(tool: str, src: str, dst: str, layout_arg: str, result: str) -> int:
 
     if tool == "dcp":
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-        def run() -> None:
-            dcp_to_torch_save(src, dst)
     else:
         # what `anyshard convert` imports, before the baseline (reading DCP's pickled metadata
         # imports torch.distributed.checkpoint, ~45 MiB with what it pulls in)
@@ -113,13 +110,11 @@ def child(tool: str, src: str, dst: str, layout_arg: str, result: str) -> int:
 
         argv = ["convert", src, dst, "--to", "hf" if tool == "hf" else "anyshard"]
         argv += ["--spec", "gpt", "--layout", layout_arg] if tool == "anyshard_gpt" else []
-
-        def run() -> None:
-            if rc := main(argv):
-                raise SystemExit(f"anyshard {' '.join(argv)} exited {rc}")
-
     base, t0 = h.status_kib("VmRSS"), time.perf_counter()
-    run()
+    if tool == "dcp":
+        dcp_to_torch_save(src, dst)
+    elif rc := main(argv):
+        raise SystemExit(f"anyshard {' '.join(argv)} exited {rc}")
     wall = time.perf_counter() - t0
     with open(result, "w") as f:
         json.dump({"baseline_kib": base, "hwm_kib": h.status_kib("VmHWM"), "wall_s": wall}, f)

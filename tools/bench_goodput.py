@@ -21,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+from functools import partial
 
 import benchkit as h
 
@@ -35,6 +36,18 @@ MODES = {
     "ft-relayout-dp": ("(c) tp=2, heal into dp_shard=2", "2 x 2 (tp=2)", "tp", "dp_shard=2", False),
     "elastic": ("(d) elastic 4 -> 2 -> 4", "2 x 2 (dp_shard=2)", "dp_shard", None, True),
 }
+PER_FAULT = [  # label, key, format: per fault of every faulty run
+    ("recovery, kill -> first step after restart (s)", "recovery_s", ".1f"),
+    ("restart: process start -> run / build / restore", "phases", ""),
+    ("steps lost per fault (redone after restoring)", "lost_steps", ""),
+    ("healthy ranks restarted per fault (alive at it in a group that restarts)",
+     "healthy_restarted", ""),
+    ("healthy group's stall per fault (s)", "healthy_stall_s", ".2f"),
+    ("heal source, layout", "heal", ""),
+    ("bytes moved per heal (MiB)", "heal_mib", ".1f"),
+    ("heal time, quorum + transfer (s)", "heal_s", ".2f"),
+    ("heal bit-identical (state digests)", "heal_bit_identical", ""),
+]  # fmt: skip
 
 
 def records(path: str) -> list[dict]:
@@ -44,9 +57,12 @@ def records(path: str) -> list[dict]:
 
 def step_times(losses: list[dict]) -> list[float]:
     """Seconds between consecutive steps of one attempt, from a ``losses.jsonl``."""
-    pairs = zip(losses, losses[1:], strict=False)
-    same = lambda a, b: a.get("attempt") == b.get("attempt") and b["step"] == a["step"] + 1  # noqa: E731
-    return [b["time"] - a["time"] for a, b in pairs if same(a, b)]
+    return [b["time"] - a["time"] for a, b in zip(losses, losses[1:], strict=False)
+            if a.get("attempt") == b.get("attempt") and b["step"] == a["step"] + 1]  # fmt: skip
+
+
+def median_step(run: dict) -> float:
+    return h.median(step_times(run["losses"]))
 
 
 def free_port() -> int:
@@ -121,17 +137,6 @@ def train(run_dir: str, args: list[str], *, nproc: int, restarts: int = 0, fault
             "ranks": sorted(watch.seen.values())}  # fmt: skip
 
 
-def restarted(run: dict) -> list[int]:
-    """Per fault: the healthy ranks restarted, the ranks alive at it whose parent (forkserver
-    or agent) starts new ranks before the next fault, less the rank it killed."""
-    times, out = [f["time"] for f in run["faults"]] + [float("inf")], []
-    for f, t0, t1 in zip(run["faults"], times, times[1:], strict=False):
-        again = {parent for first, _, parent in run["ranks"] if t0 < first <= t1}
-        alive = [p for first, last, p in run["ranks"] if first <= t0 <= last + 0.5]
-        out.append(sum(p in again for p in alive) - (f["rank"] is not None))
-    return out
-
-
 def job(args, mode: str, kind: str, run_dir: str) -> dict:
     """One run of ``mode``: ``kind`` "clean" (no fault), "faulty", or "switch" (no fault, group
     1 switching to the heal layout at the first fault's step)."""
@@ -142,8 +147,8 @@ def job(args, mode: str, kind: str, run_dir: str) -> dict:
         opts = ["--parallel.pp", "2", "--parallel.dp_shard", "2", *opts]
         run = train(run_dir, opts, nproc=4, restarts=restarts, launcher=args.launcher,
                     faults=",".join(f"3:{s}" for s in steps))  # fmt: skip
-        after = lambda f: [e for e in run["events"] if "recovery_s" in e and e["time"] > f["time"]]  # noqa: E731
-        per = [{**(after(f) or [{}])[0]} for f in run["faults"]]
+        per = [dict(next((e for e in run["events"] if "recovery_s" in e and e["time"] > f["time"]),
+                         {})) for f in run["faults"]]  # fmt: skip
         for x in (x for x in per if x):
             x["phases"] = f"{x.get('process_to_run_s') or float('nan'):.1f} / {x['build_s']:.1f}"
             x["phases"] += f" / {x['restore_s']:.1f} s"
@@ -164,27 +169,14 @@ def job(args, mode: str, kind: str, run_dir: str) -> dict:
         for x in per:
             x["heal"] = f"{x['heal_source']}, {x['heal_layout']}"
             x["heal_mib"] = x["heal_bytes"] and x["heal_bytes"] / h.MiB
-    for x, n in zip(per, restarted(run), strict=False):
-        x["healthy_restarted"] = n
+    # per fault, the healthy ranks restarted: those alive at it whose parent (forkserver or
+    # agent) starts new ranks before the next fault, less the rank it killed
+    times = [f["time"] for f in run["faults"]] + [float("inf")]
+    for x, f, t0, t1 in zip(per, run["faults"], times, times[1:], strict=False):
+        again = {parent for first, _, parent in run["ranks"] if t0 < first <= t1}
+        alive = [p for first, last, p in run["ranks"] if first <= t0 <= last + 0.5]
+        x["healthy_restarted"] = sum(p in again for p in alive) - (f["rank"] is not None)
     return {**run, "per_fault": per}
-
-
-def median_step(run: dict) -> float:
-    return h.median(step_times(run["losses"]))
-
-
-PER_FAULT = [  # label, key, format: per fault of every faulty run
-    ("recovery, kill -> first step after restart (s)", "recovery_s", ".1f"),
-    ("restart: process start -> run / build / restore", "phases", ""),
-    ("steps lost per fault (redone after restoring)", "lost_steps", ""),
-    ("healthy ranks restarted per fault (alive at it in a group that restarts)",
-     "healthy_restarted", ""),
-    ("healthy group's stall per fault (s)", "healthy_stall_s", ".2f"),
-    ("heal source, layout", "heal", ""),
-    ("bytes moved per heal (MiB)", "heal_mib", ".1f"),
-    ("heal time, quorum + transfer (s)", "heal_s", ".2f"),
-    ("heal bit-identical (state digests)", "heal_bit_identical", ""),
-]  # fmt: skip
 
 
 def mode_rows(args, runs: dict[str, list[dict]]) -> list[list[str]]:
@@ -198,13 +190,10 @@ def mode_rows(args, runs: dict[str, list[dict]]) -> list[list[str]]:
         return lambda m, ps: h.fmt_spread(
             [100 * p[base]["wall_s"] / p["faulty"]["wall_s"] for p in ps], ".1f") if base in ps[0] else "-"  # fmt: skip
 
-    def each(key: str, form: str):  # "faults of run 1; of run 2 ..."
-        def cell(m: str, ps: list[dict]) -> str:
-            got = [", ".join(f"{x[key]:{form}}" for x in p["faulty"]["per_fault"]
-                             if x.get(key) is not None) for p in ps]  # fmt: skip
-            return "; ".join(r or "-" for r in got) if any(got) else "-"
-
-        return cell
+    def each(key: str, form: str, m: str, ps: list[dict]) -> str:  # "faults of run 1; of run 2 ..."
+        got = [", ".join(f"{x[key]:{form}}" for x in p["faulty"]["per_fault"]
+                         if x.get(key) is not None) for p in ps]  # fmt: skip
+        return "; ".join(r or "-" for r in got) if any(got) else "-"
 
     def healthy(m: str, ps: list[dict]) -> str:
         s = [p["faulty"].get("summary") for p in ps]
@@ -227,7 +216,7 @@ def mode_rows(args, runs: dict[str, list[dict]]) -> list[list[str]]:
         ("goodput with faults / without, paired (%)", ratio("clean")),
         ("goodput with faults / fault-free run switching layout at the first fault's step (%)",
          ratio("switch")),
-        *((label, each(key, form)) for label, key, form in PER_FAULT),
+        *((label, partial(each, key, form)) for label, key, form in PER_FAULT),
         ("healthy group's restarts / steps it redid / steps it saved", healthy),
     ]  # fmt: skip
     return [[label, *(fn(m, ps) for m, ps in runs.items())] for label, fn in figures]
@@ -280,20 +269,19 @@ def _heal_rank(rank: int, world: int, gib: float, frm: str, into: str, ports: li
 def heal_rates(args, records: h.Records) -> list[list[str]]:
     """Heal of each pair of layouts in fresh processes, ``--heal-reps`` times in rotated order;
     its time: the slower healer rank's."""
-    pairs, rows = [("dp_shard=2", "dp_shard=2"), ("dp_shard=2", "tp=2"), ("tp=2", "dp_shard=2")], []
-    got: dict = {p: [] for p in pairs}
+    pairs = [("dp_shard=2", "dp_shard=2"), ("dp_shard=2", "tp=2"), ("tp=2", "dp_shard=2")]
+    got: dict = {f"{frm} -> {into}": [] for frm, into in pairs}
     for rep, order in h.rotations(pairs, args.heal_reps):
         for frm, into in order:
+            heal = f"{frm} -> {into}"
             out = h.run_ranks(_heal_rank, 4, args.heal_gib, frm, into, [free_port(), free_port()])
             if not all(r["ok"] for r in out[2:]):
-                raise SystemExit(f"heal {frm} -> {into}: the healed state differs from the source")
+                raise SystemExit(f"heal {heal}: the healed state differs from the source")
             rec = {"wall_s": max(r["wall_s"] for r in out[2:]), "gib": out[2]["gib"]}
-            got[(frm, into)].append(records.add(rec, heal=f"{frm} -> {into}", rep=rep))
-    for (frm, into), recs in got.items():
-        secs, gib = [r["wall_s"] for r in recs], recs[0]["gib"]
-        per_gib = h.median(secs) / gib
-        rows.append([f"{frm} -> {into}", f"{gib:.2f}", h.fmt_spread(secs), f"{per_gib:.2f}"])
-    return rows
+            got[heal].append(records.add(rec, heal=heal, rep=rep))
+    return [[heal, f"{recs[0]['gib']:.2f}", h.fmt_spread([r["wall_s"] for r in recs]),
+             f"{h.median_of(recs, 'wall_s') / recs[0]['gib']:.2f}"]
+            for heal, recs in got.items()]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

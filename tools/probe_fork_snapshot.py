@@ -21,10 +21,10 @@ import time
 import torch
 
 
-def timed(fn, *args) -> float:
+def ms(fn) -> float:
     t0 = time.perf_counter()
-    fn(*args)
-    return time.perf_counter() - t0
+    fn()
+    return (time.perf_counter() - t0) * 1e3
 
 
 def main() -> int:
@@ -51,29 +51,25 @@ def main() -> int:
             t.add_(1.0)
 
     stage()
-    clean = statistics.median(timed(stage) for _ in range(3))
-    print(f"staging copy into reused buffers, no fork yet: {clean * 1e3:.0f} ms (median of 3)")
+    clean = statistics.median(ms(stage) for _ in range(3))
+    print(f"staging copy into reused buffers, no fork yet: {clean:.0f} ms (median of 3)")
     rows = []
     for r in range(args.rounds):
         t0 = time.perf_counter()
         if (pid := os.fork()) == 0:
             time.sleep(args.child_s)
             os._exit(0)
-        fork = time.perf_counter() - t0
-        cow = timed(update)
+        fork, cow = (time.perf_counter() - t0) * 1e3, ms(update)
         os.waitpid(pid, 0)
-        plain, copy = timed(update), timed(stage)
-        rows.append((copy, fork, cow, plain))
-        line = f"round {r + 1}: fork {fork * 1e3:.1f} ms; update while the child lives "
-        line += f"{cow * 1e3:.0f} ms; after {plain * 1e3:.0f} ms; staging copy after "
-        print(f"{line}{copy * 1e3:.0f} ms", flush=True)
-    med = [statistics.median(c) for c in zip(*rows, strict=True)]
+        rows.append((fork, cow, plain := ms(update), copy := ms(stage)))
+        line = f"round {r + 1}: fork {fork:.1f} ms; update while the child lives {cow:.0f} ms; "
+        print(f"{line}after {plain:.0f} ms; staging copy after {copy:.0f} ms", flush=True)
+    fork, cow, plain, copy = (statistics.median(c) for c in zip(*rows, strict=True))
     size, rest = sum(t.numel() * 4 for t in state) / (1 << 30), other.numel() * 4 / (1 << 30)
     print(
-        f"\nmedians ({size:.2f} GiB state, {rest:.2f} GiB other memory): "
-        f"fork {med[1] * 1e3:.1f} ms; in-place update {med[2] * 1e3:.0f} ms while the child "
-        f"lives vs {med[3] * 1e3:.0f} ms after; staging copy {clean * 1e3:.0f} ms before any "
-        f"fork, {med[0] * 1e3:.0f} ms after one"
+        f"\nmedians ({size:.2f} GiB state, {rest:.2f} GiB other memory): fork {fork:.1f} ms; "
+        f"in-place update {cow:.0f} ms while the child lives vs {plain:.0f} ms after; staging "
+        f"copy {clean:.0f} ms before any fork, {copy:.0f} ms after one"
     )
     return 0
 

@@ -43,11 +43,23 @@ LAYOUTS = {
     16384: ((16, 128, 8), (8, 512, 4)),
 }
 DIMS = ("pp", "dp_shard", "tp")
-
-
 # kind: col (tp rows), row (tp cols), norm (replicated over tp), expert_col, expert_row; layer:
 # None for the first stage's (embedding) and, ``last``, the last stage's (final norm, output)
 Tensor = namedtuple("Tensor", "name shape kind layer last", defaults=(False,))
+RankStats = namedtuple(
+    "RankStats", "headers plan_s runs reads bytes_read bytes_needed target_bytes"
+)
+HEAD = ["model", "N", "save (pp, dp_shard, tp)", "load", "tensors", "manifest", "DCP chunk entries"]
+HEAD += ["DCP .metadata (pickled)", "headers read / rank (max)", "planning s / rank (max)"]
+HEAD += ["byte runs -> read calls / rank (max)", "bytes read / needed", "commit check s"]
+HEADING = "## Scale: metadata and planning from 8 to 16,384 ranks (`tools/scale_sim.py`)"
+INTRO = """No processes: the library's planning code for sampled loading ranks (rank 0, the last rank
+and random others, one core) of a dense 70B model and a 16-expert MoE (experts grouped, sharded
+over `dp_shard`; a separate `ep` dim is not simulated) saved and loaded under other layouts,
+against DCP's metadata (one chunk entry per distinct chunk, pickled as torch's `Metadata`)."""
+NOTES = """One timing per sampled rank, the worst shown. Headers: data files whose header a rank reads;
+runs -> reads: byte runs needed, read calls after coalescing (runs over 64 MiB split for parallel
+reads). Commit check: rank 0's check that every rank's shards are listed."""
 
 
 def _transformer(h: int, kv: int, vocab: int, layers: int, ffn: list[tuple]) -> list[Tensor]:
@@ -111,8 +123,7 @@ class Layout:
 
     def hold(self, t: Tensor, stage: int):
         _, dp, tp = self.sizes
-        sub = ("dp_shard", "tp")
-        return hold_mapping(t.name, placements(t.kind, tp), sub, (dp, tp), DIMS, {"pp": stage})
+        return hold_mapping(t.name, placements(t.kind, tp), DIMS[1:], (dp, tp), DIMS, {"pp": stage})
 
 
 def build_manifest(model: list[Tensor], lay: Layout) -> tuple[Manifest, float]:
@@ -145,11 +156,6 @@ def file_layout(manifest: Manifest, model: list[Tensor], lay: Layout, rank: int)
         out[t.name] = StoredShardInfo(offset, offset + n, ITEMSIZE, block=block, crcs=crcs)
         offset += n
     return out
-
-
-RankStats = namedtuple(
-    "RankStats", "headers plan_s runs reads bytes_read bytes_needed target_bytes"
-)
 
 
 def plan_rank(manifest: Manifest, model, save: Layout, load: Layout, rank: int, layers: int):
@@ -223,11 +229,6 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 1024:.0f} KiB"
 
 
-HEAD = ["model", "N", "save (pp, dp_shard, tp)", "load", "tensors", "manifest", "DCP chunk entries"]
-HEAD += ["DCP .metadata (pickled)", "headers read / rank (max)", "planning s / rank (max)"]
-HEAD += ["byte runs -> read calls / rank (max)", "bytes read / needed", "commit check s"]
-
-
 def table_rows(rows: list[dict]) -> list[list]:
     """The table's rows: DCP's pickled size, measured, or extrapolated per chunk entry."""
     per_entry = {r["model"]: r["dcp_bytes"] / r["dcp_entries"] for r in rows if r["dcp_bytes"]}
@@ -238,16 +239,6 @@ def table_rows(rows: list[dict]) -> list[list]:
             dcp = f"~{_mib(per_entry[r['model']] * r['dcp_entries'])} (extrapolated)"
         out.append([*r["cells"][:7], dcp, *r["cells"][7:]])
     return out
-
-
-HEADING = "## Scale: metadata and planning from 8 to 16,384 ranks (`tools/scale_sim.py`)"
-INTRO = """No processes: the library's planning code for sampled loading ranks (rank 0, the last rank
-and random others, one core) of a dense 70B model and a 16-expert MoE (experts grouped, sharded
-over `dp_shard`; a separate `ep` dim is not simulated) saved and loaded under other layouts,
-against DCP's metadata (one chunk entry per distinct chunk, pickled as torch's `Metadata`)."""
-NOTES = """One timing per sampled rank, the worst shown. Headers: data files whose header a rank reads;
-runs -> reads: byte runs needed, read calls after coalescing (runs over 64 MiB split for parallel
-reads). Commit check: rank 0's check that every rank's shards are listed."""
 
 
 def main(argv: list[str] | None = None) -> int:
