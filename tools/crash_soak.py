@@ -50,24 +50,22 @@ def main(argv: list[str] | None = None) -> int:
     load = h.RunLoad()
     cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-n", "0", "-p", "no:cacheprovider"]
     done = subprocess.run([*cmd, TEST, FAULTS], cwd=h.ROOT, env=env, capture_output=True, text=True)
-    runs = [m.groups() for m in map(LINE.match, done.stdout.splitlines()) if m]
+    out = done.stdout.splitlines()
+    runs = [m.groups() for m in map(LINE.match, out) if m]
     where = [ast.literal_eval(w) if w else None for *_, w in runs]
     places = sorted({k for w in where if w for k in w})
     kills = [f"{n} ({s} s; {c})" for _, n, s, c, _ in runs]
     rows = [["kills (seconds; newest commit at the end)", *kills]]
     rows += [[k, *("n/a" if w is None else w.get(k, "-") for w in where)] for k in places]
-    result = [
-        ln.strip("= ") for ln in done.stdout.splitlines() if " passed" in ln or " failed" in ln
-    ]
-    out = done.stdout.splitlines()  # (pytest's progress dots may precede a printed line)
-    faults = [ln[ln.index("fault-soak:") :] for ln in out if "fault-soak:" in ln]
-    total = f"{sum(int(r[1]) for r in runs)} kills; pytest: {(result or ['no result'])[-1]}"
-    total += f"\n\n{(faults or ['fault-soak: no result'])[-1]}"
+    result = [ln.strip("= ") for ln in out if " passed" in ln or " failed" in ln] or ["no result"]
+    # anywhere in a line: pytest's progress dots may precede a printed line
+    faults = re.findall(r"fault-soak:.*", done.stdout) or ["fault-soak: no result"]
     if done.returncode:  # no docs section: the output instead
         args.write_docs = None
         print(done.stdout[-4000:], done.stderr[-2000:], sep="\n")
     opts = ["--seed", str(args.seed), "--kills", str(args.kills), "--faults", str(args.faults)]
-    blocks = [(["where the kill landed", *(r[0] for r in runs)], rows), total]
+    total = f"{sum(int(r[1]) for r in runs)} kills; pytest: {result[-1]}"
+    blocks = [(["where the kill landed", *(r[0] for r in runs)], rows), total, faults[-1]]
     h.report(args, opts, __file__, "crash_soak", f"seed {args.seed}", blocks, load,
              heading=HEADING, intro=INTRO)  # fmt: skip
     return done.returncode
