@@ -400,7 +400,7 @@ def _shard_entries(
             ok = (
                 dtype in ST_TO_DTYPE
                 and all(type(x) is int and x >= 0 for x in (*shape, begin, end, block))
-                and all(type(x) is int and 0 <= x < 1 << 32 for x in crcs)
+                and _u32s(crcs)
                 and block >= 1
                 and len(crcs) == max(1, -(-(end - begin) // block))
                 and end - begin == math.prod(shape) * ST_TO_DTYPE[dtype].itemsize
@@ -444,8 +444,14 @@ def _tiles_ok(shape, itemsize: int, block: int, blocks: int, tiles, sums) -> boo
         and tiles > 1
         and block % (shape[-1] * itemsize) == 0
         and len(sums) == blocks * tiles
-        and all(type(x) is int and 0 <= x < 1 << 32 for x in sums)
+        and _u32s(sums)
     )
+
+
+def _u32s(xs: Sequence[object]) -> bool:
+    """Whether every item of ``xs`` is an int in ``[0, 2**32)`` (a bool is not an int here);
+    checked by the items' set of types and their extremes, not one by one."""
+    return not xs or (set(map(type, xs)) == {int} and min(xs) >= 0 and max(xs) < 1 << 32)
 
 
 def data_path(path: str, manifest: Manifest, source: int) -> str:

@@ -59,19 +59,18 @@ def loads(data: bytes | str) -> Any:
 
 
 def check_depth(value: Any, limit: int = MAX_DEPTH) -> None:
-    """Raise `FieldError` when ``value`` nests deeper than ``limit`` (walked without recursion)."""
+    """Raise `FieldError` when ``value`` nests deeper than ``limit`` (walked without recursion;
+    a container's scalars are told apart by their types' set, not one by one)."""
+    if not isinstance(value, (dict, list)):
+        return
     stack = [(value, 1)]
     while stack:
         node, depth = stack.pop()
-        if isinstance(node, dict):
-            children = node.values()
-        elif isinstance(node, list):
-            children = node
-        else:
-            continue
         if depth > limit:
             raise FieldError(f"the JSON nests deeper than {limit} levels")
-        stack.extend((c, depth + 1) for c in children)
+        children = node.values() if isinstance(node, dict) else node
+        if any(issubclass(k, (dict, list)) for k in set(map(type, children))):
+            stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
 
 
 def field_int(value: Any, what: str, lo: int = 0, hi: int | None = None) -> int:

@@ -148,12 +148,22 @@ def _rewrite_meta(path: str, change) -> None:
         f.write(raw + b" " * (n - len(raw)))
 
 
+def _over_ten_digits(crcs: list[int]) -> None:
+    """Set a ten-digit item of ``crcs`` to 2**32, also ten digits: the header keeps its length."""
+    crcs[next(i for i, c in enumerate(crcs) if c >= 10**9)] = 1 << 32
+
+
 @pytest.mark.parametrize(
     "change",
     [
         lambda b: b.update(tiles=8),  # not what the writer lays out for this shape
         lambda b: b["tile_crc32c"].pop(),  # one checksum short
         lambda b: b["tile_crc32c"].__setitem__(0, -1),  # not a crc32c
+        lambda b: _over_ten_digits(b["tile_crc32c"]),  # not a crc32c: 2**32
+        lambda b: b["tile_crc32c"].__setitem__(1, True),  # a bool, not an int
+        lambda b: b["tile_crc32c"].__setitem__(2, 1.0),  # a float, not an int
+        lambda b: b["crc32c"].__setitem__(0, True),  # a block's, a bool
+        lambda b: _over_ten_digits(b["crc32c"]),  # a block's, out of range
     ],
 )
 def test_a_header_whose_tiles_are_not_a_writer_s_is_refused(saved, change):

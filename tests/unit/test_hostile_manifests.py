@@ -20,6 +20,7 @@ import anyshard
 from anyshard import ucl
 from anyshard.cli import main as cli
 from anyshard.errors import AnyshardError, CorruptCheckpointError
+from anyshard.format import strict_json
 from anyshard.reshard.verify import verify_checkpoint
 
 W = torch.arange(8 * 16, dtype=torch.float32).reshape(8, 16)
@@ -191,3 +192,25 @@ def test_a_spec_layout_of_a_million_ranks_is_compiled_only_for_the_ranks_with_fi
         verify_checkpoint(path)
     assert cli(["inspect", path]) in (0, 2)
     assert time.monotonic() - start < 5
+
+
+def _nest(depth: int, leaf: object) -> object:
+    """``depth`` levels of containers, lists and dicts in turn, around ``leaf``, each beside a
+    long run of scalars."""
+    node = leaf
+    for level in range(depth):
+        node = (
+            [*range(1000), node] if level % 2 else {**{f"k{i}": i for i in range(999)}, "n": node}
+        )
+    return node
+
+
+@pytest.mark.parametrize("depth", [1, strict_json.MAX_DEPTH - 1, strict_json.MAX_DEPTH])
+def test_json_nested_to_the_limit_passes_the_depth_check(depth):
+    strict_json.loads(json.dumps(_nest(depth, 7)))  # the scalar leaf is not a level
+
+
+@pytest.mark.parametrize("leaf", [[], {}, [[1]], {"a": [1, 2]}])
+def test_json_nested_past_the_limit_is_refused_whatever_the_innermost_container(leaf):
+    with pytest.raises(strict_json.FieldError, match="nests deeper than 64 levels"):
+        strict_json.loads(json.dumps(_nest(strict_json.MAX_DEPTH, leaf)))
