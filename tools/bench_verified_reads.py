@@ -10,6 +10,7 @@ into the docs, is `METHOD` below.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -49,7 +50,10 @@ load is compared bit-exact.
 Bytes: `rchar` (/proc/self/io) of each rank over the load, divided by the bytes of its target
 shards; the worst rank. Times: the slowest rank, median [min-max] over the repetitions. Save
 checksums: one process times, over rank 0's saved shards, the block checksums alone and the
-block and tile checksums as a save computes them (CPU seconds, median of 5)."""
+block and tile checksums as a save computes them (CPU seconds, median of 5). With `--store
+seaweedfs`, the checkpoints are copied to a SeaweedFS server on 127.0.0.1 and loaded from it (DCP
+through `FsspecReader`); bytes are then what the server sent per load, counted by a TCP relay in
+front of it (`bench_read_once.Relay`), divided by the state's bytes."""
 
 
 def model(gib: float, hidden: int) -> list:
@@ -114,7 +118,20 @@ def saver(rank: int, world: int, cfg: dict) -> None:
     dcp.save(state, storage_writer=dcp.FileSystemWriter(cfg["paths"]["dcp"]))
 
 
-def loader(rank: int, world: int, cfg: dict) -> list[dict]:
+def _dcp_load(state, path: str, ours: bool) -> None:
+    """DCP's load of ``path``: anyshard's reader, or DCP's own (fsspec's for a URL)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    from anyshard.dcp import AnyshardReader
+
+    own = FsspecReader if "://" in path else dcp.FileSystemReader
+    dcp.load(state, storage_reader=(AnyshardReader if ours else own)(path))
+
+
+def loader(rank: int, world: int, cfg: dict, sent=None) -> list[dict]:
+    """Every system's load into every target, timed; on object storage ``sent`` counts the
+    bytes the server sends (a `bench_read_once.Relay`'s counter)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -129,8 +146,8 @@ def loader(rank: int, world: int, cfg: dict) -> list[dict]:
     systems = {
         "tiles": lambda s: anyshard.load(paths["tiles"], s, strict=len(s) == len(spec)),
         "blocks": lambda s: anyshard.load(paths["blocks"], s, strict=len(s) == len(spec)),
-        "dcp": partial(br._dcp, "load", "dcp", path=paths["dcp"]),
-        "dcp_any": partial(br._dcp, "load", "anyshard", path=paths["tiles"]),
+        "dcp": partial(_dcp_load, path=paths["dcp"], ours=False),
+        "dcp_any": partial(_dcp_load, path=paths["tiles"], ours=True),
     }
     for t, (shape, dims) in TARGETS.items():  # one target's tensors at a time: less memory
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=dims)
@@ -149,12 +166,15 @@ def loader(rank: int, world: int, cfg: dict) -> list[dict]:
             for system in order:
                 for v in state.values():
                     v.to_local().fill_(-7.25)
-                recs = h.measure_ranks(partial(systems[system], state))
+                zero = None if sent is None else (lambda: setattr(sent, "value", 0))
+                recs = h.measure_ranks(partial(systems[system], state), before=zero)
                 bad = br.mismatched({n: v.to_local() for n, v in state.items()}, expected)
                 got: list = [None] * world
                 dist.all_gather_object(got, (needed, bad[:3]))
                 if rank == 0:
                     ratio = max(r["rchar"] / n for r, (n, _) in zip(recs, got, strict=True))
+                    if sent is not None:  # the job's: what the server sent / the state
+                        ratio = sent.value / cfg["state_bytes"]
                     wall = max(r["wall_s"] for r in recs)
                     bad = sorted({b for _, x in got for b in x})
                     out.append(dict(rep=rep, target=t, system=system, ratio=ratio, wall_s=wall,
@@ -164,6 +184,20 @@ def loader(rank: int, world: int, cfg: dict) -> list[dict]:
                           + ("  MISMATCH" if bad else ""), flush=True)  # fmt: skip
         del state, expected
     return out
+
+
+def upload(paths: dict[str, str], bucket: str) -> dict[str, str]:
+    """Copy each checkpoint directory of ``paths`` into ``bucket``; their URLs."""
+    import fsspec
+
+    fs, urls = fsspec.filesystem("s3"), {}
+    for name, local in paths.items():
+        urls[name] = f"s3://{bucket}/{name}"
+        for d, _, files in os.walk(local):
+            for f in files:
+                rel = os.path.relpath(os.path.join(d, f), local)
+                fs.put_file(os.path.join(d, f), f"{bucket}/{name}/{rel}")
+    return urls
 
 
 def checksum_costs(path: str) -> tuple[float, float, int]:
@@ -206,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="model widths, comma-separated, one checkpoint each (default 0: "
                    "bench_reshard's model); a width makes at least one layer")  # fmt: skip
     p.add_argument("--dir", default="/dev/shm", help="parent directory of the checkpoints")
+    p.add_argument("--store", choices=("local", "seaweedfs"), default="local",
+                   help="where the loads read: --dir, or a SeaweedFS server on 127.0.0.1 that "
+                   "the checkpoints are copied to (bytes: what the server sends per load)")  # fmt: skip
     p.add_argument("--tile-skip", type=int, default=None,
                    help="bytes a row's tiles must skip beyond those they read, on a local file "
                    "(default: the library's TILE_SKIP_LOCAL; 0: tiles for every column split)")  # fmt: skip
@@ -214,28 +251,40 @@ def main(argv: list[str] | None = None) -> int:
     if not all(w.isdigit() for w in widths):
         p.error(f"--hidden: widths are whole numbers, not {args.hidden!r}")
     load, recs, costs, sizes = h.RunLoad(), [], {}, []
-    for hidden in widths:
-        spec = model(args.gib, int(hidden))
-        width, total = spec[0][1][1], sum(4 * math.prod(s) for _, s, _ in spec)
-        sizes.append(f"width {width}: {total / GiB:.2f} GiB fp32 in {len(spec)} tensors")
-        print(f"{sizes[-1]}; {args.reps} repetition(s)", flush=True)
-        root = tempfile.mkdtemp(prefix="bench-verified-", dir=args.dir)
-        paths = {s: os.path.join(root, s) for s in ("tiles", "blocks", "dcp")}
-        try:
-            h.run_ranks(saver, SAVE_WORLD, {"gib": args.gib, "hidden": int(hidden), "paths": paths})
-            shutil.copytree(paths["tiles"], paths["blocks"])
-            strip_tiles(paths["blocks"])
-            costs[width] = checksum_costs(paths["tiles"])
+    s3 = args.store == "seaweedfs"
+    with contextlib.ExitStack() as stack:
+        if s3:
+            from bench_read_once import Relay
+
+            server, _ = stack.enter_context(h.s3_server("seaweedfs"))
+            relay = Relay(server.ports["s3"])
+            stack.callback(relay.sock.close)
+            os.environ["AWS_ENDPOINT_URL"] = relay.endpoint
+        for hidden in widths:
+            spec = model(args.gib, int(hidden))
+            width, total = spec[0][1][1], sum(4 * math.prod(s) for _, s, _ in spec)
+            sizes.append(f"width {width}: {total / GiB:.2f} GiB fp32 in {len(spec)} tensors")
+            print(f"{sizes[-1]}; {args.reps} repetition(s)", flush=True)
+            root = tempfile.mkdtemp(prefix="bench-verified-", dir=args.dir)
+            paths = {s: os.path.join(root, s) for s in ("tiles", "blocks", "dcp")}
             cfg = {"gib": args.gib, "hidden": int(hidden), "paths": paths, "reps": args.reps}
-            cfg["tile_skip"] = args.tile_skip
-            recs += h.run_ranks(loader, LOAD_WORLD, cfg)[0]
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
+            cfg.update(tile_skip=args.tile_skip, state_bytes=total)
+            try:
+                h.run_ranks(saver, SAVE_WORLD, cfg)
+                shutil.copytree(paths["tiles"], paths["blocks"])
+                strip_tiles(paths["blocks"])
+                costs[width] = checksum_costs(paths["tiles"])
+                if s3:
+                    cfg["paths"] = upload(paths, server.create_bucket("verified"))
+                recs += h.run_ranks(loader, LOAD_WORLD, cfg, relay.sent if s3 else None)[0]
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
     records = h.Records(args.jsonl, "verified_reads")
     for r in recs:
         records.add(r)
     head = ["load", "width", "MiB needed / rank"]
-    head += [*(f"bytes read / needed: {LABELS[s]}" for s in SYSTEMS)]
+    measure = "bytes the server sent / state" if s3 else "bytes read / needed"
+    head += [*(f"{measure}: {LABELS[s]}" for s in SYSTEMS)]
     head += [*(f"{LABELS[s]} s" for s in SYSTEMS), "anyshard / blocks only (time)", "bit-exact"]
     rows, checks, cost = [], [], []
     for width in costs:
@@ -252,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
                          "yes" if not bad else f"NO: {bad[:2]}"])  # fmt: skip
             at = f"{t}, width {width}"
             for s in ("tiles", "dcp_any"):
-                checks.append((f"{at}: {LABELS[s]} bytes <= {BYTES_TARGET}x needed",
+                checks.append((f"{at}: {LABELS[s]} {measure} <= {BYTES_TARGET}",
                                ratio[s] <= BYTES_TARGET, f"{ratio[s]:.3f}"))  # fmt: skip
             checks.append((f"{at}: verified load no slower than blocks only", rel <= 1.0,
                            f"{rel:.2f}"))  # fmt: skip
@@ -266,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     blocks = [METHOD, (head, rows), "Save checksums, one core:\n\n" + "\n".join(cost)]
     blocks.append(h.targets(checks))
     name, heading = "verified_reads", "## Verified reads: column splits at the floor"
+    if s3:
+        name, heading = f"{name}_seaweedfs", f"{heading}, on SeaweedFS"
     if args.tile_skip is not None:
         name, heading = (
             f"{name}_tile_skip",
