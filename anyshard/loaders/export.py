@@ -40,7 +40,14 @@ from anyshard.format.commit import (
     data_file_name,
     refuse_committed,
 )
-from anyshard.format.datafile import block_crcs, block_size, header_bytes, tensor_bytes
+from anyshard.format.datafile import (
+    block_crcs,
+    block_size,
+    header_bytes,
+    shard_tile_crcs,
+    tensor_bytes,
+    tile_count,
+)
 from anyshard.format.dtypes import DTYPE_TO_ST, ST_TO_DTYPE
 from anyshard.format.manifest import MeshEntry
 from anyshard.geometry.boxes import Piece, box_shape, full_box
@@ -389,32 +396,44 @@ def _reads_into(view) -> bool:
         return False
 
 
-def _datafile_header(writes: list[_LocalWrite], crcs: dict[str, list[int]]) -> bytes:
-    return header_bytes([(w.name, DTYPE_TO_ST[w.dtype], w.shape) for w in writes], crcs)
+def _datafile_header(
+    writes: list[_LocalWrite], crcs: dict[str, list[int]], tiles: dict[str, list[int]]
+) -> bytes:
+    return header_bytes(
+        [(w.name, DTYPE_TO_ST[w.dtype], w.shape) for w in writes], crcs, None, tiles
+    )
 
 
 def _write_datafile_local(path: str, view, writes: list[_LocalWrite], on_tensor) -> None:
     """An anyshard data file, one tensor in memory at a time: the header's space is reserved
     for the widest checksums, the data streamed, then the header written in place (padded with
-    spaces, which JSON and safetensors allow)."""
-    widest = {
-        w.name: [2**32 - 1] * max(1, -(-w.nbytes // block_size(w.shape, w.dtype.itemsize)))
-        for w in writes
-    }
-    reserved = len(_datafile_header(writes, widest))
+    spaces, which JSON and safetensors allow). A shard with checksum tiles gets them, as a save
+    writes them (its block and tile checksums in one pass)."""
+    blocks = {w.name: block_size(w.shape, w.dtype.itemsize) for w in writes}
+    widest = {w.name: [2**32 - 1] * max(1, -(-w.nbytes // blocks[w.name])) for w in writes}
+    tiled = {w.name: tile_count(w.shape, w.dtype.itemsize) for w in writes}
+    widest_tiles = {n: [2**32 - 1] * len(widest[n]) * k for n, k in tiled.items() if k > 1}
+    reserved = len(_datafile_header(writes, widest, widest_tiles))
     reserved += -reserved % 8
     crcs: dict[str, list[int]] = {}
+    tiles: dict[str, list[int]] = {}
     with storage.open_writer(path) as f:
         f.write(b"\0" * (8 + reserved))
         for w in writes:
             t = _build_local(view, w)
             mv = tensor_bytes(t)
-            crcs[w.name] = block_crcs(mv, block_size(w.shape, w.dtype.itemsize))
+            if tiled[w.name] > 1:
+                crcs[w.name] = []
+                tiles[w.name] = shard_tile_crcs(
+                    mv, w.shape, w.dtype.itemsize, blocks[w.name], crcs[w.name]
+                )
+            else:
+                crcs[w.name] = block_crcs(mv, blocks[w.name])
             if mv.nbytes:
                 f.write(mv)
             del t, mv
             on_tensor(w)
-        raw = _datafile_header(writes, crcs)
+        raw = _datafile_header(writes, crcs, tiles)
         f.seek(0)
         f.write(struct.pack("<Q", reserved))
         f.write(raw + b" " * (reserved - len(raw)))

@@ -206,3 +206,26 @@ def test_block_checksums_computed_in_the_tiles_pass_are_each_block_s_crc32c(tmp_
         for c in range(0, 2048, 128)
     ]
     assert list(e.tile_crcs) == want
+
+
+def test_a_converted_checkpoint_carries_the_tiles_a_save_writes(saved, tmp_path):
+    """`convert` into anyshard (here from Hugging Face safetensors) records the same block and
+    tile checksums as `anyshard.save` for the same tensor, and a column split of the result
+    reads only its tiles."""
+    from safetensors.torch import save_file
+
+    from anyshard.loaders import convert
+
+    path, w = saved
+    src = tmp_path / "hf"
+    src.mkdir()
+    save_file({"w": w, "narrow": torch.randn(128, 1024)}, str(src / "model.safetensors"))
+    dst = str(tmp_path / "converted")
+    convert(str(src), dst)
+    got, want = read_header(_data(dst)).shards["w"], read_header(_data(path)).shards["w"]
+    assert got.tiles == want.tiles == 16
+    assert got.tile_crcs == want.tile_crcs and got.crcs == want.crcs
+    assert read_header(_data(dst)).shards["narrow"].tiles == 1  # 4 KiB rows: none
+    cols, read = _read_cols(dst, COLS // 2, COLS)
+    assert torch.equal(cols, w[:, COLS // 2 :]) and read == cols.numel() * 4
+    verify_checkpoint(dst)
