@@ -20,7 +20,7 @@ import torch.distributed as dist
 from anyshard.api import collectives as coll
 from anyshard.format.dtypes import ST_TO_DTYPE
 from anyshard.format.manifest import Manifest
-from anyshard.geometry.boxes import Box, Piece, box_shape, full_box
+from anyshard.geometry.boxes import Box, Piece, box_shape, full_box, intersect
 from anyshard.reshard.fill import Fill, fill_regions
 from anyshard.reshard.stored import stored_shards
 
@@ -79,6 +79,22 @@ def assign(needs: Sequence[Sequence[Region]], manifest: Manifest) -> list[Assign
     return sorted(out, key=lambda a: a.region)
 
 
+def _tiled_by(boxes: Sequence[Box]) -> Box | None:
+    """The box that ``boxes`` (two or more, disjoint) cover exactly, if they do: read as one, the
+    column slices of the same rows make one request of whole rows instead of one run a slice
+    and a row, interleaved."""
+    if not 1 < len(boxes) <= 64:
+        return None
+    whole = tuple((min(b[d][0] for b in boxes), max(b[d][1] for b in boxes))
+                  for d in range(len(boxes[0])))  # fmt: skip
+    if sum(math.prod(box_shape(b)) for b in boxes) != math.prod(box_shape(whole)):
+        return None
+    for i, a in enumerate(boxes):  # equal volumes and no overlap: they tile it
+        if any(intersect(a, b) is not None for b in boxes[i + 1 :]):
+            return None
+    return whole
+
+
 def place(dest: torch.Tensor, piece: Piece, src: torch.Tensor) -> None:
     """Copy ``src`` (the whole of ``piece.logical_box``) into where ``piece`` lies in ``dest``."""
     index = tuple(slice(lo, hi) for lo, hi in piece.array_box)
@@ -117,8 +133,18 @@ def fill_once(
     got: dict[Region, torch.Tensor] = {}
     reads = []
     for fqn, boxes in by_fqn.items():  # one flat buffer a tensor: its reads plan together
+        dtype = ST_TO_DTYPE[manifest.tensors[fqn].dtype]
+        whole = _tiled_by(boxes)
+        if whole is not None:  # read as one box (neighbouring column slices: whole rows)
+            shape = box_shape(whole)
+            buf = torch.empty(shape, dtype=dtype)
+            for box in boxes:
+                got[(fqn, box)] = buf[tuple(slice(a - w, b - w) for (a, b), (w, _) in
+                                            zip(box, whole, strict=True))]  # fmt: skip
+            reads.append(Fill(fqn, buf, (Piece(0, shape, full_box(shape), whole),)))
+            continue
         sizes = [math.prod(box_shape(box)) for box in boxes]
-        flat = torch.empty(sum(sizes), dtype=ST_TO_DTYPE[manifest.tensors[fqn].dtype])
+        flat = torch.empty(sum(sizes), dtype=dtype)
         pieces, at = [], 0
         for box, n in zip(boxes, sizes, strict=True):
             shape = box_shape(box)
@@ -141,7 +167,7 @@ def fill_once(
     for a in plan:  # the same order on every rank
         fqn, box = a.region
         if a.reader == me and a.receivers:
-            sent = got[a.region].to(device)
+            sent = got[a.region].to(device).contiguous()
             ops += [dist.P2POp(dist.isend, sent, peers[r]) for r in a.receivers]
         elif me in a.receivers:
             buf = torch.empty(box_shape(box), dtype=ST_TO_DTYPE[manifest.tensors[fqn].dtype])
