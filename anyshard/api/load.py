@@ -105,7 +105,9 @@ def load(
     With ``read_once`` (default: `read_once_pays`, i.e. from an object store with more than
     one rank), a DTensor replicated over some mesh dims is fetched once per replica group: each
     replica fetches a different part, and the parts are forwarded to the other replicas over
-    ``process_group`` (`anyshard.redistribute`'s transport). The load is then collective.
+    ``process_group`` (`anyshard.redistribute`'s transport); where some rank needs a column
+    slice of a stored shard, the regions read from the same stored shards are read once by one
+    rank and sent to the others instead (`anyshard.api.read_once`). The load is then collective.
     `load_reporting` loads the same way and returns what it fetched (a `LoadReport`).
 
     >>> import torch, anyshard, tempfile
@@ -210,6 +212,11 @@ def load_reporting(
     mesh = None  # plain tensors, whole on every rank, are replicated over the whole group
     if read_once and dist.is_available() and dist.is_initialized():
         if dist.get_world_size(process_group) > 1:
+            report = _load_by_stored_shards(
+                path, flat, process_group, strict, cast, threads, verify
+            )
+            if report is not None:
+                return report
             mesh = _world_mesh(process_group)
     agree = collective or mesh is not None  # read once is collective whatever ``collective`` says
     split: dict[str, tuple[Any, Any]] = {}  # fqn -> (the part this rank fetches, the target)
@@ -240,9 +247,69 @@ def load_reporting(
     return LoadReport(bytes_read=bytes_read, forwarded=len(split))
 
 
-def _plan_load(path, flat, split, mesh, process_group, strict, cast, read_once, threads, verify):
+def _load_by_stored_shards(path, flat, group, strict, cast, threads, verify) -> LoadReport | None:
+    """Read once where some rank needs a column slice of a tensor (a region narrower than the
+    stored shards it reads from, in the last dim): every region is read by one of the ranks
+    needing it, the regions read from the same stored shards by the same rank (whole rows once),
+    and sent to the others (`anyshard.api.read_once`). Splitting each target between its
+    replicas instead would have every tensor-parallel rank read the whole rows of its columns.
+    Collective. None where no rank needs a column slice: the replica split serves best."""
+    from anyshard.api import read_once as ro
+
+    error, mine, fills, manifest = None, [], [], None
+    try:
+        manifest, fills = _plan_load(path, flat, {}, None, group, strict, cast, False, threads,
+                                     verify, execute=False)  # fmt: skip
+        mine = sorted({f.fqn for f in fills if _column_slice(manifest, f)})
+    except Exception as e:
+        error = e
+    coll.raise_together(error, group, f"load of {path}")
+    if not any(coll.all_gather_json(mine, group)):
+        return None
+    assert manifest is not None
+    wanted = [[fqn, [list(r) for r in box]] for fqn, box in ro.needs_of(fills)]
+    everyone = [
+        [(fqn, tuple((lo, hi) for lo, hi in box)) for fqn, box in needs]
+        for needs in coll.all_gather_json(wanted, group)
+    ]
+    peers = [
+        dist.get_global_rank(group, r) if group is not None else r
+        for r in range(coll.world_size(group))
+    ]
+    plan = ro.assign(everyone, manifest)
+    nbytes = ro.fill_once(path, manifest, fills, plan, coll.rank(group), peers, group=group,
+                          threads=threads, verify=verify)  # fmt: skip
+    for fqn, leaf in flat.items():
+        if fqn in manifest.values:
+            leaf.replace(manifest.values[fqn])
+    me = coll.rank(group)
+    received = {a.region[0] for a in plan if me in a.receivers}
+    return LoadReport(bytes_read=nbytes, forwarded=len(received))
+
+
+def _column_slice(manifest, fill: Fill) -> bool:
+    """Whether ``fill`` reads a column slice of a stored shard of two or more dims: a part of
+    its rows narrower than the stored rows (reads widen it to whole rows or tiles)."""
+    from anyshard.geometry.boxes import intersect
+    from anyshard.reshard.stored import stored_shards
+
+    for p in fill.pieces:
+        if len(p.logical_box) < 2:
+            continue
+        for s in stored_shards(manifest, fill.fqn, p.logical_box):
+            for sp in s.shard.pieces:
+                common = intersect(sp.logical_box, p.logical_box)
+                if common is not None and common[-1] != sp.logical_box[-1]:
+                    return True
+    return False
+
+
+def _plan_load(
+    path, flat, split, mesh, process_group, strict, cast, read_once, threads, verify, execute=True
+):
     """Read the manifest, check ``flat`` against it and fill this rank's part (``split``
-    collects the replicated targets that read-once splits); the manifest and the fill plan."""
+    collects the replicated targets that read-once splits); the manifest and the fill plan
+    (without ``execute``: the fills, unread)."""
     manifest = read_manifest(path)
     problems = _key_problems(flat, manifest) if strict else []
     fills: list[Fill] = []
@@ -286,6 +353,8 @@ def _plan_load(path, flat, split, mesh, process_group, strict, cast, read_once, 
         raise StateDictMismatchError(
             f"{path}: the state dict does not match the checkpoint:\n  " + "\n  ".join(problems)
         )
+    if not execute:
+        return manifest, fills
     plan = fill_regions(path, manifest, fills, threads=threads, verify=verify)
     return manifest, plan
 

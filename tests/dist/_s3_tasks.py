@@ -171,3 +171,25 @@ def replicated_load_task(env: dict[str, str], url: str, read_once, plain: bool =
     n = state["norm"] if plain else state["norm"].to_local()
     assert torch.equal(n, norm), f"rank {dist.get_rank()}: norm differs"
     return report.bytes_read
+
+
+def column_split_load_task(env: dict[str, str], url: str, read_once) -> dict:
+    """Save w (512 x 2048, rows split over 4 ranks) and a norm to ``url`` (once), then load w
+    split by columns over tp=2, replicated over dp=2, and the norm replicated (``read_once``:
+    None for the default); check both; the bytes fetched and the tensors received."""
+    use_environment(env)
+    g = torch.Generator().manual_seed(9)
+    full, norm = torch.randn(512, 2048, generator=g), torch.randn(2048, generator=g)
+    if not anyshard.format.storage.exists(f"{url}/manifest.json"):
+        rows = init_device_mesh("cpu", (4,))
+        anyshard.save(url, {"w": distribute_tensor(full, rows, [Shard(0)]), "norm": norm})
+        dist.barrier()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    state = {
+        "w": distribute_tensor(torch.zeros_like(full), mesh, [Replicate(), Shard(1)]),
+        "norm": distribute_tensor(torch.zeros(2048), mesh, [Replicate(), Replicate()]),
+    }
+    report = load_reporting(url, state, read_once=read_once)
+    assert torch.equal(state["w"].full_tensor(), full), f"rank {dist.get_rank()}: w differs"
+    assert torch.equal(state["norm"].to_local(), norm), f"rank {dist.get_rank()}: norm differs"
+    return {"bytes": report.bytes_read, "forwarded": report.forwarded}

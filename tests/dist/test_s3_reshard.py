@@ -90,3 +90,17 @@ def test_a_replicated_load_from_s3_fetches_each_byte_once_per_job(pool4, s3_serv
     assert sum(direct) >= 4 * nbytes, direct
     assert sum(once) <= 1.05 * nbytes, once  # each stored byte fetched once per job
     assert all(0 < n <= 0.3 * nbytes for n in once), once  # spread evenly over the ranks
+
+
+def test_a_column_split_load_from_s3_fetches_each_row_once_per_job(pool4, s3_server, s3):
+    """w split by columns over tp=2 (and replicated over dp=2): read per rank, each rank reads
+    the whole rows of its columns (the job: 4x the stored bytes); read once (the default on an
+    object store), the rows read from the same stored shards go to one rank, which reads them
+    once and sends the others their columns."""
+    url, env = f"{s3}/columns/step-1", s3_server.env()
+    direct = pool4.run(TASKS, "column_split_load_task", env, url, False)
+    once = pool4.run(TASKS, "column_split_load_task", env, url, None)
+    stored = (512 * 2048 + 2048) * 4
+    assert sum(r["bytes"] for r in direct) >= 3.9 * stored, direct
+    assert stored <= sum(r["bytes"] for r in once) <= 1.02 * stored, once
+    assert sum(r["bytes"] > 0 for r in once) >= 2 and any(r["forwarded"] for r in once), once
