@@ -254,8 +254,6 @@ def _load_by_stored_shards(path, flat, group, strict, cast, threads, verify) -> 
     and sent to the others (`anyshard.api.read_once`). Splitting each target between its
     replicas instead would have every tensor-parallel rank read the whole rows of its columns.
     Collective. None where no rank needs a column slice: the replica split serves best."""
-    from anyshard.api import read_once as ro
-
     error, mine, fills, manifest = None, [], [], None
     try:
         manifest, fills = _plan_load(path, flat, {}, None, group, strict, cast, False, threads,
@@ -267,6 +265,21 @@ def _load_by_stored_shards(path, flat, group, strict, cast, threads, verify) -> 
     if not any(coll.all_gather_json(mine, group)):
         return None
     assert manifest is not None
+    nbytes, plan = _fill_once(path, manifest, fills, group, threads, verify)
+    for fqn, leaf in flat.items():
+        if fqn in manifest.values:
+            leaf.replace(manifest.values[fqn])
+    me = coll.rank(group)
+    received = {a.region[0] for a in plan if me in a.receivers}
+    return LoadReport(bytes_read=nbytes, forwarded=len(received))
+
+
+def _fill_once(path, manifest, fills, group, threads, verify) -> tuple[int, list]:
+    """Fill ``fills`` reading each stored region once per job (`anyshard.api.read_once`): the
+    ranks exchange what they need, agree who reads what, read and send. Collective; the bytes
+    this rank read and the agreement."""
+    from anyshard.api import read_once as ro
+
     wanted = [[fqn, [list(r) for r in box]] for fqn, box in ro.needs_of(fills)]
     everyone = [
         [(fqn, tuple((lo, hi) for lo, hi in box)) for fqn, box in needs]
@@ -279,12 +292,7 @@ def _load_by_stored_shards(path, flat, group, strict, cast, threads, verify) -> 
     plan = ro.assign(everyone, manifest)
     nbytes = ro.fill_once(path, manifest, fills, plan, coll.rank(group), peers, group=group,
                           threads=threads, verify=verify)  # fmt: skip
-    for fqn, leaf in flat.items():
-        if fqn in manifest.values:
-            leaf.replace(manifest.values[fqn])
-    me = coll.rank(group)
-    received = {a.region[0] for a in plan if me in a.receivers}
-    return LoadReport(bytes_read=nbytes, forwarded=len(received))
+    return nbytes, plan
 
 
 def _column_slice(manifest, fill: Fill) -> bool:
@@ -441,28 +449,7 @@ def _load_spec(
         coll.raise_together(error, group, f"load of {path}")
     assert manifest is not None
     if once:
-        from anyshard.api import read_once as ro
-
-        wanted = [[fqn, [list(r) for r in box]] for fqn, box in ro.needs_of(fills)]
-        everyone = [
-            [(fqn, tuple((lo, hi) for lo, hi in box)) for fqn, box in needs]
-            for needs in coll.all_gather_json(wanted, group)
-        ]
-        peers = [
-            dist.get_global_rank(group, r) if group is not None else r
-            for r in range(coll.world_size(group))
-        ]
-        bytes_read = ro.fill_once(
-            path,
-            manifest,
-            fills,
-            ro.assign(everyone, manifest),
-            coll.rank(group),
-            peers,
-            group=group,
-            threads=threads,
-            verify=verify,
-        )
+        bytes_read, _ = _fill_once(path, manifest, fills, group, threads, verify)
     else:
         bytes_read = fill_regions(path, manifest, fills, threads=threads, verify=verify).bytes_read
     for k in value_keys:
