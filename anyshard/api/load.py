@@ -18,7 +18,9 @@ from anyshard.errors import StateDictMismatchError
 from anyshard.format import storage
 from anyshard.format.dtypes import ST_TO_DTYPE
 from anyshard.format.manifest import read_manifest
+from anyshard.geometry.boxes import intersect
 from anyshard.reshard.fill import Fill, fill_regions
+from anyshard.reshard.stored import stored_shards
 from anyshard.ucl.library import load_spec
 
 __all__ = ["LoadReport", "load", "load_is_collective", "load_reporting", "read_once_pays"]
@@ -210,9 +212,10 @@ def load_reporting(
     if read_once is None:
         read_once = read_once_pays(path, process_group)
     mesh = None  # plain tensors, whole on every rank, are replicated over the whole group
+    manifest = None  # read once, where the column-split check has read it
     if read_once and dist.is_available() and dist.is_initialized():
         if dist.get_world_size(process_group) > 1:
-            report = _load_by_stored_shards(
+            report, manifest = _load_by_stored_shards(
                 path, flat, process_group, strict, cast, threads, verify
             )
             if report is not None:
@@ -222,9 +225,8 @@ def load_reporting(
     split: dict[str, tuple[Any, Any]] = {}  # fqn -> (the part this rank fetches, the target)
     bytes_read, error = 0, None
     try:
-        manifest, plan = _plan_load(
-            path, flat, split, mesh, process_group, strict, cast, read_once, threads, verify
-        )
+        manifest, plan = _plan_load(path, flat, split, mesh, process_group, strict, cast,
+                                    read_once, threads, verify, manifest=manifest)  # fmt: skip
         bytes_read = plan.bytes_read
     except Exception as e:
         if not agree:  # no collective follows: this rank's error is its own
@@ -241,19 +243,23 @@ def load_reporting(
             process_group=process_group,
             strict=False,
         )
+    assert manifest is not None  # read on every rank that got here
     for fqn, leaf in flat.items():
         if fqn in manifest.values:
             leaf.replace(manifest.values[fqn])
     return LoadReport(bytes_read=bytes_read, forwarded=len(split))
 
 
-def _load_by_stored_shards(path, flat, group, strict, cast, threads, verify) -> LoadReport | None:
+def _load_by_stored_shards(
+    path, flat, group, strict, cast, threads, verify
+) -> tuple[LoadReport | None, Any]:
     """Read once where some rank needs a column slice of a tensor (a region narrower than the
     stored shards it reads from, in the last dim): every region is read by one of the ranks
     needing it, the regions read from the same stored shards by the same rank (whole rows once),
     and sent to the others (`anyshard.api.read_once`). Splitting each target between its
     replicas instead would have every tensor-parallel rank read the whole rows of its columns.
-    Collective. None where no rank needs a column slice: the replica split serves best."""
+    Collective. No report where no rank needs a column slice (the replica split serves best):
+    then the manifest it read, for that load."""
     error, mine, fills, manifest = None, [], [], None
     try:
         manifest, fills = _plan_load(path, flat, {}, None, group, strict, cast, False, threads,
@@ -263,7 +269,7 @@ def _load_by_stored_shards(path, flat, group, strict, cast, threads, verify) -> 
         error = e
     coll.raise_together(error, group, f"load of {path}")
     if not any(coll.all_gather_json(mine, group)):
-        return None
+        return None, manifest
     assert manifest is not None
     nbytes, plan = _fill_once(path, manifest, fills, group, threads, verify)
     for fqn, leaf in flat.items():
@@ -271,7 +277,7 @@ def _load_by_stored_shards(path, flat, group, strict, cast, threads, verify) -> 
             leaf.replace(manifest.values[fqn])
     me = coll.rank(group)
     received = {a.region[0] for a in plan if me in a.receivers}
-    return LoadReport(bytes_read=nbytes, forwarded=len(received))
+    return LoadReport(bytes_read=nbytes, forwarded=len(received)), manifest
 
 
 def _fill_once(path, manifest, fills, group, threads, verify) -> tuple[int, list]:
@@ -298,9 +304,6 @@ def _fill_once(path, manifest, fills, group, threads, verify) -> tuple[int, list
 def _column_slice(manifest, fill: Fill) -> bool:
     """Whether ``fill`` reads a column slice of a stored shard of two or more dims: a part of
     its rows narrower than the stored rows (reads widen it to whole rows or tiles)."""
-    from anyshard.geometry.boxes import intersect
-    from anyshard.reshard.stored import stored_shards
-
     for p in fill.pieces:
         if len(p.logical_box) < 2:
             continue
@@ -313,12 +316,23 @@ def _column_slice(manifest, fill: Fill) -> bool:
 
 
 def _plan_load(
-    path, flat, split, mesh, process_group, strict, cast, read_once, threads, verify, execute=True
+    path,
+    flat,
+    split,
+    mesh,
+    process_group,
+    strict,
+    cast,
+    read_once,
+    threads,
+    verify,
+    execute=True,
+    manifest=None,
 ):
     """Read the manifest, check ``flat`` against it and fill this rank's part (``split``
     collects the replicated targets that read-once splits); the manifest and the fill plan
-    (without ``execute``: the fills, unread)."""
-    manifest = read_manifest(path)
+    (without ``execute``: the fills, unread). ``manifest``: the checkpoint's, if already read."""
+    manifest = manifest if manifest is not None else read_manifest(path)
     problems = _key_problems(flat, manifest) if strict else []
     fills: list[Fill] = []
     meshes: dict = {}  # device mesh -> what layouts need of it, for this call only
