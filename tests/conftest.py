@@ -74,7 +74,7 @@ def pool8(tmp_path_factory):
 def s3_server(tmp_path_factory):
     """SeaweedFS (master, volume server, filer, S3 gateway) on 127.0.0.1, started once for the
     whole session, its data in a temporary directory."""
-    from anyshard.trainer_integration.seaweed import SeaweedServer
+    from anyshard.trainer_integration.demos.seaweed import SeaweedServer
 
     root = tmp_path_factory.mktemp("seaweedfs")
     with SeaweedServer(str(root)) as server:

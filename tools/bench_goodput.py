@@ -162,7 +162,7 @@ def job(args, mode: str, kind: str, run_dir: str) -> dict:
         run = train(run_dir, opts, nproc=2, restarts=restarts)
         if kind != "faulty":
             return run
-        from anyshard.trainer_integration.gpt.ft_demo import summarize
+        from anyshard.trainer_integration.demos.ft_demo import summarize
 
         run["summary"] = summarize(run_dir, "elastic" if lose else "ft-hsdp")
         per = run["summary"]["faults"]
@@ -232,7 +232,7 @@ def _heal_rank(rank: int, world: int, gib: float, frm: str, into: str, ports: li
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from anyshard.trainer_integration.ft import AnyshardTransport
+    from anyshard.trainer_integration.heal import AnyshardTransport
     from anyshard.ucl.library import preload
 
     preload()  # as the trainer's ranks have it: the launcher's forkserver builds the parsers

@@ -546,7 +546,7 @@ def s3_server(kind: str = "moto") -> Iterator[tuple[Any, list[int]]]:
     """An S3 server on 127.0.0.1 (``moto``'s, or ``seaweedfs``) for the ``with`` block, found
     through the AWS_* environment that is set for it: ``(server, its process ids)``."""
     if kind == "seaweedfs":
-        from anyshard.trainer_integration.seaweed import SeaweedServer as Server
+        from anyshard.trainer_integration.demos.seaweed import SeaweedServer as Server
     else:
         sys.path.insert(0, os.path.join(ROOT, "tests"))
         from s3_server import MotoServer as Server

@@ -1,9 +1,9 @@
 """Goodput at scale: the simulator's profile from measured runs, its check on held-out runs, and
-its figures at 1k, 10k and 100k GPUs (`anyshard.trainer_integration.goodput`).
+its figures at 1k, 10k and 100k GPUs (`anyshard.trainer_integration.planning.failures`).
 
     python tools/goodput_profile.py --calibrate cal.jsonl heal.jsonl --storage storage.jsonl \\
         --held-out held.jsonl held_sync.jsonl \\
-        --out anyshard/trainer_integration/goodput_profile.json --write-docs
+        --out anyshard/trainer_integration/planning/failure_profile.json --write-docs
 
 after the runs that write those JSON lines (`INTRO`: the trainer with one fault, the heal rate,
 1 GiB saves and loads on disk and SeaweedFS, and the held-out runs; about 45 minutes). The lines
@@ -26,7 +26,7 @@ import time
 import bench_goodput as bg
 import benchkit as h
 
-from anyshard.trainer_integration import goodput as gp
+from anyshard.trainer_integration.planning import failures as gp
 
 HEADING = "## Goodput at scale: the failure simulator (`tools/goodput_profile.py`)"
 INTRO = """The simulator of docs/goodput.md with its costs measured here: per-rank rates from 1 GiB

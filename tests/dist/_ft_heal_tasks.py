@@ -63,7 +63,7 @@ def group_main(role: str, layout: str, rank: int, port: int, src_port: int, out_
     the process's default process group is destroyed again, and pickle restored, on return."""
     import time
 
-    from anyshard.trainer_integration.ft import AnyshardTransport
+    from anyshard.trainer_integration.heal import AnyshardTransport
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, wait_for_workers=False)

@@ -268,7 +268,9 @@ def test_goodput_profile_rebuilds_the_shipped_profile_and_predicts_held_out_runs
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
-    with open(os.path.join(ROOT, "anyshard", "trainer_integration", "goodput_profile.json")) as f:
+    with open(
+        os.path.join(ROOT, "anyshard", "trainer_integration", "planning", "failure_profile.json")
+    ) as f:
         shipped = json.load(f)
     rebuilt = json.loads((tmp_path / "p.json").read_text())
     assert {k: v for k, v in rebuilt.items() if k != "source"} == {

@@ -168,7 +168,7 @@ def test_demo_autolayout_leaves_the_poor_layout_and_rebalances_a_straggler(tmp_p
 
 
 def test_a_missing_config_is_a_usage_error_before_any_launch(tmp_path, capsys):
-    from anyshard.trainer_integration.gpt.demo import main
+    from anyshard.trainer_integration.demos.demo import main
 
     run_dir = tmp_path / "demo"
     with pytest.raises(SystemExit) as e:

@@ -74,7 +74,7 @@ def test_elastic_a_lost_node_leaves_and_returns_4_2_4(tmp_path, pool4):
     the returning group healed from the survivors' memory. Every step trains on its whole
     batch, and the job's losses stay within 1e-3 relative of an uninterrupted run: the same
     training without torchft, as HSDP (2 replicas of dp_shard=2) on the test pool's 4 ranks."""
-    from anyshard.trainer_integration.gpt.ft_demo import summarize
+    from anyshard.trainer_integration.demos.ft_demo import summarize
 
     elastic = tmp_path / "elastic"
     # paced (0.7 s a step at least): the survivors have 24 s of training left when the node is
@@ -236,7 +236,7 @@ def test_one_group_switches_layout_in_the_run_within_the_noise_floor(tmp_path, u
     still commits with both groups, both end bit-identical to each other, and the job's losses
     stay within the noise floor of a job whose group 1 ran tp=2 from the start (both against
     the job that never switches)."""
-    from anyshard.trainer_integration.gpt.ft_demo import summarize
+    from anyshard.trainer_integration.demos.ft_demo import summarize
 
     switched, mixed = tmp_path / "switched", tmp_path / "mixed"
     for attempt in range(2):

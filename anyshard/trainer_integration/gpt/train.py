@@ -403,7 +403,7 @@ class _Layouts:
         self.scheduler = None
         self.decision = None
         if rates is not None:
-            from anyshard.trainer_integration.gpt.autolayout import Policy, Scheduler
+            from anyshard.trainer_integration.gpt.layout_chooser.scheduler import Policy, Scheduler
 
             if rank == 0:  # for `anyshard layouts --rates`
                 with open(os.path.join(cfg.run_dir, "rates.json"), "w") as f:
@@ -490,7 +490,7 @@ class _Layouts:
     def _log_memory(self) -> None:
         """The ``memory`` event: each rank's RSS before the model was built and its peak over
         the first steps, beside what the cost model counts for the layout (collective)."""
-        from anyshard.trainer_integration.gpt.costmodel import memory_per_rank
+        from anyshard.trainer_integration.gpt.layout_chooser.costmodel import memory_per_rank
 
         mine = torch.tensor([self.rss0, _status_bytes("VmHWM"), _status_bytes("VmRSS")])
         rows = [mine]
@@ -615,12 +615,15 @@ def _starting_layout(cfg: Config, rank: int) -> tuple[Config, Any, Any]:
     world = dist.get_world_size() if dist.is_initialized() else 1
     rates = chosen = None
     if cfg.parallel.auto != "off" and cfg.ft.replicas == 1:
-        from anyshard.trainer_integration.gpt.costmodel import calibrate
+        from anyshard.trainer_integration.gpt.layout_chooser.costmodel import calibrate
 
         rates = calibrate(cfg=cfg)
     if cfg.parallel.auto != "off" and cfg.parallel.world_size != world:
-        from anyshard.trainer_integration.gpt.autolayout import first_layout
-        from anyshard.trainer_integration.gpt.layouts import choose_layout, layout_text
+        from anyshard.trainer_integration.gpt.layout_chooser.candidates import (
+            choose_layout,
+            layout_text,
+        )
+        from anyshard.trainer_integration.gpt.layout_chooser.scheduler import first_layout
 
         budget = _budget(cfg)
         chosen = (
@@ -722,7 +725,7 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
     layout = _layout_name(cfg)
     replicas = None
     if cfg.ft.replicas > 1:
-        from anyshard.trainer_integration.gpt.replicas import ReplicaGroup
+        from anyshard.trainer_integration.gpt.ft_hsdp import ReplicaGroup
 
         replicas = ReplicaGroup(cfg, state, layout)
         replicas.attach(step_fn)
@@ -856,7 +859,7 @@ def run(cfg: Config, *, max_steps: int | None = None, stop_at: int | None = None
     final_digest = None
     if replicas is not None:
         if cfg.ft.check_heals:
-            from anyshard.trainer_integration.gpt.replicas import state_digest
+            from anyshard.trainer_integration.gpt.ft_hsdp import state_digest
 
             final_digest = state_digest(state)
         replicas.shutdown()

@@ -27,7 +27,7 @@ The plan, with ``parallel.auto`` = ``start`` or ``online``:
 Every decision is identical on every rank: the inputs are the same gathered figures.
 
     >>> from anyshard.trainer_integration.gpt.config import Config, ParallelConfig
-    >>> from anyshard.trainer_integration.gpt.costmodel import Rates
+    >>> from anyshard.trainer_integration.gpt.layout_chooser.costmodel import Rates
     >>> cfg = Config()
     >>> s = Scheduler(cfg, ParallelConfig(tp=2), Rates.nominal(), total_steps=100, start_step=0)
     >>> s.decide(0).action
@@ -43,7 +43,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from anyshard.trainer_integration.gpt.config import Config, ParallelConfig
-from anyshard.trainer_integration.gpt.costmodel import (
+from anyshard.trainer_integration.gpt.layout_chooser.candidates import Choice, layout_text
+from anyshard.trainer_integration.gpt.layout_chooser.costmodel import (
     Rates,
     Refiner,
     Table,
@@ -51,7 +52,6 @@ from anyshard.trainer_integration.gpt.costmodel import (
     rank_layouts,
     switch_memory,
 )
-from anyshard.trainer_integration.gpt.layouts import Choice, layout_text
 
 __all__ = ["Decision", "Policy", "Scheduler", "first_layout", "shares_for"]
 
@@ -224,7 +224,7 @@ class Scheduler:
         """How much longer ``p``'s step gets under the straggler seen (1 without one).
 
         >>> from anyshard.trainer_integration.gpt.config import Config, ParallelConfig
-        >>> from anyshard.trainer_integration.gpt.costmodel import Rates
+        >>> from anyshard.trainer_integration.gpt.layout_chooser.costmodel import Rates
         >>> s = Scheduler(Config(), ParallelConfig(pp=2), Rates.nominal(), total_steps=9,
         ...               start_step=0)
         >>> s.slow = 2.0

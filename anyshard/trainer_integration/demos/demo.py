@@ -1,10 +1,10 @@
 """``anyshard demo``: training through faults and a straggler, in four scenarios (``--scenario``,
 default all).
 
-**autolayout** (`anyshard.trainer_integration.gpt.auto_demo`): the job starts under a poor
+**autolayout** (`anyshard.trainer_integration.demos.auto_demo`): the job starts under a poor
 layout, measures, trials and switches to the fastest live, then rebalances around a straggler.
 
-**ft-hsdp** (`anyshard.trainer_integration.gpt.ft_demo`): two replica groups on torchft; one
+**ft-hsdp** (`anyshard.trainer_integration.demos.ft_demo`): two replica groups on torchft; one
 loses a rank, restarts alone under another layout and heals from the other over the network.
 
 **elastic**: two nodes (a torchft replica group each); one is lost and the job goes on at half
@@ -133,7 +133,7 @@ def _start_s3(run_dir: str, log):
         bucket = os.environ.get("ANYSHARD_DEMO_BUCKET", "anyshard-demo")
         _make_bucket(bucket)
         return None, bucket
-    from anyshard.trainer_integration.seaweed import SeaweedServer, weed_binary
+    from anyshard.trainer_integration.demos.seaweed import SeaweedServer, weed_binary
 
     if weed_binary() is None:
         raise SystemExit(
@@ -309,7 +309,7 @@ def _restart_summary(events, losses, faults, phases) -> dict:
 
 
 def _ft_hsdp(args, run_dir: str, log) -> dict | None:
-    from anyshard.trainer_integration.gpt import ft_demo
+    from anyshard.trainer_integration.demos import ft_demo
 
     log(
         f"FT-HSDP: 2 replica groups x 2 ranks (dp_shard=2) on torchft, to step {args.ft_steps}; "
@@ -334,7 +334,7 @@ def _ft_hsdp(args, run_dir: str, log) -> dict | None:
 
 
 def _elastic(args, run_dir: str, log) -> dict | None:
-    from anyshard.trainer_integration.gpt import ft_demo
+    from anyshard.trainer_integration.demos import ft_demo
 
     log(
         f"elastic: 2 nodes x 2 ranks (a torchft replica group each, dp_shard=2), to step "
@@ -360,7 +360,7 @@ def _elastic(args, run_dir: str, log) -> dict | None:
 
 
 def _autolayout(args, run_dir: str, log) -> dict | None:
-    from anyshard.trainer_integration.gpt import auto_demo
+    from anyshard.trainer_integration.demos import auto_demo
 
     steps, slow_from, factor = args.auto_steps, args.slow_step, args.slow_factor
     log(

@@ -38,7 +38,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from anyshard.trainer_integration.gpt.config import Config, ParallelConfig
-from anyshard.trainer_integration.gpt.layouts import (
+from anyshard.trainer_integration.gpt.layout_chooser.candidates import (
     BYTES_PER_PARAMETER,
     candidate_layouts,
     default_budget,

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from anyshard.api.redistribute import redistribute
-from anyshard.trainer_integration.ft import AnyshardTransport
+from anyshard.trainer_integration.heal import AnyshardTransport
 
 __all__ = ["ReplicaGroup"]
 

@@ -8,7 +8,7 @@ save, as a real storage fault. Every port, gRPC ones included, is chosen free on
 telemetry and the optional Iceberg and Lance endpoints are off. Nothing listens beyond
 127.0.0.1, and nothing is sent outside it.
 
-    >>> from anyshard.trainer_integration.seaweed import SeaweedServer
+    >>> from anyshard.trainer_integration.demos.seaweed import SeaweedServer
     >>> with SeaweedServer() as server:              # doctest: +SKIP
     ...     os.environ.update(server.env())
     ...     anyshard.save("s3://" + server.create_bucket() + "/step-1", state)

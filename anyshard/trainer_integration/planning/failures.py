@@ -47,7 +47,7 @@ import numpy as np
 
 MODES = ("restart-sync", "restart-async", "restart-local", "ft-hsdp", "ft-elastic")
 GiB = 1 << 30
-PROFILE = os.path.join(os.path.dirname(__file__), "goodput_profile.json")
+PROFILE = os.path.join(os.path.dirname(__file__), "failure_profile.json")
 
 
 @dataclass(frozen=True)

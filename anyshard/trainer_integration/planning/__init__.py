@@ -1,0 +1,1 @@
+"""Planning that imports no trainer: the failure simulator behind `anyshard plan`."""
