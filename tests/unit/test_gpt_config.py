@@ -443,8 +443,13 @@ def test_anyshard_fault_is_validated_with_the_rest():
 
 
 def test_the_docstring_examples_run():
-    result = doctest.testmod(config_module, optionflags=doctest.NORMALIZE_WHITESPACE)
-    assert result.attempted > 0 and result.failed == 0
+    from anyshard.trainer_integration.gpt.config import checks, parsing, schema
+
+    results = [
+        doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+        for module in (config_module, schema, checks, parsing)
+    ]
+    assert sum(r.attempted for r in results) > 0 and sum(r.failed for r in results) == 0
 
 
 def test_the_tiny_configuration_is_the_default_one_scaled_down():

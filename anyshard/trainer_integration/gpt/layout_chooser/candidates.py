@@ -27,13 +27,8 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from anyshard.trainer_integration.gpt.config import (
-    MESH_ORDER,
-    Config,
-    ParallelConfig,
-    _batch_problems,
-    _split_problems,
-)
+from anyshard.trainer_integration.gpt.config import MESH_ORDER, Config, ParallelConfig
+from anyshard.trainer_integration.gpt.config.checks import _batch_problems, _split_problems
 
 __all__ = [
     "Choice",
