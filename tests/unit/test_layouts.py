@@ -8,10 +8,8 @@ import dataclasses
 import pytest
 
 from anyshard.trainer_integration.gpt.config import Config, ModelConfig, ParallelConfig, TrainConfig
-from anyshard.trainer_integration.gpt.layout_chooser.candidates import (
-    choose_layout,
-    parameter_count,
-)
+from anyshard.trainer_integration.gpt.layout_chooser.candidates import choose_layout
+from anyshard.trainer_integration.gpt.layout_chooser.memory import parameter_count
 from anyshard.trainer_integration.gpt.model import build_model
 
 

@@ -22,6 +22,11 @@ from anyshard.trainer_integration.gpt.config.schema import (
     TrainConfig,
     heal_parallel,
 )
+from anyshard.trainer_integration.gpt.layout_chooser.valid import (
+    batch_problems,
+    divisors,
+    split_problems,
+)
 
 # The interval of each number, checked first: the rules between values divide by them.
 _RANGES = {
@@ -68,10 +73,6 @@ _CHOICES = [
 ]
 
 
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
-
-
 def _inside(value: float, interval: str) -> bool:
     low, high = (float(x) for x in interval[1:-1].split(","))
     above = value >= low if interval[0] == "[" else value > low
@@ -100,12 +101,12 @@ def _model_problems(m: ModelConfig) -> list[str]:
         problems.append(
             f"model.n_heads ({m.n_heads}) is not divisible by model.n_kv_heads ({m.n_kv_heads}): "
             f"each key/value head serves a group of query heads; set n_kv_heads to one of "
-            f"{_divisors(m.n_heads)}"
+            f"{divisors(m.n_heads)}"
         )
     if m.dim % m.n_heads:
         problems.append(
             f"model.dim ({m.dim}) is not divisible by model.n_heads ({m.n_heads}); "
-            f"set n_heads to one of {_divisors(m.dim)}"
+            f"set n_heads to one of {divisors(m.dim)}"
         )
     elif (m.dim // m.n_heads) % 2:
         problems.append(
@@ -120,69 +121,6 @@ def _model_problems(m: ModelConfig) -> list[str]:
         problems.append(
             f"model.top_k ({m.top_k}) exceeds model.n_experts ({m.n_experts}); "
             f"set top_k to at most {m.n_experts}"
-        )
-    return problems
-
-
-def _split_problems(m: ModelConfig, p: ParallelConfig) -> list[str]:
-    """Sizes that a mesh axis splits evenly: layers over pp, heads and ffn over tp, experts over ep."""
-    problems = []
-    for key, degree, what in [
-        ("n_layers", "pp", "each pipeline stage holds the same number of layers"),
-        ("n_heads", "tp", "tensor parallelism splits the attention heads"),
-        ("n_kv_heads", "tp", "tensor parallelism splits the key/value heads"),
-        ("ffn_dim", "tp", "tensor parallelism splits the MLP hidden size"),
-    ]:
-        size, n = getattr(m, key), getattr(p, degree)
-        if size % n:
-            problems.append(
-                f"model.{key} ({size}) is not divisible by parallel.{degree} ({n}): {what}; "
-                f"set {degree} to one of {_divisors(size)} or {key} to a multiple of {n}"
-            )
-    if p.ep > 1 and m.n_experts == 0:
-        problems.append(
-            f"parallel.ep ({p.ep}) > 1 needs a mixture of experts, but model.n_experts is 0; "
-            f"set n_experts to a multiple of {p.ep}, or ep = 1"
-        )
-    elif m.n_experts % p.ep:
-        problems.append(
-            f"model.n_experts ({m.n_experts}) is not divisible by parallel.ep ({p.ep}): each "
-            f"expert-parallel rank holds the same number of experts; set n_experts to a "
-            f"multiple of {p.ep}"
-        )
-    return problems
-
-
-def _batch_problems(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -> list[str]:
-    problems = []
-    if t.global_batch % p.dp_size:
-        problems.append(
-            f"train.global_batch ({t.global_batch}) is not divisible by the data-parallel degree "
-            f"dp_replicate * dp_shard * ep = {p.dp_replicate} * {p.dp_shard} * {p.ep} = "
-            f"{p.dp_size}; set global_batch to a multiple of {p.dp_size}"
-        )
-    elif p.pp > 1 and (t.global_batch // p.dp_size) % p.microbatches:
-        local = t.global_batch // p.dp_size
-        problems.append(
-            f"the per-rank batch global_batch / {p.dp_size} = {local} is not divisible by "
-            f"parallel.microbatches ({p.microbatches}) with pp = {p.pp}; set microbatches to "
-            f"one of {_divisors(local)}"
-        )
-    if p.pp > 1 and p.pp_schedule == "1F1B" and p.microbatches < p.pp:
-        problems.append(
-            f"parallel.microbatches ({p.microbatches}) is below parallel.pp ({p.pp}), which the "
-            f"1F1B schedule needs; set microbatches >= {p.pp} or pp_schedule = 'GPipe'"
-        )
-    if p.cp > 1 and t.seq_len % (2 * p.cp):
-        problems.append(
-            f"train.seq_len ({t.seq_len}) is not divisible by 2 * parallel.cp ({2 * p.cp}): "
-            f"context parallelism splits each sequence into 2 * cp balanced chunks; set "
-            f"seq_len to a multiple of {2 * p.cp}"
-        )
-    if t.seq_len > m.max_seq_len:
-        problems.append(
-            f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}); "
-            f"set max_seq_len >= {t.seq_len} or a shorter seq_len"
         )
     return problems
 
@@ -217,7 +155,7 @@ def config_problems(cfg: Config) -> list[str]:
     problems = _range_problems(cfg)
     if not problems:
         m, p, t = cfg.model, cfg.parallel, cfg.train
-        problems += _model_problems(m) + _split_problems(m, p) + _batch_problems(m, p, t)
+        problems += _model_problems(m) + split_problems(m, p) + batch_problems(m, p, t)
         problems += _fault_problems(cfg.fault, p, t)
         problems += _relayout_problems(cfg)
         problems += _ft_problems(cfg)
@@ -272,7 +210,7 @@ def _ft_problems(cfg: Config) -> list[str]:
             )
         problems += [
             f"{where}: {x}"
-            for x in _split_problems(cfg.model, heal) + _batch_problems(cfg.model, heal, t)
+            for x in split_problems(cfg.model, heal) + batch_problems(cfg.model, heal, t)
         ]
     return problems
 
@@ -316,8 +254,8 @@ def _relayout_problems(cfg: Config) -> list[str]:
     m, t = cfg.model, cfg.train
     problems += [
         f"{where}: {x}"
-        for x in _split_problems(m, p)
-        + _batch_problems(m, p, t)
+        for x in split_problems(m, p)
+        + batch_problems(m, p, t)
         + _range_problems(dataclasses.replace(cfg, parallel=p))
     ]
     return problems

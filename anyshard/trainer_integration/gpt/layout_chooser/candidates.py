@@ -23,12 +23,16 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from anyshard.trainer_integration.gpt.config import MESH_ORDER, Config, ParallelConfig
-from anyshard.trainer_integration.gpt.config.checks import _batch_problems, _split_problems
+from anyshard.trainer_integration.gpt.layout_chooser.memory import (
+    default_budget,
+    parameter_count,
+    state_bytes,
+)
+from anyshard.trainer_integration.gpt.layout_chooser.valid import batch_problems, split_problems
 
 __all__ = [
     "Choice",
@@ -39,9 +43,6 @@ __all__ = [
     "parameter_count",
     "state_bytes",
 ]
-
-# fp32 parameter, gradient and AdamW's two moments
-BYTES_PER_PARAMETER = 16
 
 
 @dataclass(frozen=True)
@@ -57,36 +58,6 @@ def layout_text(p: ParallelConfig) -> str:
     """``pp=2 x dp_shard=2`` (the degrees that are not 1), or ``single``."""
     parts = [f"{d}={getattr(p, d)}" for d in MESH_ORDER if getattr(p, d) > 1]
     return " x ".join(parts) or "single"
-
-
-def parameter_count(cfg: Config) -> int:
-    """The model's parameters, from its config (no model is built)."""
-    m = cfg.model
-    head = m.dim // m.n_heads
-    attn = m.dim * m.n_heads * head * 2 + m.dim * m.n_kv_heads * head * 2
-    mlp = 3 * m.dim * m.ffn_dim * max(1, m.n_experts) + (m.dim * m.n_experts if m.n_experts else 0)
-    layer = attn + mlp + 2 * m.dim
-    embed = m.vocab_size * m.dim * (1 if m.tie_embeddings else 2)
-    return m.n_layers * layer + embed + m.dim
-
-
-def default_budget() -> int:
-    """Memory one rank may use: the accelerator's, else this host's memory shared by its ranks."""
-    import torch
-
-    if torch.cuda.is_available():
-        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory * 0.9)
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        total = 16 << 30
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return int(total * 0.8 / max(1, local))
-
-
-def state_bytes(cfg: Config, p: ParallelConfig) -> int:
-    """Parameters, gradients and AdamW's two moments per rank, sharded as ``p`` shards them."""
-    return parameter_count(cfg) * BYTES_PER_PARAMETER // (p.pp * p.tp * p.dp_shard * p.ep * p.cp)
 
 
 def _candidates(world: int):
@@ -110,7 +81,7 @@ def candidate_layouts(
     fits, rejected = [], []
     for sizes in _candidates(world):
         p = dataclasses.replace(cfg.parallel, **sizes, relayout_at=None)
-        problems = _split_problems(cfg.model, p) + _batch_problems(cfg.model, p, cfg.train)
+        problems = split_problems(cfg.model, p) + batch_problems(cfg.model, p, cfg.train)
         if p.cp > 1 and cfg.model.n_experts:
             problems.append("context parallelism is not combined with experts here")
         need = memory(cfg, p)

@@ -39,12 +39,16 @@ from dataclasses import dataclass, field
 
 from anyshard.trainer_integration.gpt.config import Config, ParallelConfig
 from anyshard.trainer_integration.gpt.layout_chooser.candidates import (
-    BYTES_PER_PARAMETER,
     candidate_layouts,
-    default_budget,
     layout_text,
+)
+from anyshard.trainer_integration.gpt.layout_chooser.memory import (
+    FLOAT,
+    default_budget,
+    memory_per_rank,
     parameter_count,
-    state_bytes,
+    root_params,
+    switch_memory,
 )
 
 __all__ = [
@@ -63,7 +67,6 @@ __all__ = [
     "workload",
 ]
 
-FLOAT = 4  # the trainer computes and communicates in fp32
 # how many times each collective's ring moves its message per rank, over (g - 1) / g
 _RING = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0, "all_reduce": 2.0}
 
@@ -209,14 +212,14 @@ def workload(cfg: Config, p: ParallelConfig) -> Workload:
     fsdp = p.dp_shard * p.ep * p.cp
     params = parameter_count(cfg)
     local_params = params / (p.pp * p.tp)
-    block = (local_params - _root_params(cfg) / p.tp) / max(1, layers)
+    block = (local_params - root_params(cfg) / p.tp) / max(1, layers)
     act = tok * m.dim * FLOAT  # one activation of the residual stream, whole per tp group
     coll: list[Collective] = []
     if fsdp > 1:
         gathers = 2 * micro  # forward, and backward after resharding
         coll.append(Collective("fsdp", "all_gather", fsdp, int(block * FLOAT), gathers * layers))
         coll.append(Collective("fsdp", "reduce_scatter", fsdp, int(block * FLOAT), layers))
-        root = int(_root_params(cfg) / p.tp * FLOAT)
+        root = int(root_params(cfg) / p.tp * FLOAT)
         coll += [Collective("fsdp", k, fsdp, root, 1) for k in ("all_gather", "reduce_scatter")]
     if p.dp_replicate > 1:
         grads = int(local_params / fsdp * FLOAT)
@@ -248,52 +251,6 @@ def workload(cfg: Config, p: ParallelConfig) -> Workload:
         bubble=bubble,
         memory_bytes=memory_per_rank(cfg, p),
     )
-
-
-def _root_params(cfg: Config) -> int:
-    """Parameters outside the blocks: embeddings, output projection, final norm."""
-    m = cfg.model
-    return m.vocab_size * m.dim * (1 if m.tie_embeddings else 2) + m.dim
-
-
-def memory_per_rank(cfg: Config, p: ParallelConfig) -> int:
-    """Bytes a rank holds: fp32 parameters, gradients and AdamW's two moments, sharded as the
-    layout shards them; the activations kept for backward (of the microbatches a pipeline
-    stage holds at once); the logits; one block gathered whole by FSDP."""
-    m, t = cfg.model, cfg.train
-    params = parameter_count(cfg)
-    state = state_bytes(cfg, p)
-    micro = p.microbatches if p.pp > 1 else 1
-    tok = t.global_batch // p.dp_size // micro * (t.seq_len // p.cp)
-    in_flight = min(micro, p.pp) if p.pp_schedule == "1F1B" and p.pp > 1 else micro
-    ffn = m.ffn_dim // p.tp * (m.top_k if m.n_experts else 1)
-    per_layer = tok * (10 * m.dim + 4 * ffn + 2 * (m.n_heads // p.tp) * t.seq_len) * FLOAT
-    activations = per_layer * (m.n_layers // p.pp) * in_flight
-    logits = 3 * tok * m.vocab_size * FLOAT
-    gathered = 0
-    if p.dp_shard * p.ep * p.cp > 1:
-        gathered = 2 * (params - _root_params(cfg)) // max(1, m.n_layers) // p.tp * FLOAT
-    return int(state + activations + logits + gathered)
-
-
-def switch_memory(cfg: Config, old: ParallelConfig, new: ParallelConfig) -> int:
-    """Bytes a rank holds at most while a running job switches from layout ``old`` to ``new``
-    (`train.relayout`): ``old``'s parameters, gradients and AdamW state, kept until the move
-    is done; the new layout's model, built whole on every rank before it is sharded, then its
-    parameters and AdamW state; and the move's staging buffer (at most
-    `redistribute.DEFAULT_MAX_INFLIGHT_BYTES`, nor more than what it moves in). An upper
-    bound: the scheduler switches only where it fits the budget.
-
-    >>> from anyshard.trainer_integration.gpt.config import Config, ParallelConfig
-    >>> switch_memory(Config(), ParallelConfig(pp=2), ParallelConfig(tp=2)) // 2**20  # MiB
-    62
-    """
-    from anyshard.api.redistribute import DEFAULT_MAX_INFLIGHT_BYTES
-
-    kept = state_bytes(cfg, old)
-    held = state_bytes(cfg, new) * (BYTES_PER_PARAMETER - FLOAT) // BYTES_PER_PARAMETER  # no grads
-    whole = parameter_count(cfg) * FLOAT
-    return int(kept + max(whole, held) + min(DEFAULT_MAX_INFLIGHT_BYTES, held))
 
 
 @dataclass(frozen=True)

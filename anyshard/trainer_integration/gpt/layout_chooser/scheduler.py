@@ -50,8 +50,8 @@ from anyshard.trainer_integration.gpt.layout_chooser.costmodel import (
     Table,
     predict,
     rank_layouts,
-    switch_memory,
 )
+from anyshard.trainer_integration.gpt.layout_chooser.memory import switch_memory
 
 __all__ = ["Decision", "Policy", "Scheduler", "first_layout", "shares_for"]
 
@@ -301,7 +301,7 @@ class Scheduler:
 
     def _switch_fits(self, old: ParallelConfig, new: ParallelConfig) -> bool:
         """Whether switching from ``old`` to ``new`` stays within the memory budget: both
-        layouts' state are held at once while it moves (`costmodel.switch_memory`)."""
+        layouts' state are held at once while it moves (`memory.switch_memory`)."""
         return switch_memory(self.cfg, old, new) <= self.table.budget_bytes
 
     def _over_budget(self, targets: Sequence[ParallelConfig]) -> str:
