@@ -16,7 +16,7 @@ from anyshard.format.checksum import crc32c, crc32c_combine
 from anyshard.format.datafile import tensor_bytes, tile_crcs
 from anyshard.format.pool import cpu_share, io_pool
 from anyshard.geometry.boxes import Piece, box_shape
-from anyshard.reshard.planner import GAP, STAGING, TARGET, ReadPlan, Request, Transfer
+from anyshard.reshard.read_plan import GAP, STAGING, TARGET, ReadPlan, Request, Transfer
 
 __all__ = ["execute_plan", "piece_view"]
 

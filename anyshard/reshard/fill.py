@@ -18,7 +18,8 @@ from anyshard.format.manifest import Manifest
 from anyshard.geometry.boxes import Piece
 from anyshard.reshard import planner
 from anyshard.reshard.executor import execute_plan
-from anyshard.reshard.planner import ReadPlan, StoredShardInfo, Transfer, match_sources, plan_reads
+from anyshard.reshard.planner import match_sources, plan_reads
+from anyshard.reshard.read_plan import ReadPlan, StoredShardInfo, Transfer
 from anyshard.reshard.stored import describe_spec, stored_shards
 
 __all__ = [

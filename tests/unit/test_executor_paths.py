@@ -152,7 +152,7 @@ def test_column_slices_of_checksummed_rows_stream_through_the_bounce_buffer(tmp_
 def test_a_verified_read_across_several_gaps_checks_each_gap_on_its_own_bytes(tmp_path):
     """Three row bands of a shard, a checksum block apart, are read as one request with two gaps
     (read through and dropped, but checksummed): each gap gets its own bytes."""
-    from anyshard.reshard.planner import GAP
+    from anyshard.reshard.read_plan import GAP
 
     rows = 16384  # one checksum block of (n, 4) fp32 rows: 256 KiB
     path = str(tmp_path / "c")

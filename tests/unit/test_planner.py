@@ -19,15 +19,8 @@ from test_compile import AXES, PAD, all_coords, materialise, numbered, pipelines
 
 from anyshard.errors import CorruptCheckpointError
 from anyshard.geometry.boxes import Piece, box_shape, full_box
-from anyshard.reshard.planner import (
-    GAP,
-    STAGING,
-    TARGET,
-    StoredShardInfo,
-    Transfer,
-    match_shards,
-    plan_reads,
-)
+from anyshard.reshard.planner import match_shards, plan_reads
+from anyshard.reshard.read_plan import GAP, STAGING, TARGET, StoredShardInfo, Transfer
 from anyshard.ucl.lowering import compile_mapping
 from anyshard.ucl.mapping import Chunk, Mapping, On, Replicate, parse_mapping
 

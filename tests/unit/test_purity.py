@@ -24,16 +24,22 @@ PLANNING = [
     "anyshard.geometry.boxes",
     "anyshard.geometry.runs",
     "anyshard.geometry.shards",
+    "anyshard.ucl.arithmetic",
     "anyshard.ucl.check",
+    "anyshard.ucl.combine",
     "anyshard.ucl.evaluate",
     "anyshard.ucl.explain",
     "anyshard.ucl.library",
     "anyshard.ucl.lowering",
     "anyshard.ucl.mapping",
     "anyshard.ucl.parser",
+    "anyshard.ucl.primitives",
     "anyshard.ucl.ranks",
     "anyshard.ucl.syntax",
     "anyshard.reshard.planner",
+    "anyshard.reshard.read_plan",
+    "anyshard.reshard.widening",
+    "anyshard.reshard.coalesce",
     "anyshard.reshard.exchange",
 ]
 # Modules that reach processes, storage or the file system; the I/O half of anyshard too.
@@ -124,7 +130,8 @@ PROBE = textwrap.dedent(
         pkg.__path__ = [os.path.join({package!r}, sub)] if sub else [{package!r}]
         sys.modules[name] = pkg
 
-    from anyshard.reshard.planner import StoredShardInfo, match_shards, plan_reads
+    from anyshard.reshard.planner import match_shards, plan_reads
+    from anyshard.reshard.read_plan import StoredShardInfo
     from anyshard.ucl.evaluate import compile
     from anyshard.ucl.library import parse
     from anyshard.ucl.lowering import compile_mapping
