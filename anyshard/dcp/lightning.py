@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from anyshard.api.open import open_checkpoint
-from anyshard.dcp.backend import AnyshardReader, AnyshardWriter
+from anyshard.dcp import AnyshardReader, AnyshardWriter
 from anyshard.errors import CorruptCheckpointError
 from anyshard.format import storage
 from anyshard.format.manifest import MANIFEST_NAME

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 import anyshard
 from anyshard.dcp import AnyshardReader, AnyshardWriter
-from anyshard.dcp.backend import CheckpointExistsError
+from anyshard.dcp.writer import CheckpointExistsError
 from anyshard.errors import AnyshardError, ChecksumError
 from anyshard.reshard.verify import verify_checkpoint
 
@@ -113,11 +113,11 @@ def test_overwrite_false_raises_as_dcp_does_and_keeps_the_checkpoint(tmp_path):
 def test_a_failed_overwrite_leaves_the_old_checkpoint_whole(tmp_path, monkeypatch, where):
     """A replacement that fails writing its data file or committing its manifest: the old
     checkpoint loads bit-exact, and the next replacement removes what the failed one left."""
-    from anyshard.dcp import backend
+    from anyshard.dcp import writer
 
     ckpt = str(tmp_path / "c")
     dcp.save(_state(1), storage_writer=AnyshardWriter(ckpt), no_dist=True)
-    real_write, real_commit = backend.write_datafile, backend.commit_manifest
+    real_write, real_commit = writer.write_datafile, writer.commit_manifest
 
     def write_then_fail(path, *a, **k):
         real_write(path, *a, **k)  # all the bytes are there; then the storage fails
@@ -127,13 +127,13 @@ def test_a_failed_overwrite_leaves_the_old_checkpoint_whole(tmp_path, monkeypatc
         raise OSError(28, "No space left on device")
 
     if where == "write":
-        monkeypatch.setattr(backend, "write_datafile", write_then_fail)
+        monkeypatch.setattr(writer, "write_datafile", write_then_fail)
     else:
-        monkeypatch.setattr(backend, "commit_manifest", fail_commit)
+        monkeypatch.setattr(writer, "commit_manifest", fail_commit)
     with pytest.raises(CheckpointException):
         dcp.save(_state(2), storage_writer=AnyshardWriter(ckpt), no_dist=True)
-    monkeypatch.setattr(backend, "write_datafile", real_write)
-    monkeypatch.setattr(backend, "commit_manifest", real_commit)
+    monkeypatch.setattr(writer, "write_datafile", real_write)
+    monkeypatch.setattr(writer, "commit_manifest", real_commit)
     left = _data_files(ckpt)
     assert len(left) == (1 if where == "write" else 2), left  # a failed write keeps no file
     back = _template()
@@ -302,13 +302,13 @@ def test_gc_removes_what_a_replacement_killed_after_its_commit_left(tmp_path, mo
     """A replacement killed between its commit and its cleanup leaves the old data files:
     `anyshard gc --stale-after` removes them once they are that old, and nothing else."""
     from anyshard.cli import main as cli
-    from anyshard.dcp import backend
+    from anyshard.dcp import writer
 
     root = tmp_path / "run"
     one, two = str(root / "step-000000001"), str(root / "step-000000002")
     dcp.save(_state(1), storage_writer=AnyshardWriter(one), no_dist=True)
     dcp.save(_state(1), storage_writer=AnyshardWriter(two), no_dist=True)
-    monkeypatch.setattr(backend, "remove_unnamed", lambda root, files: None)  # killed
+    monkeypatch.setattr(writer, "remove_unnamed", lambda root, files: None)  # killed
     dcp.save(_state(2), storage_writer=AnyshardWriter(one), no_dist=True)
     assert len(_data_files(one)) == 2
     assert cli(["gc", str(root), "--stale-after", "3600"]) == 0  # too young: kept
