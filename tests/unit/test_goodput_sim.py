@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from anyshard.trainer_integration.planning import failures as gp
+from anyshard.trainer_integration.planning import plan_cli, recovery_costs
 
 PROFILE = gp.Profile(
     startup_s=5.0, ft_startup_s=8.0, restart_s=2.0, restore_fixed_s=0.1, load_gib_s=0.7,
@@ -24,7 +25,8 @@ PROFILE = gp.Profile(
 
 
 def test_module_examples():
-    assert doctest.testmod(gp, raise_on_error=True).attempted > 0
+    for module in (gp, recovery_costs):
+        assert doctest.testmod(module, raise_on_error=True).attempted > 0
 
 
 def test_restart_modes_by_hand():
@@ -143,7 +145,7 @@ def test_spare_pool():
 def test_default_spares_cover_the_nodes_in_repair_99_percent_of_the_time(gpus):
     cl = gp.Cluster(gpus=gpus)
     in_repair = np.random.default_rng(0).poisson(gpus / cl.mtbf_gpu_h * cl.repair_h, 400_000)
-    n = gp.spares(cl)
+    n = recovery_costs.spares(cl)
     assert (in_repair <= n).mean() >= 0.99 > (in_repair <= n - 1).mean()
 
 
@@ -201,7 +203,7 @@ def test_costs_from_a_profile_and_a_cluster():
     assert c.restore_s == pytest.approx(0.1 + 8.0 + 2.0 * 3 / 4)
     assert c.heal_s == pytest.approx(0.3 + 2.0 / 1.0)  # the network, not 1/0.7 GiB/s
     assert c.stall_s == pytest.approx(0.5 + cl.ft_detect_s)
-    assert c.groups == 4 and c.spare_nodes == gp.spares(cl)
+    assert c.groups == 4 and c.spare_nodes == recovery_costs.spares(cl)
     assert c.absorb == 1.0  # groups of GPUs of their own
     here = dataclasses.replace(cl, launch_s=None, ft_detect_s=None, group_launch_s=None,
                                storage_gib_s=None, tier="local", absorb=None)  # fmt: skip
@@ -245,12 +247,12 @@ def test_plan_recommends_the_best_goodput(tmp_path, capsys):
     path = tmp_path / "p.json"
     PROFILE.save(str(path))
     argv = ["--gpus", "4096", "--profile", str(path), "--days", "5", "--seeds", "2", "--json"]
-    assert gp.main(argv) == 0
+    assert plan_cli.main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     best = max(out["modes"].values(), key=lambda r: r["goodput"][0])
     assert out["recommended"] == best["mode"] and set(out["modes"]) == set(gp.MODES)
-    assert gp.main(argv[:-1]) == 0
+    assert plan_cli.main(argv[:-1]) == 0
     text = capsys.readouterr().out
     assert f"recommended: {best['mode']}" in text and "Young/Daly" in text
-    assert gp.main(["--gpus", "1001", "--profile", str(path)]) == 2
+    assert plan_cli.main(["--gpus", "1001", "--profile", str(path)]) == 2
     assert "gpus_per_node" in capsys.readouterr().err
