@@ -4,6 +4,9 @@
 the rank's mesh coordinates, expands every rule over its loops, and turns each mapping into
 `Shard` pieces (the same box correspondences the rest of anyshard plans reads with). A local
 tensor may hold pieces of several logical tensors (``fuse``, ``interleave``, ``bucket``).
+
+The steps live beside it: the arithmetic in `anyshard.ucl.arithmetic`, one function per mapping
+primitive in `anyshard.ucl.primitives`, local tensors of several parts in `anyshard.ucl.combine`.
 """
 
 from __future__ import annotations
@@ -13,40 +16,13 @@ import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
-from anyshard.errors import LayoutError, MappingError, UCLSemanticError
-from anyshard.geometry.boxes import Piece, intersect
-from anyshard.geometry.shards import Shard, chunk_bounds
-from anyshard.ucl.check import DTYPES, USAGE
+from anyshard.errors import LayoutError
+from anyshard.geometry.shards import Shard
+from anyshard.ucl.arithmetic import Evaluator
+from anyshard.ucl.combine import combine
 from anyshard.ucl.library import load_spec
-from anyshard.ucl.lowering import (
-    ShardState,
-    flatten_pieces,
-    initial_state,
-    narrow_block,
-    narrow_flat,
-    translate_box,
-)
-from anyshard.ucl.syntax import (
-    And,
-    BinOp,
-    Call,
-    Combine,
-    Compare,
-    KwArg,
-    Let,
-    ListArg,
-    Neg,
-    Not,
-    Num,
-    OpCall,
-    Or,
-    ParamDecl,
-    Part,
-    Rule,
-    Spec,
-    Template,
-    Var,
-)
+from anyshard.ucl.primitives import apply, new_flags, part_state
+from anyshard.ucl.syntax import Let, ParamDecl, Part, Rule, Spec
 
 __all__ = [
     "Layout",
@@ -108,423 +84,49 @@ def _as_spec(spec: Spec | str) -> Spec:
     return spec if isinstance(spec, Spec) else load_spec(spec)  # text, a path, a shipped name
 
 
-class _Eval:
-    def __init__(self, spec: Spec, env: dict[str, int], coords: Mapping[str, int]):
-        self.spec = spec
-        self.text = spec.text or str(spec)
-        self.env = env
-        self.coords = coords
-
-    def error(self, node, message: str, expected: str) -> UCLSemanticError:
-        return UCLSemanticError(
-            message,
-            text=self.text,
-            line=max(getattr(node, "line", 1), 1),
-            column=max(getattr(node, "column", 1), 1),
-            expected=expected,
-        )
-
-    def expr(self, e, env: Mapping[str, int]) -> int:
-        if isinstance(e, Num):
-            return e.value
-        if isinstance(e, Var):
-            return env[e.name]
-        if isinstance(e, Neg):
-            return -self.expr(e.operand, env)
-        if isinstance(e, BinOp):
-            a, b = self.expr(e.left, env), self.expr(e.right, env)
-            if e.op == "+":
-                return a + b
-            if e.op == "-":
-                return a - b
-            if e.op == "*":
-                return a * b
-            if b == 0:
-                raise self.error(e, f"{e} divides by zero", "a non-zero divisor")
-            if e.op == "/":
-                if a % b:
-                    raise self.error(
-                        e,
-                        f"{e} = {a} / {b} leaves a remainder",
-                        "sizes that divide exactly (or // to round down, cdiv() to round up)",
-                    )
-                return a // b
-            if e.op == "//":
-                return a // b
-            return a % b
-        if isinstance(e, Call):
-            if e.fn == "rank":
-                axis = e.args[0]
-                assert isinstance(axis, Var)  # check_spec: rank() names a mesh dim
-                return self.coords.get(axis.name, 0)
-            args = [self.expr(a, env) for a in e.args]
-            if e.fn == "min":
-                return min(args)
-            if e.fn == "max":
-                return max(args)
-            if args[1] <= 0:
-                raise self.error(e, f"{e}: the divisor is {args[1]}", "a positive divisor")
-            q = -(-args[0] // args[1])
-            return q if e.fn == "cdiv" else q * args[1]
-        raise AssertionError(e)
-
-    def cond(self, c, env) -> bool:
-        if isinstance(c, Compare):
-            a, b = self.expr(c.left, env), self.expr(c.right, env)
-            return {
-                "==": a == b,
-                "!=": a != b,
-                "<": a < b,
-                "<=": a <= b,
-                ">": a > b,
-                ">=": a >= b,
-            }[c.op]
-        if isinstance(c, Not):
-            return not self.cond(c.operand, env)
-        if isinstance(c, And):
-            return self.cond(c.left, env) and self.cond(c.right, env)
-        if isinstance(c, Or):
-            return self.cond(c.left, env) or self.cond(c.right, env)
-        raise AssertionError(c)
-
-    def name(self, t: Template, env) -> str:
-        return "".join(p if isinstance(p, str) else str(self.expr(p, env)) for p in t.parts)
-
-    # --- mappings ---
-
-    def apply(self, st: ShardState, op: OpCall, env, flags: dict) -> None:
-        pos = [a for a in op.args if not isinstance(a, KwArg)]
-        kw = {a.name: self.expr(a.value, env) for a in op.args if isinstance(a, KwArg)}
-        try:
-            self._apply(st, op, pos, kw, env, flags)
-        except MappingError as e:
-            raise self.error(op, str(e), USAGE[op.name]) from None
-
-    def _dim(self, st: ShardState, op: OpCall, d: int) -> int:
-        ndim = len(st.shape)
-        if not 0 <= d < ndim or (st.flat and d != 0):
-            raise self.error(
-                op,
-                f"{op}: dim {d} does not exist; the tensor here has shape {list(st.shape)}",
-                f"a dim in 0..{ndim - 1}",
+def _local_tensor(ev: Evaluator, r: Rule, env) -> LocalTensor:
+    """The local tensor that rule ``r`` makes under ``env`` (its loop variables bound)."""
+    name = _local_name(r, env)
+    if isinstance(r.source, Part):
+        flags = new_flags()
+        logical, shape, st = part_state(ev, r.source, env, flags)
+        parts = [(logical, shape, st, flags)]
+    else:
+        parts = combine(ev, r.source, env)
+        if not parts:
+            raise ev.error(
+                r.source,
+                f"{r.source.kind}() holds no logical tensor under this layout (every part "
+                f"is excluded by 'when' or an empty loop), so local tensor {name!r} would be empty",
+                "at least one part, or a 'when' on the rule",
             )
-        return d
-
-    def _narrow(self, st: ShardState, dim: int, start: int, stop: int) -> None:
-        if st.flat:
-            narrow_flat(st, start, stop)
-        else:
-            narrow_block(st, dim, start, stop)
-
-    def _apply(self, st: ShardState, op: OpCall, pos, kw, env, flags: dict) -> None:
-        name = op.name
-        if name in ("replicate", "average", "on"):
-            axis = pos[0].name
-            if name == "on":
-                index = self.expr(pos[1], env)
-                if not 0 <= index < self.env[axis]:
-                    raise self.error(
-                        op,
-                        f"{op}: index {index} is outside mesh dim {axis} of size {self.env[axis]}",
-                        f"an index in 0..{self.env[axis] - 1}",
-                    )
-                flags["primary"] &= self.coords.get(axis, 0) == index
-            else:
-                flags["primary"] &= self.coords.get(axis, 0) == 0
-                if name == "average":
-                    flags["average"].append(axis)
-            return
-        if name == "transpose":
-            a, b = (self.expr(x, env) for x in pos)
-            if st.flat or a == b:
-                raise self.error(
-                    op, f"{op}: needs two distinct dims of a block tensor", USAGE[name]
-                )
-            self._dim(st, op, a)
-            self._dim(st, op, b)
-            flags["transpose"] = (a, b)
-            return
-        if name == "cast":
-            flags["dtype"] = DTYPES[pos[0].name]
-            return
-        if name == "flatten":
-            if not st.flat:
-                flatten_pieces(st)
-            return
-        if name == "range":
-            start, stop = (self.expr(x, env) for x in pos)
-            if len(st.shape) != 1:
-                raise self.error(
-                    op,
-                    f"{op} takes elements of a flat tensor, but this one has shape {list(st.shape)}",
-                    "flatten() before range()",
-                )
-            if not 0 <= start <= stop <= st.shape[0]:
-                raise self.error(
-                    op, f"{op}: outside 0..{st.shape[0]}", f"0 <= start <= stop <= {st.shape[0]}"
-                )
-            narrow_flat(st, start, stop) if st.flat else narrow_block(st, 0, start, stop)
-            return
-        dim = self._dim(st, op, self.expr(pos[0], env))
-        extent = st.shape[dim]
-        if name == "pad":
-            size = self.expr(pos[1], env) if len(pos) > 1 else None
-            if size is None:
-                m = kw["multiple"]
-                if m <= 0:
-                    raise self.error(op, f"{op}: multiple {m}", "a positive multiple")
-                size = -(-extent // m) * m
-            if size < extent:
-                raise self.error(
-                    op, f"{op}: dim {dim} already has {extent} elements", f"a size >= {extent}"
-                )
-            shape = st.shape[:dim] + (size,) + st.shape[dim + 1 :]
-            if not st.flat:
-                st.pieces = [Piece(0, shape, p.array_box, p.logical_box) for p in st.pieces]
-            st.shape = shape
-            return
-        if name == "slice":
-            start, stop = (self.expr(x, env) for x in pos[1:])
-            if not 0 <= start <= stop <= extent:
-                raise self.error(
-                    op, f"{op}: outside 0..{extent} of dim {dim}", f"0 <= start <= stop <= {extent}"
-                )
-            self._narrow(st, dim, start, stop)
-            return
-        if name == "split":
-            axis = pos[1].name
-            sizes = [self.expr(x, env) for x in pos[2].items]
-            n = self.env[axis]
-            if len(sizes) != n or sum(sizes) != extent or any(s < 0 for s in sizes):
-                raise self.error(
-                    op,
-                    f"{op}: sizes {sizes} do not cut {extent} elements into {n} parts",
-                    f"{n} non-negative sizes (the size of {axis}) summing to {extent}",
-                )
-            c = self.coords.get(axis, 0)
-            start = sum(sizes[:c])
-            self._narrow(st, dim, start, start + sizes[c])
-            return
-        if name == "chunk":
-            if len(pos) == 3:
-                parts, index = (self.expr(x, env) for x in pos[1:])
-                if not 0 <= index < parts:
-                    raise self.error(
-                        op, f"{op}: index {index} is outside 0..{parts - 1}", USAGE[name]
-                    )
-            else:
-                parts, index = self.env[pos[1].name], self.coords.get(pos[1].name, 0)
-            unit = kw.get("unit", 1)
-            if unit <= 0 or extent % unit:
-                raise self.error(
-                    op,
-                    f"{op}: dim {dim} has {extent} elements, not a multiple of the unit {unit}",
-                    "a unit that divides the dim",
-                )
-            start, stop = chunk_bounds(extent // unit, parts, index)
-            self._narrow(st, dim, start * unit, stop * unit)
-            return
-        raise AssertionError(name)
-
-    def part_state(self, part: Part, env, flags: dict) -> tuple[str, tuple[int, ...], ShardState]:
-        logical = self.name(part.name, env)
-        shape = tuple(self.expr(d, env) for d in part.shape)
-        if any(n < 0 for n in shape):
-            raise self.error(part, f"{logical}: negative size in shape {list(shape)}", "sizes >= 0")
-        st = initial_state(shape)
-        for op in part.ops:
-            self.apply(st, op, env, flags)
-        return logical, shape, st
-
-    def expand(self, items, env) -> Iterator[tuple[Part, dict]]:
-        for it in items:
-            if isinstance(it, Part):
-                if it.when is None or self.cond(it.when, env):
-                    yield it, env
-            elif it.loop is not None:
-                for j in range(self.expr(it.loop.count, env)):
-                    yield from self.expand(it.items, {**env, it.loop.var: j})
-            elif self.cond(it.when, env):
-                yield from self.expand(it.items, env)
-
-    def combine(self, c: Combine, env) -> list[tuple[str, tuple[int, ...], ShardState, dict]]:
-        parts = []
-        for part, penv in self.expand(c.items, env):
-            flags = _flags()
-            logical, shape, st = self.part_state(part, penv, flags)
-            parts.append((logical, shape, st, flags, part))
-        params = c.params
-        pos = [a for a in params if not isinstance(a, KwArg)]
-        kw = {a.name: self.expr(a.value, env) for a in params if isinstance(a, KwArg)}
-        if c.kind == "bucket":
-            states = self._bucket(
-                [p[2] for p in parts], kw.get("align", 1), kw.get("multiple", 1), c
-            )
-        else:
-            dim = self.expr(pos[0], env)
-            if c.kind == "fuse":
-                blocks = None
-            else:
-                sizes = pos[1]
-                assert isinstance(sizes, ListArg)  # check_spec: interleave(dim, [block, ...])
-                blocks = [self.expr(x, env) for x in sizes.items]
-                if len(blocks) != len(parts):
-                    raise self.error(
-                        pos[1],
-                        f"interleave() lists {len(blocks)} block size(s) for {len(parts)} part(s)",
-                        "one block size per part",
-                    )
-            states = self._concat(parts, dim, blocks, c)
-        return [(p[0], p[1], s, p[3]) for p, s in zip(parts, states, strict=True)]
-
-    def _concat(self, parts, dim: int, blocks, c: Combine) -> list[ShardState]:
-        states = [p[2] for p in parts]
-        flat = {s.flat for s in states}
-        if len(flat) > 1:
-            raise self.error(c, f"{c.kind}() mixes flat and block parts", "parts of one kind")
-        if flat == {True}:
-            if blocks is not None or dim != 0:
-                raise self.error(c, f"{c.kind}() of flat parts", "fuse(0, ...) of flat parts")
-            out, offset = [], 0
-            total = sum(s.shape[0] for s in states)
-            for s in states:
-                pieces = [
-                    Piece(p.base + offset, p.array_shape, p.array_box, p.logical_box)
-                    for p in s.pieces
-                ]
-                out.append(ShardState((total,), pieces, True))
-                offset += s.shape[0]
-            return out
-        ndims = {len(s.shape) for s in states}
-        if len(ndims) != 1 or not 0 <= dim < ndims.pop():
-            raise self.error(
-                c,
-                f"{c.kind}(): parts of shapes {[list(s.shape) for s in states]} cannot be joined on dim {dim}",
-                "parts with the same number of dims",
-            )
-        others = {s.shape[:dim] + s.shape[dim + 1 :] for s in states}
-        if len(others) != 1:
-            names = ", ".join(f"{p[0]} {list(p[2].shape)}" for p in parts)
-            raise self.error(
-                c,
-                f"{c.kind}(): local parts {names} differ outside dim {dim}",
-                f"parts that differ only along dim {dim}",
-            )
-        if blocks is None:
-            blocks = [s.shape[dim] for s in states]
-            groups = 1
-        else:
-            groups_of = set()
-            for (logical, _, s, _, _), b in zip(parts, blocks, strict=True):
-                if b <= 0 or s.shape[dim] % b:
-                    raise self.error(
-                        c,
-                        f"interleave(): the local part of {logical} has {s.shape[dim]} elements on dim {dim}, "
-                        f"not a multiple of its block {b}",
-                        "blocks that divide each part",
-                    )
-                groups_of.add(s.shape[dim] // b)
-            if len(groups_of) != 1:
-                raise self.error(
-                    c,
-                    f"interleave(): the parts hold different numbers of blocks {sorted(groups_of)}",
-                    "as many blocks in every part",
-                )
-            groups = groups_of.pop()
-        stride = sum(blocks)
-        shape = states[0].shape[:dim] + (stride * groups,) + states[0].shape[dim + 1 :]
-        out = []
-        offset = 0
-        for s, b in zip(states, blocks, strict=True):
-            pieces = []
-            for g in range(groups):
-                window = tuple(
-                    (g * b, (g + 1) * b) if d == dim else (0, n) for d, n in enumerate(s.shape)
-                )
-                shift = g * stride + offset - g * b
-                for p in s.pieces:
-                    x = intersect(p.array_box, window)
-                    if x is None:
-                        continue
-                    logical = translate_box(x, p.array_box, p.logical_box)
-                    box = tuple(
-                        (lo + shift, hi + shift) if d == dim else (lo, hi)
-                        for d, (lo, hi) in enumerate(x)
-                    )
-                    pieces.append(Piece(0, shape, box, logical))
-            out.append(ShardState(shape, pieces, False))
-            offset += b
-        return out
-
-    def _bucket(
-        self, states: list[ShardState], align: int, multiple: int, c: Combine
-    ) -> list[ShardState]:
-        if align <= 0 or multiple <= 0:
-            raise self.error(c, f"bucket(): align={align}, multiple={multiple}", "positive values")
-        cursor = 0
-        offsets = []
-        for s in states:
-            if not s.flat:
-                flatten_pieces(s)
-            start = -(-cursor // align) * align
-            offsets.append(start)
-            cursor = start + s.shape[0]
-        total = -(-cursor // multiple) * multiple
-        return [
-            ShardState(
-                (total,),
-                [Piece(p.base + o, p.array_shape, p.array_box, p.logical_box) for p in s.pieces],
-                True,
-            )
-            for s, o in zip(states, offsets, strict=True)
-        ]
-
-    def rule(self, r: Rule, env) -> LocalTensor:
-        name = _local_name(r, env)
-        if isinstance(r.source, Part):
-            flags = _flags()
-            logical, shape, st = self.part_state(r.source, env, flags)
-            parts = [(logical, shape, st, flags)]
-        else:
-            parts = self.combine(r.source, env)
-            if not parts:
-                raise self.error(
-                    r.source,
-                    f"{r.source.kind}() holds no logical tensor under this layout (every part "
-                    f"is excluded by 'when' or an empty loop), so local tensor {name!r} would be empty",
-                    "at least one part, or a 'when' on the rule",
-                )
-            for _logical, _shape, st, flags in parts:
-                for op in r.ops:
-                    self.apply(st, op, env, flags)
-        stored_shape = parts[0][2].shape
-        transpose = next((f["transpose"] for *_, f in parts if f["transpose"]), None)
-        dtype = next((f["dtype"] for *_, f in parts if f["dtype"]), None)
-        average = tuple(dict.fromkeys(a for *_, f in parts for a in f["average"]))
-        shape = stored_shape
-        if transpose is not None:
-            a, b = transpose
-            s = list(shape)
-            s[a], s[b] = s[b], s[a]
-            shape = tuple(s)
-        return LocalTensor(
-            name=name,
-            shape=shape,
-            stored_shape=stored_shape,
-            parts=tuple(
-                LocalPart(logical, lshape, Shard(st.shape, tuple(st.pieces)), f["primary"])
-                for logical, lshape, st, f in parts
-            ),
-            rule=r,
-            alias=r.alias,
-            transpose=transpose,
-            dtype=dtype,
-            average=average,
-        )
-
-
-def _flags() -> dict:
-    return {"primary": True, "average": [], "transpose": None, "dtype": None}
+        for _logical, _shape, st, flags in parts:
+            for op in r.ops:
+                apply(ev, st, op, env, flags)
+    stored_shape = parts[0][2].shape
+    transpose = next((f["transpose"] for *_, f in parts if f["transpose"]), None)
+    dtype = next((f["dtype"] for *_, f in parts if f["dtype"]), None)
+    average = tuple(dict.fromkeys(a for *_, f in parts for a in f["average"]))
+    shape = stored_shape
+    if transpose is not None:
+        a, b = transpose
+        s = list(shape)
+        s[a], s[b] = s[b], s[a]
+        shape = tuple(s)
+    return LocalTensor(
+        name=name,
+        shape=shape,
+        stored_shape=stored_shape,
+        parts=tuple(
+            LocalPart(logical, lshape, Shard(st.shape, tuple(st.pieces)), f["primary"])
+            for logical, lshape, st, f in parts
+        ),
+        rule=r,
+        alias=r.alias,
+        transpose=transpose,
+        dtype=dtype,
+        average=average,
+    )
 
 
 def _local_name(r: Rule, env) -> str:
@@ -550,7 +152,7 @@ def layout_for(spec: Spec | str, layout: Mapping[str, int]) -> Layout:
         if n < 1:
             raise LayoutError(f"mesh dim {d} has size {n}; sizes are >= 1")
         env[d] = n
-    ev = _Eval(spec, env, {})
+    ev = Evaluator(spec, env, {})
     for stmt in spec.statements:  # in order: a default may use an earlier let, and vice versa
         if isinstance(stmt, ParamDecl):
             for p in stmt.params:
@@ -609,13 +211,13 @@ def compile(
 
 
 def _compile(spec: Spec, lay: Layout, coords: tuple) -> dict[str, LocalTensor]:
-    ev = _Eval(spec, dict(lay.values), dict(coords))
+    ev = Evaluator(spec, dict(lay.values), dict(coords))
     out: dict[str, LocalTensor] = {}
     for r in spec.rules:
         for renv in _loop_envs(ev, r.loops, dict(lay.values)):
             if r.when is not None and not ev.cond(r.when, renv):
                 continue
-            t = ev.rule(r, renv)
+            t = _local_tensor(ev, r, renv)
             if t.name in out:
                 raise ev.error(
                     r,
@@ -626,7 +228,7 @@ def _compile(spec: Spec, lay: Layout, coords: tuple) -> dict[str, LocalTensor]:
     return out
 
 
-def _loop_envs(ev: _Eval, loops, env: dict) -> Iterator[dict]:
+def _loop_envs(ev: Evaluator, loops, env: dict) -> Iterator[dict]:
     """Every binding of the rule's loop variables; a count may use the loops before it."""
     if not loops:
         yield env
