@@ -182,7 +182,7 @@ def peer_wait(late_s: float) -> float:
 
     import torch.distributed as dist
 
-    from anyshard.trainer_integration.gpt.layout_chooser.costmodel import _peer_wait_s
+    from anyshard.trainer_integration.gpt.layout_chooser.measure import peer_wait_s as _peer_wait_s
 
     rank = dist.get_rank()
 

@@ -107,7 +107,7 @@ def test_the_wait_for_peers_is_added_to_every_collective_of_its_group_size():
 def test_busy_timing_counts_only_the_calls_that_ended_while_every_rank_was_busy():
     import time
 
-    from anyshard.trainer_integration.gpt.layout_chooser.costmodel import _time_busy
+    from anyshard.trainer_integration.gpt.layout_chooser.measure import time_busy
 
     durations = iter([0.0, 0.01, 0.01, 0.01, 0.3])  # a warm call, three short, one long
 
@@ -115,7 +115,7 @@ def test_busy_timing_counts_only_the_calls_that_ended_while_every_rank_was_busy(
         time.sleep(next(durations))
 
     # the long call ends after the budget: the others may have stopped by then
-    assert 0.009 < _time_busy(fn, 0.035) < 0.02
+    assert 0.009 < time_busy(fn, 0.035) < 0.02
 
 
 def test_the_docstring_examples_of_the_cost_model_and_the_scheduler_run():
@@ -123,7 +123,8 @@ def test_the_docstring_examples_of_the_cost_model_and_the_scheduler_run():
 
     from anyshard.trainer_integration.gpt.layout_chooser import costmodel, memory, valid
     from anyshard.trainer_integration.gpt.layout_chooser import scheduler as autolayout
+    from anyshard.trainer_integration.planning import step_cost
 
-    for module in (costmodel, autolayout, memory, valid):
+    for module in (costmodel, autolayout, memory, valid, step_cost):
         result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
         assert result.attempted > 0 and result.failed == 0, (module.__name__, result)

@@ -1,1 +1,2 @@
-"""Planning that imports no trainer: the failure simulator behind `anyshard plan`."""
+"""Planning that imports no trainer: the failure simulator behind `anyshard plan`, and the
+step-time model of a layout (`step_cost`) that the trainer's layout chooser calibrates."""
