@@ -1,29 +1,39 @@
-"""``anyshard.load``: fill a state dict in place, under whatever layout its tensors have."""
+"""``anyshard.load``: fill a state dict in place, under whatever layout its tensors have.
+
+A load is planned once (`_plan`: the manifest read, the state dict checked against it, the fills
+of this rank's tensors), then takes one of three routes, chosen in one place (`_load`): each rank
+reads what it needs (direct), or, reading once per job, the ranks read the stored shards once and
+send the regions to the ranks that need them (by stored shards: spec loads, column splits), or
+each replica reads a part of a replicated tensor and the parts are redistributed (replica split).
+"""
 
 from __future__ import annotations
 
-import math
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import torch
-import torch.distributed as dist
 
-from anyshard._compat import compute_local_shape_and_global_offset
 from anyshard.api import collectives as coll
+from anyshard.api.read_once import fill_shared, reads_column_slice
+from anyshard.api.replica_split import split_fills, world_mesh
 from anyshard.api.spec_state import spec_fills
 from anyshard.api.state import flatten_state
 from anyshard.api.tensor_layout import layout_of
 from anyshard.errors import StateDictMismatchError
 from anyshard.format import storage
 from anyshard.format.dtypes import ST_TO_DTYPE
-from anyshard.format.manifest import read_manifest
-from anyshard.geometry.boxes import intersect
+from anyshard.format.manifest import Manifest, read_manifest
 from anyshard.reshard.fill import Fill, fill_regions
-from anyshard.reshard.stored import stored_shards
 from anyshard.ucl.library import load_spec
 
 __all__ = ["LoadReport", "load", "load_is_collective", "load_reporting", "read_once_pays"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,21 +61,7 @@ def read_once_pays(path: str, process_group=None) -> bool:
     return storage.is_url(path) and coll.world_size(process_group) > 1
 
 
-def _key_problems(flat: dict, manifest) -> list[str]:
-    stored = set(manifest.tensors) | set(manifest.values)
-    missing = sorted(set(flat) - stored)
-    unexpected = sorted(stored - set(flat))
-    out = []
-    if missing:
-        out.append(f"missing from the checkpoint ({len(missing)}): {', '.join(missing)}")
-    if unexpected:
-        out.append(
-            f"in the checkpoint but not in the state dict ({len(unexpected)}): {', '.join(unexpected)}"
-        )
-    return out
-
-
-def load(
+def load_reporting(
     path: str,
     state_dict: dict[str, Any],
     *,
@@ -79,7 +75,29 @@ def load(
     verify: bool = True,
     read_once: bool | None = None,
     collective: bool | None = None,
-) -> None:
+) -> LoadReport:
+    """`load`, returning what this rank fetched from storage and what it received from other
+    ranks instead (a `LoadReport`)."""
+    options = _Options(strict=strict, process_group=process_group, cast=cast, threads=threads,
+                       spec=spec, layout=layout, coords=coords, verify=verify,
+                       read_once=read_once, collective=collective)  # fmt: skip
+    return _load(path, flatten_state(state_dict), options)
+
+
+def _signature_of(model: Callable[P, Any]) -> Callable[[Callable[..., R]], Callable[P, R]]:
+    """Give the decorated function, which passes its arguments on to ``model``, ``model``'s
+    parameters (for `inspect`, ``help`` and type checkers) and keep its own return type."""
+
+    def take(f: Callable[..., R]) -> Callable[P, R]:
+        returns = inspect.signature(f).return_annotation
+        f.__signature__ = inspect.signature(model).replace(return_annotation=returns)  # type: ignore[attr-defined]
+        return f
+
+    return take
+
+
+@_signature_of(load_reporting)
+def load(path: str, state_dict: dict[str, Any], **options: Any) -> None:
     """Fill ``state_dict`` in place from the checkpoint at ``path``.
 
     Tensors may be DTensors on any mesh with any placements, or plain tensors (filled whole);
@@ -120,20 +138,7 @@ def load(
     >>> state
     {'w': tensor([0., 1., 2., 3.]), 'epoch': 3}
     """
-    load_reporting(
-        path,
-        state_dict,
-        strict=strict,
-        process_group=process_group,
-        cast=cast,
-        threads=threads,
-        spec=spec,
-        layout=layout,
-        coords=coords,
-        verify=verify,
-        read_once=read_once,
-        collective=collective,
-    )
+    load_reporting(path, state_dict, **options)
 
 
 def load_is_collective(
@@ -161,312 +166,235 @@ def _collective(flat: dict, process_group, spec, coords, read_once) -> bool:
     return any(hasattr(leaf.value, "device_mesh") for leaf in flat.values())
 
 
-def load_reporting(
-    path: str,
-    state_dict: dict[str, Any],
-    *,
-    strict: bool = True,
-    process_group=None,
-    cast: bool = False,
-    threads: int = 8,
-    spec=None,
-    layout: dict[str, int] | None = None,
-    coords: dict[str, int] | None = None,
-    verify: bool = True,
-    read_once: bool | None = None,
-    collective: bool | None = None,
-) -> LoadReport:
-    """`load`, returning what this rank fetched from storage and what it received from other
-    ranks instead (a `LoadReport`)."""
-    flat = flatten_state(state_dict)
-    if collective is None:
-        collective = _collective(flat, process_group, spec, coords, read_once)
-    if spec is not None:
-        if read_once is None:
-            read_once = read_once_pays(path, process_group)
-        # read once: ranks that need the same stored region share one read
-        once = bool(read_once) and coll.world_size(process_group) > 1
-        report, error = None, None
-        try:
-            report = _load_spec(
-                path,
-                flat,
-                spec,
-                layout or {},
-                coords,
-                process_group,
-                strict,
-                cast,
-                threads,
-                verify,
-                once,
-            )
-        except Exception as e:
-            if not collective or once:  # read once agrees on every error it raises
-                raise
-            error = e
-        if collective and not once:
-            coll.raise_together(error, process_group, f"load of {path}")
-        assert report is not None
-        return report
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Options:
+    """The keyword arguments of `load`, as given."""
+
+    strict: bool
+    process_group: Any
+    cast: bool
+    threads: int
+    spec: Any
+    layout: dict[str, int] | None
+    coords: dict[str, int] | None
+    verify: bool
+    read_once: bool | None
+    collective: bool | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Plan:
+    """A load planned once: the checkpoint's manifest, the state dict checked against it, and
+    what this rank fills, before anything is read."""
+
+    path: str
+    manifest: Manifest
+    fills: list[Fill]  # this rank's part of each tensor, by name
+    values: list[str]  # the JSON values of the state dict that the checkpoint holds
+    targets: dict[str, torch.Tensor]  # the state dict's tensors, by name (none for a spec load)
+    spec: bool
+
+
+def _load(path: str, flat: dict, options: _Options) -> LoadReport:
+    """Plan the load once and choose its route (the one place that does). Without read once,
+    each rank reads what it needs (direct), and the ranks agree on the outcome after every
+    rank's read, where the load is collective. Reading once, the ranks agree on every rank's
+    plan before anything moves; then, with other ranks to share the reading with, a spec load,
+    or one where some rank needs a column slice, reads by stored shards; any other load of
+    DTensors or plain tensors by a replica split; a spec load alone, directly."""
+    group = options.process_group
+    read_once = options.read_once
     if read_once is None:
-        read_once = read_once_pays(path, process_group)
-    mesh = None  # plain tensors, whole on every rank, are replicated over the whole group
-    manifest = None  # read once, where the column-split check has read it
-    if read_once and dist.is_available() and dist.is_initialized():
-        if dist.get_world_size(process_group) > 1:
-            report, manifest = _load_by_stored_shards(
-                path, flat, process_group, strict, cast, threads, verify
-            )
-            if report is not None:
-                return report
-            mesh = _world_mesh(process_group)
-    agree = collective or mesh is not None  # read once is collective whatever ``collective`` says
-    split: dict[str, tuple[Any, Any]] = {}  # fqn -> (the part this rank fetches, the target)
-    bytes_read, error = 0, None
-    try:
-        manifest, plan = _plan_load(path, flat, split, mesh, process_group, strict, cast,
-                                    read_once, threads, verify, manifest=manifest)  # fmt: skip
-        bytes_read = plan.bytes_read
-    except Exception as e:
-        if not agree:  # no collective follows: this rank's error is its own
-            raise
-        error = e
-    if agree:  # a rank's error reaches every rank before the exchange
-        coll.raise_together(error, process_group, f"load of {path}")
-    if read_once:  # collective: every rank takes part, with or without replicated tensors
-        from anyshard.api.redistribute import redistribute
+        read_once = read_once_pays(path, group)
+    if not read_once:
+        collective = options.collective
+        if collective is None:
+            collective = _collective(flat, group, options.spec, options.coords, options.read_once)
 
-        redistribute(
-            {k: part for k, (part, _) in split.items()},
-            {k: target for k, (_, target) in split.items()},
-            process_group=process_group,
-            strict=False,
+        def plan_and_read() -> tuple[_Plan, LoadReport]:
+            plan = _plan(path, flat, options)
+            return plan, _read_direct(plan, options)
+
+        plan, report = _agreed(plan_and_read, collective, group, path)
+    else:
+        shared = coll.world_size(group) > 1
+        plan, columns = _agreed(
+            lambda: _plan_columns(path, flat, options, shared), True, group, path
         )
-    assert manifest is not None  # read on every rank that got here
-    for fqn, leaf in flat.items():
-        if fqn in manifest.values:
-            leaf.replace(manifest.values[fqn])
-    return LoadReport(bytes_read=bytes_read, forwarded=len(split))
+        if shared and (plan.spec or any(coll.all_gather_json(columns, group))):
+            report = _read_by_stored_shards(plan, options)
+        elif plan.spec:
+            report = _read_direct(plan, options)
+        else:
+            report = _read_replica_split(plan, options, shared)
+    for k in plan.values:
+        flat[k].replace(plan.manifest.values[k])
+    return report
 
 
-def _load_by_stored_shards(
-    path, flat, group, strict, cast, threads, verify
-) -> tuple[LoadReport | None, Any]:
-    """Read once where some rank needs a column slice of a tensor (a region narrower than the
-    stored shards it reads from, in the last dim): every region is read by one of the ranks
-    needing it, the regions read from the same stored shards by the same rank (whole rows once),
-    and sent to the others (`anyshard.api.read_once`). Splitting each target between its
-    replicas instead would have every tensor-parallel rank read the whole rows of its columns.
-    Collective. No report where no rank needs a column slice (the replica split serves best):
-    then the manifest it read, for that load."""
-    error, mine, fills, manifest = None, [], [], None
+def _agreed(step: Callable[[], T], agree: bool, group, path: str) -> T:
+    """``step()``; where ``agree`` (collective over ``group``), an error any rank meets in it
+    is raised on every rank (`coll.raise_together`) instead of the others going on into the
+    next collective and waiting there for it."""
+    if not agree:  # no collective follows: this rank's error is its own
+        return step()
     try:
-        manifest, fills = _plan_load(path, flat, {}, None, group, strict, cast, False, threads,
-                                     verify, execute=False)  # fmt: skip
-        mine = sorted({f.fqn for f in fills if _column_slice(manifest, f)})
+        result = step()
     except Exception as e:
-        error = e
-    coll.raise_together(error, group, f"load of {path}")
-    if not any(coll.all_gather_json(mine, group)):
-        return None, manifest
-    assert manifest is not None
-    nbytes, plan = _fill_once(path, manifest, fills, group, threads, verify)
-    for fqn, leaf in flat.items():
-        if fqn in manifest.values:
-            leaf.replace(manifest.values[fqn])
-    me = coll.rank(group)
-    received = {a.region[0] for a in plan if me in a.receivers}
-    return LoadReport(bytes_read=nbytes, forwarded=len(received)), manifest
+        coll.raise_together(e, group, f"load of {path}")
+        raise  # raise_together raised it (or the agreed error) already
+    coll.raise_together(None, group, f"load of {path}")
+    return result
 
 
-def _fill_once(path, manifest, fills, group, threads, verify) -> tuple[int, list]:
-    """Fill ``fills`` reading each stored region once per job (`anyshard.api.read_once`): the
-    ranks exchange what they need, agree who reads what, read and send. Collective; the bytes
-    this rank read and the agreement."""
-    from anyshard.api import read_once as ro
-
-    wanted = [[fqn, [list(r) for r in box]] for fqn, box in ro.needs_of(fills)]
-    everyone = [
-        [(fqn, tuple((lo, hi) for lo, hi in box)) for fqn, box in needs]
-        for needs in coll.all_gather_json(wanted, group)
-    ]
-    peers = [
-        dist.get_global_rank(group, r) if group is not None else r
-        for r in range(coll.world_size(group))
-    ]
-    plan = ro.assign(everyone, manifest)
-    nbytes = ro.fill_once(path, manifest, fills, plan, coll.rank(group), peers, group=group,
-                          threads=threads, verify=verify)  # fmt: skip
-    return nbytes, plan
-
-
-def _column_slice(manifest, fill: Fill) -> bool:
-    """Whether ``fill`` reads a column slice of a stored shard of two or more dims: a part of
-    its rows narrower than the stored rows (reads widen it to whole rows or tiles)."""
-    for p in fill.pieces:
-        if len(p.logical_box) < 2:
-            continue
-        for s in stored_shards(manifest, fill.fqn, p.logical_box):
-            for sp in s.shard.pieces:
-                common = intersect(sp.logical_box, p.logical_box)
-                if common is not None and common[-1] != sp.logical_box[-1]:
-                    return True
-    return False
-
-
-def _plan_load(
-    path,
-    flat,
-    split,
-    mesh,
-    process_group,
-    strict,
-    cast,
-    read_once,
-    threads,
-    verify,
-    execute=True,
-    manifest=None,
-):
-    """Read the manifest, check ``flat`` against it and fill this rank's part (``split``
-    collects the replicated targets that read-once splits); the manifest and the fill plan
-    (without ``execute``: the fills, unread). ``manifest``: the checkpoint's, if already read."""
-    manifest = manifest if manifest is not None else read_manifest(path)
-    problems = _key_problems(flat, manifest) if strict else []
-    fills: list[Fill] = []
-    meshes: dict = {}  # device mesh -> what layouts need of it, for this call only
-    for fqn, leaf in sorted(flat.items()):
-        value = leaf.value
-        if fqn in manifest.tensors:
-            entry = manifest.tensors[fqn]
-            if not isinstance(value, torch.Tensor):
-                problems.append(
-                    f"{fqn}: the checkpoint holds a tensor, the state dict a {type(value).__name__}"
-                )
-                continue
-            if tuple(value.shape) != entry.shape:
-                problems.append(
-                    f"{fqn}: global shape {list(value.shape)} in the state dict, {list(entry.shape)} in the checkpoint"
-                )
-                continue
-            stored = ST_TO_DTYPE[entry.dtype]
-            if value.dtype != stored and not cast:
-                problems.append(
-                    f"{fqn}: dtype {value.dtype} in the state dict, {stored} in the checkpoint (pass cast=True to convert)"
-                )
-                continue
-            part = None
-            if read_once:
-                target = value if hasattr(value, "device_mesh") else _as_replicated(value, mesh)
-                part = _replica_part(target)
-                if part is not None:
-                    split[fqn] = (part, target)
-            if part is not None:
-                value = part
-            held = layout_of(fqn, value, process_group, meshes)
-            fills.append(Fill(fqn, held.local, held.shard().pieces))
-        elif fqn in manifest.values:
-            if isinstance(value, torch.Tensor):
-                problems.append(
-                    f"{fqn}: the checkpoint holds a JSON value, the state dict a tensor"
-                )
+def _plan(path: str, flat: dict, options: _Options) -> _Plan:
+    """Read the manifest and check ``flat`` against it: every mismatch raised at once."""
+    manifest = read_manifest(path)
+    if options.spec is not None:
+        fills, values, problems = _fills_by_spec(manifest, flat, options)
+        targets: dict[str, torch.Tensor] = {}
+    else:
+        fills, targets, problems = _fills_by_layout(manifest, flat, options)
+        values = [k for k in flat if k in manifest.values]
     if problems:
         raise StateDictMismatchError(
             f"{path}: the state dict does not match the checkpoint:\n  " + "\n  ".join(problems)
         )
-    if not execute:
-        return manifest, fills
-    plan = fill_regions(path, manifest, fills, threads=threads, verify=verify)
-    return manifest, plan
-
-
-def _world_mesh(process_group):
-    """A 1-d DeviceMesh over ``process_group`` (no new process group is made)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    group = process_group or dist.group.WORLD
-    assert group is not None  # torch.distributed is initialised: its default group exists
-    device = "cuda" if "nccl" in str(dist.get_backend(group)) else "cpu"
-    return DeviceMesh.from_group(group, device, mesh_dim_names=("read_once",))
-
-
-def _as_replicated(value: torch.Tensor, mesh) -> torch.Tensor:
-    """A plain tensor that every rank passes whole, as the replicated DTensor it is: its local
-    tensor is ``value`` itself, so that filling the DTensor fills ``value``."""
-    from torch.distributed.tensor import DTensor, Replicate
-
-    if mesh is None or value.numel() == 0:
-        return value
-    return DTensor.from_local(value, mesh, [Replicate()], run_check=False)
-
-
-def _replica_part(value: torch.Tensor):
-    """For a DTensor replicated over some mesh dims, a DTensor of the same tensor on the same
-    mesh where each of those dims splits a tensor dim instead (so the replicas hold different
-    parts, which together cover what each of them needs); None when there is none, or no dim
-    is large enough to split."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    if not isinstance(value, DTensor) or value.numel() == 0:
-        return None
-    mesh, placements = value.device_mesh, list(value.placements)
-    shape = tuple(value.shape)
-    ways = [1] * len(shape)  # how many parts each tensor dim is cut into so far
-    for i, p in enumerate(placements):
-        if isinstance(p, Shard):
-            ways[p.dim] *= mesh.size(i)
-    changed = False
-    for i, p in enumerate(placements):
-        if not isinstance(p, Replicate) or mesh.size(i) == 1:
-            continue
-        for d, n in enumerate(shape):
-            if n // (ways[d] * mesh.size(i)) >= 1:
-                placements[i] = Shard(d)
-                ways[d] *= mesh.size(i)
-                changed = True
-                break
-    if not changed:
-        return None
-    local_shape, _ = compute_local_shape_and_global_offset(shape, mesh, placements)
-    local = torch.empty(local_shape, dtype=value.dtype, device=value.to_local().device)
-    stride = tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
-    return DTensor.from_local(
-        local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride
+    spec = options.spec is not None
+    return _Plan(
+        path=path, manifest=manifest, fills=fills, values=values, targets=targets, spec=spec
     )
 
 
-def _load_spec(
-    path, flat, spec, layout, coords, group, strict, cast, threads, verify, once=False
-) -> LoadReport:
-    """A spec load; with ``once``, collective: each stored region that several ranks need is
-    read by one of them and sent to the others (`anyshard.api.read_once`)."""
-    error = manifest = None
-    try:
-        manifest = read_manifest(path)
-        parsed = load_spec(spec)
-        fills, problems, value_keys = spec_fills(
-            manifest, flat, parsed, layout, coords, group, strict=strict, cast=cast
-        )
-        for k in value_keys:
-            if k not in manifest.values and strict:
-                problems.append(f"{k}: a JSON value the checkpoint lacks")
-        if problems:
-            raise StateDictMismatchError(
-                f"{path}: the state dict does not match the checkpoint:\n  " + "\n  ".join(problems)
-            )
-    except Exception as e:
-        if not once:
-            raise
-        error = e
-    if once:  # every rank's error, before any collective that could wait for it
-        coll.raise_together(error, group, f"load of {path}")
-    assert manifest is not None
-    if once:
-        bytes_read, _ = _fill_once(path, manifest, fills, group, threads, verify)
-    else:
-        bytes_read = fill_regions(path, manifest, fills, threads=threads, verify=verify).bytes_read
+def _plan_columns(path: str, flat: dict, options: _Options, shared: bool) -> tuple[_Plan, list]:
+    """`_plan`, and (a load of DTensors or plain tensors, with ranks to share with) the
+    tensors of which this rank needs a column slice."""
+    plan = _plan(path, flat, options)
+    if plan.spec or not shared:
+        return plan, []
+    return plan, sorted({f.fqn for f in plan.fills if reads_column_slice(plan.manifest, f)})
+
+
+def _fills_by_spec(
+    manifest, flat: dict, options: _Options
+) -> tuple[list[Fill], list[str], list[str]]:
+    """The fills of the spec's local tensors in ``flat``, the JSON values to replace, and the
+    mismatches found."""
+    parsed = load_spec(options.spec)
+    fills, problems, value_keys = spec_fills(
+        manifest,
+        flat,
+        parsed,
+        options.layout or {},
+        options.coords,
+        options.process_group,
+        strict=options.strict,
+        cast=options.cast,
+    )
     for k in value_keys:
-        if k in manifest.values:
-            flat[k].replace(manifest.values[k])
-    return LoadReport(bytes_read=bytes_read)
+        if k not in manifest.values and options.strict:
+            problems.append(f"{k}: a JSON value the checkpoint lacks")
+    return fills, [k for k in value_keys if k in manifest.values], problems
+
+
+def _fills_by_layout(
+    manifest, flat: dict, options: _Options
+) -> tuple[list[Fill], dict[str, torch.Tensor], list[str]]:
+    """The fills of the tensors of ``flat`` as this rank holds them, the tensors by name, and
+    the mismatches found."""
+    problems = _key_problems(flat, manifest) if options.strict else []
+    fills: list[Fill] = []
+    targets: dict[str, torch.Tensor] = {}
+    meshes: dict = {}  # device mesh -> what layouts need of it, for this call only
+    for fqn, leaf in sorted(flat.items()):
+        value = leaf.value
+        if fqn in manifest.tensors:
+            problem = _tensor_problem(fqn, value, manifest.tensors[fqn], options.cast)
+            if problem is not None:
+                problems.append(problem)
+                continue
+            held = layout_of(fqn, value, options.process_group, meshes)
+            fills.append(Fill(fqn, held.local, held.shard().pieces))
+            targets[fqn] = value
+        elif fqn in manifest.values and isinstance(value, torch.Tensor):
+            problems.append(f"{fqn}: the checkpoint holds a JSON value, the state dict a tensor")
+    return fills, targets, problems
+
+
+def _tensor_problem(fqn: str, value, entry, cast: bool) -> str | None:
+    """What does not match between the state dict's ``value`` and the stored tensor ``entry``."""
+    if not isinstance(value, torch.Tensor):
+        return f"{fqn}: the checkpoint holds a tensor, the state dict a {type(value).__name__}"
+    if tuple(value.shape) != entry.shape:
+        return f"{fqn}: global shape {list(value.shape)} in the state dict, {list(entry.shape)} in the checkpoint"
+    stored = ST_TO_DTYPE[entry.dtype]
+    if value.dtype != stored and not cast:
+        return f"{fqn}: dtype {value.dtype} in the state dict, {stored} in the checkpoint (pass cast=True to convert)"
+    return None
+
+
+def _key_problems(flat: dict, manifest) -> list[str]:
+    stored = set(manifest.tensors) | set(manifest.values)
+    missing = sorted(set(flat) - stored)
+    unexpected = sorted(stored - set(flat))
+    out = []
+    if missing:
+        out.append(f"missing from the checkpoint ({len(missing)}): {', '.join(missing)}")
+    if unexpected:
+        out.append(
+            f"in the checkpoint but not in the state dict ({len(unexpected)}): {', '.join(unexpected)}"
+        )
+    return out
+
+
+def _read_direct(plan: _Plan, options: _Options) -> LoadReport:
+    """Each rank reads what it needs."""
+    done = fill_regions(
+        plan.path, plan.manifest, plan.fills, threads=options.threads, verify=options.verify
+    )
+    return LoadReport(bytes_read=done.bytes_read)
+
+
+def _read_by_stored_shards(plan: _Plan, options: _Options) -> LoadReport:
+    """Every region is read by one of the ranks needing it, the regions read from the same
+    stored shards by the same rank (whole rows once), and sent to the others
+    (`anyshard.api.read_once`). Where some rank needs a column slice of a tensor (a region
+    narrower than the stored shards it reads from, in the last dim), splitting each target
+    between its replicas instead would have every tensor-parallel rank read the whole rows of
+    its columns. Collective."""
+    group = options.process_group
+    nbytes, assigned = fill_shared(
+        plan.path, plan.manifest, plan.fills, group, threads=options.threads, verify=options.verify
+    )
+    if plan.spec:  # a spec load reports the bytes it read only
+        return LoadReport(bytes_read=nbytes)
+    me = coll.rank(group)
+    received = {a.region[0] for a in assigned if me in a.receivers}
+    return LoadReport(bytes_read=nbytes, forwarded=len(received))
+
+
+def _read_replica_split(plan: _Plan, options: _Options, shared: bool) -> LoadReport:
+    """Each replica of a replicated tensor (a plain tensor, with other ranks to share with:
+    replicated over the whole group) reads a different part of it, and the parts go to the
+    other replicas (`anyshard.redistribute`). Collective."""
+    from anyshard.api.redistribute import redistribute
+
+    group = options.process_group
+    mesh = world_mesh(group) if shared else None  # plain tensors: whole on every rank
+
+    def read() -> tuple[int, dict[str, tuple[Any, Any]]]:
+        fills, split = split_fills(plan.fills, plan.targets, mesh, group)
+        done = fill_regions(
+            plan.path, plan.manifest, fills, threads=options.threads, verify=options.verify
+        )
+        return done.bytes_read, split
+
+    # a rank's error reaches every rank before the exchange
+    nbytes, split = _agreed(read, True, group, plan.path)
+    redistribute(  # every rank takes part, with or without replicated tensors
+        {k: part for k, (part, _) in split.items()},
+        {k: target for k, (_, target) in split.items()},
+        process_group=group,
+        strict=False,
+    )
+    return LoadReport(bytes_read=nbytes, forwarded=len(split))

@@ -24,7 +24,15 @@ from anyshard.geometry.boxes import Box, Piece, box_shape, full_box, intersect
 from anyshard.reshard.fill import Fill, fill_regions
 from anyshard.reshard.stored import stored_shards
 
-__all__ = ["Region", "assign", "fill_once", "needs_of", "place"]
+__all__ = [
+    "Region",
+    "assign",
+    "fill_once",
+    "fill_shared",
+    "needs_of",
+    "place",
+    "reads_column_slice",
+]
 
 Region = tuple[str, Box]  # a logical tensor's name and a box of it
 
@@ -41,6 +49,20 @@ class Assignment:
 def needs_of(fills: Sequence[Fill]) -> list[Region]:
     """The distinct regions ``fills`` need, sorted."""
     return sorted({(f.fqn, p.logical_box) for f in fills for p in f.pieces})
+
+
+def reads_column_slice(manifest: Manifest, fill: Fill) -> bool:
+    """Whether ``fill`` reads a column slice of a stored shard of two or more dims: a part of
+    its rows narrower than the stored rows (reads widen it to whole rows or tiles)."""
+    for p in fill.pieces:
+        if len(p.logical_box) < 2:
+            continue
+        for s in stored_shards(manifest, fill.fqn, p.logical_box):
+            for sp in s.shard.pieces:
+                common = intersect(sp.logical_box, p.logical_box)
+                if common is not None and common[-1] != sp.logical_box[-1]:
+                    return True
+    return False
 
 
 def assign(needs: Sequence[Sequence[Region]], manifest: Manifest) -> list[Assignment]:
@@ -106,32 +128,17 @@ def place(dest: torch.Tensor, piece: Piece, src: torch.Tensor) -> None:
     flat[index].copy_(src)
 
 
-def fill_once(
-    path: str,
-    manifest: Manifest,
-    fills: Sequence[Fill],
-    plan: Sequence[Assignment],
-    me: int,
-    peers: Sequence[int],
-    *,
-    group=None,
-    threads: int = 8,
-    verify: bool = True,
-    headers: dict | None = None,
-    error: BaseException | None = None,
-) -> int:
-    """Fill ``fills`` (this rank's, rank ``me`` of ``plan``) reading only the regions ``plan``
-    gives this rank and receiving the others from their readers; ``peers[r]`` is rank ``r``'s
-    global rank (for point-to-point messages). Collective over the ranks of ``plan``: a read
-    error on any of them is raised on all (over ``group``) before anything is sent, as is
-    ``error``, one this rank met before (it then reads nothing). Returns the bytes this rank
-    read."""
+def _buffers(
+    manifest: Manifest, plan: Sequence[Assignment], me: int
+) -> tuple[dict[Region, torch.Tensor], list[Fill]]:
+    """Where rank ``me`` reads the regions ``plan`` gives it: a buffer each region (a view of
+    one flat buffer a tensor), and the fills that read them."""
     by_fqn: dict[str, list[Box]] = {}
     for a in plan:
         if a.reader == me:
             by_fqn.setdefault(a.region[0], []).append(a.region[1])
     got: dict[Region, torch.Tensor] = {}
-    reads = []
+    reads: list[Fill] = []
     for fqn, boxes in by_fqn.items():  # one flat buffer a tensor: its reads plan together
         dtype = ST_TO_DTYPE[manifest.tensors[fqn].dtype]
         whole = _tiled_by(boxes)
@@ -152,6 +159,30 @@ def fill_once(
             got[(fqn, box)] = flat[at : at + n].view(shape)
             at += n
         reads.append(Fill(fqn, flat, tuple(pieces)))
+    return got, reads
+
+
+def fill_once(
+    path: str,
+    manifest: Manifest,
+    fills: Sequence[Fill],
+    plan: Sequence[Assignment],
+    me: int,
+    peers: Sequence[int],
+    *,
+    group=None,
+    threads: int = 8,
+    verify: bool = True,
+    headers: dict | None = None,
+    error: BaseException | None = None,
+) -> int:
+    """Fill ``fills`` (this rank's, rank ``me`` of ``plan``) reading only the regions ``plan``
+    gives this rank and receiving the others from their readers; ``peers[r]`` is rank ``r``'s
+    global rank (for point-to-point messages). Collective over the ranks of ``plan``: a read
+    error on any of them is raised on all (over ``group``) before anything is sent, as is
+    ``error``, one this rank met before (it then reads nothing). Returns the bytes this rank
+    read."""
+    got, reads = _buffers(manifest, plan, me)
     bytes_read = 0
     try:
         if reads and error is None:
@@ -180,3 +211,39 @@ def fill_once(
         for p in f.pieces:
             place(f.dest, p, got[(f.fqn, p.logical_box)].to(f.dest.device))
     return bytes_read
+
+
+def fill_shared(
+    path: str,
+    manifest: Manifest,
+    fills: Sequence[Fill],
+    group,
+    *,
+    threads: int = 8,
+    verify: bool = True,
+) -> tuple[int, list[Assignment]]:
+    """Fill ``fills`` reading each stored region once per job: the ranks of ``group`` exchange
+    what they need (`needs_of`), agree who reads what (`assign`), read and send (`fill_once`).
+    Collective; the bytes this rank read and the agreement."""
+    wanted = [[fqn, [list(r) for r in box]] for fqn, box in needs_of(fills)]
+    everyone = [
+        [(fqn, tuple((lo, hi) for lo, hi in box)) for fqn, box in needs]
+        for needs in coll.all_gather_json(wanted, group)
+    ]
+    peers = [
+        dist.get_global_rank(group, r) if group is not None else r
+        for r in range(coll.world_size(group))
+    ]
+    plan = assign(everyone, manifest)
+    nbytes = fill_once(
+        path,
+        manifest,
+        fills,
+        plan,
+        coll.rank(group),
+        peers,
+        group=group,
+        threads=threads,
+        verify=verify,
+    )
+    return nbytes, plan
