@@ -1,4 +1,5 @@
-"""Execute a read plan: parallel positional reads into target memory, checksums on the way."""
+"""Execute a read plan: parallel positional reads into target memory, checksums on the way
+(checked against the headers' by `anyshard.reshard.verify`)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ from collections.abc import Mapping as MappingType
 
 import torch
 
-from anyshard.errors import ChecksumError, CorruptCheckpointError, StorageError
+from anyshard.errors import CorruptCheckpointError, StorageError
 from anyshard.format import storage
-from anyshard.format.checksum import crc32c, crc32c_combine
-from anyshard.format.datafile import tensor_bytes, tile_crcs
+from anyshard.format.datafile import tensor_bytes
 from anyshard.format.pool import cpu_share, io_pool
 from anyshard.geometry.boxes import Piece, box_shape
-from anyshard.reshard.read_plan import GAP, STAGING, TARGET, ReadPlan, Request, Transfer
+from anyshard.reshard.read_plan import GAP, STAGING, TARGET, ReadPlan, Request
+from anyshard.reshard.verify import BlockChecksums, check_read_blocks, check_tiles
 
 __all__ = ["execute_plan", "piece_view"]
 
@@ -96,7 +97,7 @@ def execute_plan(
                 parts[shard].append((offset, length, crc))
         finish = lambda i, staging=staging: _finish(plan, i, staging[i], targets, src_dtypes, paths)  # noqa: E731
         list(pool.map(finish, sorted(staging)))
-    _verify(plan, parts, paths)
+    check_read_blocks(plan, parts, paths)
 
 
 def _staging(plan: ReadPlan, batch: list[Request], src_dtypes, paths) -> dict[int, memoryview]:
@@ -212,17 +213,16 @@ def _run_task(
                 else:
                     buffers.append(staging[i][offset : offset + n])
             reader = state.reader(r.rank)
+            summer = BlockChecksums(r.checks)
             if reader.fd is None or not r.checks:
                 _read(reader, r, buffers)
-                crcs = _crc_ranges(buffers, r.checks)
+                if r.checks:
+                    summer.update(buffers, 0)
             else:  # a local file: checksum each part while its bytes are still in the cache
-                summer = _Checksums(r.checks)
                 for part, at in _parts(buffers, _CHECK_PART):
                     _read(reader, r, part, at=at)
                     summer.update(part, at)
-                crcs = summer.crcs
-            for c, crc in zip(r.checks, crcs, strict=True):
-                out.append((c.shard, r.offset + c.start, c.stop - c.start, crc))
+            out += summer.parts(r.offset)
     finally:
         state.close()
     return out
@@ -239,7 +239,7 @@ def _run_rows(
     per = max(1, _BOUNCE_BYTES // n)
     dest = target_u8(target)
     reader = state.reader(r.rank)
-    crcs = [0] * len(r.checks)
+    summer = BlockChecksums(r.checks)
     for k0 in range(0, count, per):
         k = min(per, count - k0)
         lo = k0 * n
@@ -247,14 +247,8 @@ def _run_rows(
         mv = memoryview(bounce.numpy())
         _read(reader, r, [mv], at=lo)
         dest.as_strided((k, n), (stride, 1), first + k0 * stride).copy_(bounce.view(k, n))
-        for j, c in enumerate(r.checks):
-            a, z = max(c.start, lo), min(c.stop, lo + k * n)
-            if a < z:
-                crcs[j] = crc32c(mv[a - lo : z - lo], crcs[j])
-    return [
-        (c.shard, r.offset + c.start, c.stop - c.start, crc)
-        for c, crc in zip(r.checks, crcs, strict=True)
-    ]
+        summer.update([mv], lo)
+    return summer.parts(r.offset)
 
 
 def _run_streamed(
@@ -265,7 +259,7 @@ def _run_streamed(
     copied into place at once; the checksums run on over the reads."""
     target_bytes, staging, _, _, targets, src_dtypes = memory
     reader = state.reader(r.rank)
-    summer = _Checksums(r.checks)
+    summer = BlockChecksums(r.checks)
 
     def read(buffers: list[memoryview], at: int) -> None:
         for part, part_at in _parts(buffers, _CHECK_PART, at):
@@ -293,10 +287,7 @@ def _run_streamed(
         at += n
     if pending:
         read(pending, start)
-    return [
-        (c.shard, r.offset + c.start, c.stop - c.start, crc)
-        for c, crc in zip(r.checks, summer.crcs, strict=True)
-    ]
+    return summer.parts(r.offset)
 
 
 def _run_repeated(plan: ReadPlan, r: Request, memory, state: _Task) -> None:
@@ -348,7 +339,7 @@ def _run_repeated(plan: ReadPlan, r: Request, memory, state: _Task) -> None:
     if streamed:
         _finish(plan, i, mem, targets, src_dtypes, state.paths)
     elif kind == TARGET and t.tiles is not None:  # read straight into place
-        _check_tiles(t, piece_view(targets[t.target], t.dst), state.paths[t.rank])
+        check_tiles(t, piece_view(targets[t.target], t.dst), state.paths[t.rank])
 
 
 def _read(reader: storage.FileReader, r: Request, buffers: list[memoryview], at: int = 0) -> None:
@@ -407,54 +398,6 @@ def _parts(
         yield part, start
 
 
-class _Checksums:
-    """The crc32c of each of ``checks`` (byte ranges of a request, sorted, not overlapping),
-    run on over its bytes as they are read, in order."""
-
-    def __init__(self, checks) -> None:
-        self.checks = checks
-        self.crcs = [0] * len(checks)
-        self._first = 0  # the first check that may still overlap what is read next
-
-    def update(self, buffers: list[memoryview], at: int) -> None:
-        """Bytes ``buffers`` of the request, from byte ``at`` of it on."""
-        checks, crcs, j = self.checks, self.crcs, self._first
-        for buf in buffers:
-            n = len(buf)
-            while j < len(checks) and checks[j].stop <= at:
-                j += 1
-            k = j
-            while k < len(checks) and checks[k].start < at + n:
-                c = checks[k]
-                lo, hi = max(c.start, at), min(c.stop, at + n)
-                crcs[k] = crc32c(buf[lo - at : hi - at], crcs[k])
-                k += 1
-            at += n
-        self._first = j
-
-
-def _crc_ranges(buffers: list[memoryview], checks) -> list[int]:
-    """crc32c of bytes ``[c.start, c.stop)`` of the concatenation of ``buffers``, for each of
-    ``checks`` (sorted by start, not overlapping): one sweep over the buffers."""
-    out = []
-    i, pos = 0, 0  # buffers[i] starts at byte pos of the concatenation
-    for c in checks:
-        while i < len(buffers) and pos + len(buffers[i]) <= c.start:
-            pos += len(buffers[i])
-            i += 1
-        crc, j, at = 0, i, pos
-        while j < len(buffers) and at < c.stop:
-            b = buffers[j]
-            n = len(b)
-            lo, hi = max(c.start - at, 0), min(c.stop - at, n)
-            if lo < hi:
-                crc = crc32c(b[lo:hi], crc)
-            at += n
-            j += 1
-        out.append(crc)
-    return out
-
-
 def _finish(plan: ReadPlan, i: int, mem: memoryview, targets, src_dtypes, paths) -> None:
     t = plan.transfers[i]
     dtype = src_dtypes[(t.rank, t.fqn)]
@@ -463,7 +406,7 @@ def _finish(plan: ReadPlan, i: int, mem: memoryview, targets, src_dtypes, paths)
     )
     src = src.view(dtype).reshape(box_shape(t.src.logical_box))
     if t.tiles is not None:
-        _check_tiles(t, src, paths[t.rank])
+        check_tiles(t, src, paths[t.rank])
     if t.window is not None:  # whole checksum blocks were read: the needed piece of them
         w = t.window
         strides, step = [], 1
@@ -474,63 +417,3 @@ def _finish(plan: ReadPlan, i: int, mem: memoryview, targets, src_dtypes, paths)
         offset = w.base + sum(lo * s for (lo, _), s in zip(w.array_box, strides, strict=True))
         src = src.as_strided(box_shape(w.array_box), strides, src.storage_offset() + offset)
     piece_view(targets[t.target], t.dst).copy_(src)
-
-
-def _check_tiles(t: Transfer, staged: torch.Tensor, path: str) -> None:
-    """The tiles ``t`` staged (a 2-d box of whole tiles): their crc32c (`tile_crcs`) the
-    header's, else a `ChecksumError` naming the first tile that differs."""
-    assert t.tiles is not None
-    band, width, expected = t.tiles
-    got = tile_crcs(staged.view(torch.uint8), band, width * staged.element_size())
-    if got == list(expected):
-        return
-    j = next(k for k, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b)
-    per_band = staged.shape[1] // width
-    (lo, _), (clo, _) = t.src.array_box
-    r, c = lo + j // per_band * band, clo + j % per_band * width
-    r_end = min(r + band, t.src.array_box[0][1])
-    raise ChecksumError(
-        f"{path}: checksum mismatch in the stored shard of {t.fqn!r} (the tile of rows "
-        f"{r}..{r_end}, columns {c}..{c + width}: crc32c {got[j]:#010x}, header says "
-        f"{expected[j]:#010x}); the file is corrupt. Restore it from a replica or load an "
-        "earlier step"
-    )
-
-
-def _chain(start: int, stop: int, got: list[tuple[int, int, int]]) -> int | None:
-    """The crc32c of bytes ``[start, stop)`` from parts ``(offset, length, crc)`` that follow
-    one another from ``start`` to ``stop`` (parts may repeat or overlap: two transfers widened
-    into one block read it twice, cut differently); None when no parts chain through."""
-    after: dict[int, list[tuple[int, int]]] = {}
-    for offset, length, crc in got:
-        after.setdefault(offset, []).append((length, crc))
-    todo, seen = [(start, 0)], {start}
-    while todo:
-        pos, crc = todo.pop()
-        if pos == stop:
-            return crc
-        for length, part in after.get(pos, ()):
-            nxt = pos + length
-            if nxt not in seen and nxt <= stop:
-                seen.add(nxt)
-                todo.append((nxt, crc32c_combine(crc, part, length)))
-    return None
-
-
-def _verify(plan: ReadPlan, parts: dict[int, list[tuple[int, int, int]]], paths) -> None:
-    """Every checksum block that requests read part of: read whole, and its crc32c (combined
-    from the parts) the header's."""
-    for shard, got in parts.items():
-        rank, fqn, start, stop, expected = plan.shards[shard]
-        crc = _chain(start, stop, got)
-        if crc is None:
-            raise CorruptCheckpointError(
-                f"{paths[rank]}: bytes {start}..{stop} of the stored shard of {fqn!r} were read "
-                "only in part; they cannot be verified"
-            )
-        if crc != expected:
-            raise ChecksumError(
-                f"{paths[rank]}: checksum mismatch in the stored shard of {fqn!r} (bytes "
-                f"{start}..{stop}: crc32c {crc:#010x}, header says {expected:#010x}); the file "
-                "is corrupt. Restore it from a replica or load an earlier step"
-            )

@@ -8,11 +8,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from anyshard.errors import ChecksumError, CorruptCheckpointError
 from anyshard.format import storage
 from anyshard.format._remote import MAX_GAP
-from anyshard.format.checksum import same_algorithm
-from anyshard.format.datafile import DataFileHeader, ShardEntry, data_path, read_headers
+from anyshard.format.datafile import DataFileHeader, data_path, read_headers
 from anyshard.format.dtypes import ST_TO_DTYPE
 from anyshard.format.manifest import Manifest
 from anyshard.geometry.boxes import Piece
@@ -21,11 +19,11 @@ from anyshard.reshard.executor import execute_plan
 from anyshard.reshard.planner import match_sources, plan_reads
 from anyshard.reshard.read_plan import ReadPlan, StoredShardInfo, Transfer
 from anyshard.reshard.stored import describe_spec, stored_shards
+from anyshard.reshard.verify import check_stored
 
 __all__ = [
     "Fill",
     "MatchedFills",
-    "check_stored",
     "execute_fills",
     "fill_regions",
     "match_fills",
@@ -115,47 +113,6 @@ def match_fills(
         ]
     fqns = tuple(fqn for fqn, _ in needs)
     return MatchedFills(path, manifest, fqns, transfers, info, dtypes)
-
-
-def check_stored(
-    path: str,
-    manifest: Manifest,
-    rank: int,
-    key: str,
-    header: DataFileHeader,
-    dtype: str,
-    shape: Sequence[int],
-) -> ShardEntry:
-    """The header entry of rank ``rank``'s stored shard ``key`` in ``header`` (its own data file
-    or the one it references), checked against the manifest: `CorruptCheckpointError` when it
-    is missing, has another dtype or shape, or (referenced) lies elsewhere than the reference
-    says."""
-    stored = header.shards.get(key)
-    if stored is None or stored.shape != tuple(shape) or stored.dtype != dtype:
-        found = "nothing" if stored is None else f"{stored.dtype} {list(stored.shape)}"
-        raise CorruptCheckpointError(
-            f"{header.path}: expected the stored tensor {key!r} as {dtype} {list(shape)}, found {found}; "
-            "the data file does not belong to this manifest"
-        )
-    ref = manifest.refs.get(rank, {}).get(key)
-    if ref is not None and (ref.start, ref.stop) != (stored.start, stored.stop):
-        raise CorruptCheckpointError(
-            f"{header.path}: {path} references the stored tensor {key!r} at bytes "
-            f"{ref.start}..{ref.stop} of this file, but it lies at {stored.start}..{stored.stop}; "
-            "the referenced file was replaced. Load another step"
-        )
-    if (
-        ref is not None
-        and stored.digest is not None
-        and same_algorithm(stored.digest, ref.digest)
-        and stored.digest != ref.digest
-    ):
-        raise ChecksumError(
-            f"{header.path}: {path} references the stored tensor {key!r} with hash "
-            f"{ref.digest[:24]}..., but this file records {stored.digest[:24]}...; the "
-            "referenced file was replaced. Load another step"
-        )
-    return stored
 
 
 def execute_fills(
