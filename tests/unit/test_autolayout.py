@@ -107,7 +107,7 @@ def test_a_switch_that_pays_is_made_once_and_never_undone():
 def test_no_switch_when_the_steps_left_cannot_pay_it():
     # the faster layout saves 5 ms a step; 30 steps left save 0.15 s, less than a 2 s switch
     job = _Job(_scheduler(30), lambda name, step: 0.100 if name == "tp=2" else 0.095, switch_s=2.0)
-    job.s.switch_costs.append(2.0)
+    job.s.switched(2.0)  # a switch measured at 2 s
     job.run(0, 30)
     assert job.trace == [] and job.layout == "tp=2"
 

@@ -121,10 +121,10 @@ def test_busy_timing_counts_only_the_calls_that_ended_while_every_rank_was_busy(
 def test_the_docstring_examples_of_the_cost_model_and_the_scheduler_run():
     import doctest
 
-    from anyshard.trainer_integration.gpt.layout_chooser import costmodel, memory, valid
+    from anyshard.trainer_integration.gpt.layout_chooser import costmodel, memory, shares, valid
     from anyshard.trainer_integration.gpt.layout_chooser import scheduler as autolayout
     from anyshard.trainer_integration.planning import step_cost
 
-    for module in (costmodel, autolayout, memory, valid, step_cost):
+    for module in (costmodel, autolayout, memory, valid, step_cost, shares):
         result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
         assert result.attempted > 0 and result.failed == 0, (module.__name__, result)

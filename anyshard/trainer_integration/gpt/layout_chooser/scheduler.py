@@ -37,7 +37,6 @@ Every decision is identical on every rank: the inputs are the same gathered figu
 from __future__ import annotations
 
 import dataclasses
-import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -52,6 +51,12 @@ from anyshard.trainer_integration.gpt.layout_chooser.costmodel import (
     rank_layouts,
 )
 from anyshard.trainer_integration.gpt.layout_chooser.memory import switch_memory
+from anyshard.trainer_integration.gpt.layout_chooser.shares import (
+    halfway,
+    peak,
+    shares_for,
+    shares_move,
+)
 
 __all__ = ["Decision", "Policy", "Scheduler", "first_layout", "shares_for"]
 
@@ -111,30 +116,6 @@ class Decision:
         return out
 
 
-def shares_for(busy: Sequence[float], shares: Sequence[int], global_batch: int) -> list[int]:
-    """New data shares of ``global_batch``, proportional to each data rank's measured speed
-    (``shares[i]`` samples in ``busy[i]`` seconds); every rank keeps at least one sample and the
-    shares add up to the global batch (largest remainders get the leftover samples).
-
-    >>> shares_for([2.0, 1.0], [4, 4], 8)  # rank 0 took twice as long for the same share
-    [3, 5]
-    >>> shares_for([1.0, 1.0, 1.0], [2, 3, 3], 8)
-    [2, 3, 3]
-    """
-    if len(busy) != len(shares) or sum(shares) != global_batch:
-        raise ValueError(f"{len(busy)} busy times for {len(shares)} shares of {global_batch}")
-    speed = [n / max(b, 1e-9) for n, b in zip(shares, busy, strict=True)]
-    spare = global_batch - len(speed)  # one sample each first
-    if spare < 0:
-        raise ValueError(f"a global batch of {global_batch} has no sample for each of {len(speed)}")
-    ideal = [spare * s / sum(speed) for s in speed]
-    out = [1 + int(x) for x in ideal]
-    order = sorted(range(len(ideal)), key=lambda i: (int(ideal[i]) - ideal[i], i))
-    for i in order[: global_batch - sum(out)]:
-        out[i] += 1
-    return out
-
-
 @dataclass
 class _Layout:
     parallel: ParallelConfig
@@ -144,6 +125,55 @@ class _Layout:
     @property
     def median(self) -> float:
         return statistics.median(self.steps)
+
+
+@dataclass
+class _Measured:
+    """What the job has measured: each layout's steps, the switches' costs, the model refined by
+    the steps, and the straggler seen at the last re-plan."""
+
+    refiner: Refiner
+    layouts: dict[str, _Layout] = field(default_factory=dict)
+    switch_costs: list[float] = field(default_factory=list)
+    known: dict[str, float] = field(default_factory=dict)  # median steps before a straggler
+    slow: float = 1.0  # the straggler's slowdown (1: none)
+
+
+@dataclass
+class _Phase:
+    """Where the plan stands: measure -> trial -> settled (-> trial after a drift), and the
+    layouts trialled since the last re-plan."""
+
+    name: str = "measure"
+    trialled: set[str] = field(default_factory=set)
+    out_of_reach: set[str] = field(default_factory=set)  # predicted faster, no switch there fits
+
+
+@dataclass
+class _Window:
+    """Online: the steps since the last check, and the settled reference they are checked
+    against."""
+
+    recent: list[float] = field(default_factory=list)  # steps since the last check
+    busy: list[tuple[float, ...]] = field(default_factory=list)  # per data rank, since then
+    skews: list[float] = field(default_factory=list)  # busiest rank over the median rank, per step
+    reference: float | None = None  # the settled median step
+    skew_ref: float | None = None  # the skews' median when the reference was taken
+    drifted: int = 0  # windows in a row whose median drifted from the reference
+    # the busiest data rank in the last window, if it was over the imbalance (a rebalance waits
+    # for a second window naming it)
+    uneven: int | None = None
+
+
+@dataclass
+class _Shares:
+    """The data-parallel shares (None: even); online, the shares before the last rebalance and
+    the busiest data rank's compute they measured; whether a rebalance that did not pay stopped
+    further ones (until a re-plan)."""
+
+    current: tuple[int, ...] | None = None
+    trial: tuple[tuple[int, ...] | None, float | None] | None = None
+    settled: bool = False
 
 
 class Scheduler:
@@ -169,55 +199,52 @@ class Scheduler:
         self.total_steps = total_steps
         self.memory_bytes = memory_bytes
         self.world = current.world_size
-        self.refiner = Refiner(cfg, rates)
         self.table: Table = rank_layouts(cfg, self.world, rates, memory_bytes=memory_bytes)
         self.initial_table = self.table
         self.current = self._plain(current)
-        self.layouts: dict[str, _Layout] = {}
-        self.trialled: set[str] = set()
-        self.switch_costs: list[float] = []
-        self.phase = "measure"  # measure -> trial -> settled (-> measure after a drift)
-        self.reference: float | None = None  # the settled median step
-        self.drifted = 0  # windows in a row whose median drifted from the reference
-        self.uneven: int | None = None  # online: the busiest data rank in the last window, if
-        # it was over the imbalance (a rebalance waits for a second window naming it)
-        self.skews: list[float] = []  # online: busiest rank over the median rank, per step
-        self.skew_ref: float | None = None  # their median when the reference was taken
-        self.slow = 1.0  # a straggler's slowdown, seen at the last re-plan (1: none)
-        self.known: dict[str, float] = {}  # median steps measured before it appeared
-        self.recent: list[float] = []  # online: steps since the last check
-        self.busy: list[tuple[float, ...]] = []  # per data rank, since the last check
-        self.shares: tuple[int, ...] | None = None
-        # online: the shares before the last rebalance and the busiest data rank's compute they
-        # measured; whether a rebalance that did not pay stopped further ones (until a re-plan)
-        self.share_trial: tuple[tuple[int, ...] | None, float | None] | None = None
-        self.shares_settled = False
+        self.measured = _Measured(Refiner(cfg, rates))
+        self.phase = _Phase()
+        self.window = _Window()  # online
+        self.share = _Shares()
         self.decisions: list[dict] = []
-        self.out_of_reach: set[str] = set()  # predicted faster, but no switch there fits
-        self._step = start_step
+
+    @property
+    def shares(self) -> tuple[int, ...] | None:
+        """The data-parallel shares the loop carries out (None: even)."""
+        return self.share.current
+
+    @property
+    def slow(self) -> float:
+        """The straggler's slowdown seen at the last re-plan (1: none)."""
+        return self.measured.slow
+
+    @slow.setter
+    def slow(self, value: float) -> None:
+        self.measured.slow = value
 
     @staticmethod
     def _plain(p: ParallelConfig) -> ParallelConfig:
         return dataclasses.replace(p, relayout_at=None)
 
     def _entry(self, p: ParallelConfig) -> _Layout:
-        return self.layouts.setdefault(layout_text(p), _Layout(self._plain(p)))
+        return self.measured.layouts.setdefault(layout_text(p), _Layout(self._plain(p)))
 
     @property
     def switch_s(self) -> float:
         """The switch cost: the median measured one; before any, two predicted steps (a switch
         rebuilds the model and moves its whole state once, parameters, gradients and optimizer
         state: about what one step's collectives move under FSDP, on the same links)."""
-        if self.switch_costs:
-            return statistics.median(self.switch_costs)
-        return 2 * predict(self.cfg, self.current, self.rates, self.refiner.scales()).step_s
+        if self.measured.switch_costs:
+            return statistics.median(self.measured.switch_costs)
+        scales = self.measured.refiner.scales()
+        return 2 * predict(self.cfg, self.current, self.rates, scales).step_s
 
     def predicted(self, p: ParallelConfig) -> float:
         """``p``'s step, refined by the steps measured so far, under the straggler seen (if
         any): a layout whose data shares can move spreads the slow rank's lost speed over all
         data ranks, any other runs at the slow rank's pace."""
-        known = self.known.get(layout_text(p))  # measured before the straggler appeared
-        step = known or predict(self.cfg, p, self.rates, self.refiner.scales()).step_s
+        known = self.measured.known.get(layout_text(p))  # measured before the straggler appeared
+        step = known or predict(self.cfg, p, self.rates, self.measured.refiner.scales()).step_s
         return step * self.straggler_factor(p)
 
     def straggler_factor(self, p: ParallelConfig) -> float:
@@ -232,7 +259,7 @@ class Scheduler:
         (2.0, 1.3333333333333333)
         """
         n = p.dp_replicate * p.dp_shard
-        if self.slow <= 1.0 or not _shares_move(p) or n < 2:
+        if self.slow <= 1.0 or not shares_move(p) or n < 2:
             return self.slow
         return n / ((n - 1) + 1 / self.slow)
 
@@ -248,42 +275,41 @@ class Scheduler:
         ``busy`` each rank's compute time (its work, not its waits for the others) and
         ``data_ranks`` each rank's data-parallel rank (both by global rank; for the balance
         check)."""
-        self._step += 1
         entry = self._entry(self.current)
         if not entry.warm:  # the first step under a layout builds and warms it
             entry.warm = True
             return
+        w = self.window
         if busy:  # how much the busiest rank outweighs the typical one of the others
             rest = sorted(busy)[:-1] or list(busy)
-            self.skews.append(max(busy) / max(statistics.median(rest), 1e-9))
+            w.skews.append(max(busy) / max(statistics.median(rest), 1e-9))
         if busy is not None and data_ranks is not None:
             per_data: dict[int, float] = {}
             for b, d in zip(busy, data_ranks, strict=True):
                 per_data[d] = max(per_data.get(d, 0.0), b)  # a data rank's slowest member
-            self.busy.append(tuple(per_data[d] for d in sorted(per_data)))
-        if self.phase != "settled":
+            w.busy.append(tuple(per_data[d] for d in sorted(per_data)))
+        if self.phase.name != "settled":
             entry.steps.append(step_s)
             if len(entry.steps) == self.policy.trial_steps:
-                self.refiner.add(self.current, entry.median)
+                self.measured.refiner.add(self.current, entry.median)
             return
-        self.recent.append(step_s)
+        w.recent.append(step_s)
 
     def switched(self, cost_s: float) -> None:
         """A switch (or trial) the loop carried out took ``cost_s`` seconds."""
-        self.switch_costs.append(cost_s)
+        self.measured.switch_costs.append(cost_s)
 
     # -- the question ------------------------------------------------------------------------
 
     def decide(self, step: int) -> Decision:
         """What to do before step ``step`` (the loop's step counter)."""
-        self._step = step
         d = self._decide(step)
         if d.action != "keep" or d.reason:  # a decision, not a step of measuring or watching
             if d.parallel is not None:  # a new layout starts with even shares
-                self.current, self.shares = self._plain(d.parallel), None
-                self.busy, self.skews, self.uneven = [], [], None
+                self.current, self.share.current = self._plain(d.parallel), None
+                self.window.busy, self.window.skews, self.window.uneven = [], [], None
             if d.shares is not None:
-                self.shares = d.shares
+                self.share.current = d.shares
             self.decisions.append(self._record(step, d))
         return d
 
@@ -295,7 +321,7 @@ class Scheduler:
                 "predicted_s": self.predicted(e.parallel),
                 "measured_s": e.median if e.steps else None,
             }
-            for name, e in self.layouts.items()
+            for name, e in self.measured.layouts.items()
         ]
         return out
 
@@ -315,95 +341,64 @@ class Scheduler:
     def _remaining(self, step: int) -> int:
         return max(0, self.total_steps - step)
 
-    def _measured(self, p: ParallelConfig) -> float | None:
-        e = self.layouts.get(layout_text(p))
+    def _median(self, p: ParallelConfig) -> float | None:
+        e = self.measured.layouts.get(layout_text(p))
         return e.median if e is not None and len(e.steps) >= self.policy.trial_steps else None
 
     def _decide(self, step: int) -> Decision:
-        pol = self.policy
-        here = self._measured(self.current)
-        if self.phase in ("measure", "trial"):
-            entry = self._entry(self.current)
-            if self.slow > 1 and self.shares is None and self.busy and len(entry.steps) == 1:
-                # a layout trialled under a straggler is measured with its shares rebalanced
-                rebalance, self.busy = self._rebalance(self.busy), []
-                if rebalance is not None:
-                    entry.steps, entry.warm = [], False  # the next step warms the shares up
-                    return rebalance
-            if here is None:  # measuring the running layout
-                return Decision("keep")
-            self.phase = "trial"
-            candidate = self._next_trial(step)
-            if candidate is not None:
-                self.trialled.add(layout_text(candidate))
-                return Decision(
-                    "trial",
-                    candidate,
-                    reason=f"predicted {self.predicted(candidate) * 1e3:.1f} ms a step against "
-                    f"{here * 1e3:.1f} ms measured",
-                )
-            return self._settle(step)
-        if not self.online:
+        if self.phase.name in ("measure", "trial"):
+            return self._plan(step)
+        if not self.online or len(self.window.recent) < self.policy.window:
             return Decision("keep")
-        if len(self.recent) < pol.window:
-            return Decision("keep")
-        recent, self.recent = statistics.median(self.recent), []
-        busy, self.busy = self.busy, []
-        back = self._share_check(_peak(busy))
+        w = self.window
+        recent, w.recent = statistics.median(w.recent), []
+        busy, w.busy = w.busy, []
+        back = self._revert_shares(peak(busy))
         if back is not None:
             return back
-        rebalance = None if self.shares_settled else self._confirmed(self._rebalance(busy))
+        rebalance = self._rebalance_online(busy)
         if rebalance is not None:
-            self.reference = None  # measured afresh under the new shares
-            self.share_trial = (self.shares, _peak(busy))
             return rebalance
-        skew, self.skews = (statistics.median(self.skews) if self.skews else 1.0), []
-        if self.reference is None:
-            self.reference, self.skew_ref = recent, skew
+        return self._drift(recent)
+
+    # -- the phase machine: measure, trial, settle --------------------------------------------
+
+    def _plan(self, step: int) -> Decision:
+        """Measure the running layout, then trial the next candidate worth it, then settle."""
+        here = self._median(self.current)
+        entry = self._entry(self.current)
+        if self.slow > 1 and self.shares is None and self.window.busy and len(entry.steps) == 1:
+            # a layout trialled under a straggler is measured with its shares rebalanced
+            rebalance, self.window.busy = self._rebalance(self.window.busy), []
+            if rebalance is not None:
+                entry.steps, entry.warm = [], False  # the next step warms the shares up
+                return rebalance
+        if here is None:  # measuring the running layout
             return Decision("keep")
-        if abs(recent - self.reference) <= pol.drift * self.reference:
-            self.drifted = 0
-            return Decision("keep")
-        self.drifted += 1
-        if self.drifted < 2:  # one window off may be a save or a neighbour's burst: wait one more
-            return Decision("keep")
-        self.drifted = 0
-        # the machine changed under the job: what was measured before no longer holds
-        was = self.reference
-        slow = skew / (self.skew_ref or 1.0)
-        again = _Layout(self.current, [recent] * pol.trial_steps, warm=True)
-        before = {n: e.median for n, e in self.layouts.items() if len(e.steps) >= pol.trial_steps}
-        self.layouts = {layout_text(self.current): again}
-        if slow > 1 + pol.imbalance:  # one rank slowed: the model, refined so far, still holds
-            self.known = {**self.known, **before} if self.slow == 1.0 else self.known
-            self.slow = self.slow * slow
-            why = f"rank skew grew {slow:.2f}x"
-        else:  # the whole machine changed: refine from what the current layout measures now
-            self.refiner = Refiner(self.cfg, self.rates)
-            self.refiner.add(self.current, recent)
-            self.slow, self.known, why = 1.0, {}, "no one rank"
-        self.trialled, self.out_of_reach = set(), set()
-        self.reference = None
-        self.share_trial, self.shares_settled, self.uneven = None, False, None
-        self.phase = "trial"
-        return Decision(
-            "keep",
-            reason=f"re-plan: the step drifted from {was * 1e3:.1f} ms to {recent * 1e3:.1f} ms "
-            f"({why})",
-        )
+        self.phase.name = "trial"
+        candidate = self._next_trial(step)
+        if candidate is not None:
+            self.phase.trialled.add(layout_text(candidate))
+            return Decision(
+                "trial",
+                candidate,
+                reason=f"predicted {self.predicted(candidate) * 1e3:.1f} ms a step against "
+                f"{here * 1e3:.1f} ms measured",
+            )
+        return self._settle(step)
 
     def _next_trial(self, step: int) -> ParallelConfig | None:
         """The next layout worth a trial: predicted faster than the best measured by the
         margin of hysteresis, and the saving it predicts over the steps left pays the switch
         (a trial that measures slower costs a switch back, paid only if the steps left pay it)."""
-        pol = self.policy
-        if len(self.trialled) >= pol.trials:
+        pol, phase, layouts = self.policy, self.phase, self.measured.layouts
+        if len(phase.trialled) >= pol.trials:
             return None
-        best = min(e.median for e in self.layouts.values() if len(e.steps) >= pol.trial_steps)
+        best = min(e.median for e in layouts.values() if len(e.steps) >= pol.trial_steps)
         left = self._remaining(step) - pol.trial_steps - 1
         for row in self.table.rows:
             name = row.layout
-            if name in self.trialled or name in self.layouts:
+            if name in phase.trialled or name in layouts:
                 continue
             gain = best - self.predicted(row.parallel)
             if gain < pol.min_gain * best:
@@ -411,7 +406,7 @@ class Scheduler:
             # a trial switches there and, if it measures slower, back
             there = self._switch_fits(self.current, row.parallel)
             if not (there and self._switch_fits(row.parallel, self.current)):
-                self.out_of_reach.add(name)
+                phase.out_of_reach.add(name)
                 continue
             if gain * left > self.switch_s * (1 + pol.margin):
                 return row.parallel
@@ -419,18 +414,20 @@ class Scheduler:
 
     def _settle(self, step: int) -> Decision:
         """Switch to the fastest measured layout if it pays; then watch (online)."""
-        pol = self.policy
-        measured = {n: e for n, e in self.layouts.items() if len(e.steps) >= pol.trial_steps}
+        pol, out_of_reach = self.policy, self.phase.out_of_reach
+        layouts = self.measured.layouts
+        measured = {n: e for n, e in layouts.items() if len(e.steps) >= pol.trial_steps}
         best_name = min(measured, key=lambda n: measured[n].median)
         best, here = measured[best_name], measured[layout_text(self.current)]
-        self.phase = "settled"
-        self.recent, self.busy, self.skews, self.uneven = [], [], [], None
+        self.phase.name = "settled"
+        w = self.window
+        w.recent, w.busy, w.skews, w.uneven = [], [], [], None
         if best_name == layout_text(self.current):
             why = "the running layout is the fastest measured"
-            if self.out_of_reach:
-                targets = [r.parallel for r in self.table.rows if r.layout in self.out_of_reach]
+            if out_of_reach:
+                targets = [r.parallel for r in self.table.rows if r.layout in out_of_reach]
                 why += (
-                    f"; {', '.join(sorted(self.out_of_reach))} predicted faster, but a switch "
+                    f"; {', '.join(sorted(out_of_reach))} predicted faster, but a switch "
                     + self._over_budget(targets)
                 )
             return Decision("keep", reason=why)
@@ -454,38 +451,96 @@ class Scheduler:
         )
         return Decision("keep", reason=f"{best_name} is faster but {why}")
 
-    def _share_check(self, peak: float | None) -> Decision | None:
+    # -- online: drift ------------------------------------------------------------------------
+
+    def _drift(self, recent: float) -> Decision:
+        """Compare a window's median step with the settled one: a drift of `Policy.drift` in
+        two windows in a row re-plans (one window off may be a save or a neighbour's burst)."""
+        w = self.window
+        skew, w.skews = (statistics.median(w.skews) if w.skews else 1.0), []
+        if w.reference is None:
+            w.reference, w.skew_ref = recent, skew
+            return Decision("keep")
+        if abs(recent - w.reference) <= self.policy.drift * w.reference:
+            w.drifted = 0
+            return Decision("keep")
+        w.drifted += 1
+        if w.drifted < 2:  # one window off may be a save or a neighbour's burst: wait one more
+            return Decision("keep")
+        w.drifted = 0
+        return self._replan(recent, skew)
+
+    def _replan(self, recent: float, skew: float) -> Decision:
+        """The machine changed under the job: what was measured before no longer holds. Where
+        one rank slowed, the model refined so far still holds for the others; otherwise it is
+        refined afresh from what the current layout measures now."""
+        pol, m, w = self.policy, self.measured, self.window
+        was = w.reference
+        slow = skew / (w.skew_ref or 1.0)
+        again = _Layout(self.current, [recent] * pol.trial_steps, warm=True)
+        before = {n: e.median for n, e in m.layouts.items() if len(e.steps) >= pol.trial_steps}
+        m.layouts = {layout_text(self.current): again}
+        if slow > 1 + pol.imbalance:  # one rank slowed: the model, refined so far, still holds
+            m.known = {**m.known, **before} if m.slow == 1.0 else m.known
+            m.slow = m.slow * slow
+            why = f"rank skew grew {slow:.2f}x"
+        else:  # the whole machine changed: refine from what the current layout measures now
+            m.refiner = Refiner(self.cfg, self.rates)
+            m.refiner.add(self.current, recent)
+            m.slow, m.known, why = 1.0, {}, "no one rank"
+        self.phase = _Phase(name="trial")
+        w.reference, w.uneven = None, None
+        self.share.trial, self.share.settled = None, False
+        return Decision(
+            "keep",
+            reason=f"re-plan: the step drifted from {was * 1e3:.1f} ms to {recent * 1e3:.1f} ms "
+            f"({why})",
+        )
+
+    # -- online: data shares ------------------------------------------------------------------
+
+    def _revert_shares(self, peak: float | None) -> Decision | None:
         """After a rebalance, the window it measured: shares that made the busiest data rank's
         compute per step longer (by more than `Policy.noise`) go back to the ones before, and
         stay until a re-plan. Compute, not the step's wall time: what a share changes is each
         rank's work, and a rank's compute time does not move with the machine's other load
         as the wall time does (where compute is the wall time, waits included, it is the
         step's)."""
-        if self.share_trial is None:
+        sh = self.share
+        if sh.trial is None:
             return None
-        (before, was), self.share_trial = self.share_trial, None
+        (before, was), sh.trial = sh.trial, None
         if peak is None or was is None or peak <= was * (1 + self.policy.noise):
             return None
-        self.shares_settled = True
-        self.reference = None
-        n = len(self.shares or ())
+        sh.settled = True
+        self.window.reference = None
+        n = len(sh.current or ())
         even = tuple([self.cfg.train.global_batch // n] * n) if n else None
         return Decision(
             "rebalance",
             shares=before or even,
-            reason=f"shares {list(self.shares or ())} measured {peak * 1e3:.1f} ms of compute on "
+            reason=f"shares {list(sh.current or ())} measured {peak * 1e3:.1f} ms of compute on "
             f"the busiest data rank against {was * 1e3:.1f} ms before them: back",
         )
+
+    def _rebalance_online(self, busy: list[tuple[float, ...]]) -> Decision | None:
+        """A rebalance a second window in a row confirms (`_confirmed`), unless one that did not
+        pay stopped them; the next window measures it (`_revert_shares`)."""
+        rebalance = None if self.share.settled else self._confirmed(self._rebalance(busy))
+        if rebalance is not None:
+            self.window.reference = None  # measured afresh under the new shares
+            self.share.trial = (self.share.current, peak(busy))
+        return rebalance
 
     def _confirmed(self, rebalance: Decision | None) -> Decision | None:
         """An online rebalance once a second window in a row finds the same data rank over the
         imbalance: one window may be a neighbour's burst on that rank's core, as one window's
         drift may be (the windows' medians already pass over single steps)."""
         slow = None if rebalance is None else rebalance.slow
-        if slow is None or slow != self.uneven:
-            self.uneven = slow
+        if slow is None or slow != self.window.uneven:
+            self.window.uneven = slow
             return None
-        self.uneven = None
+        self.window.uneven = None
         return rebalance
 
     def _rebalance(self, busy: list[tuple[float, ...]]) -> Decision | None:
@@ -495,7 +550,7 @@ class Scheduler:
         p = self.current
         if (
             not busy
-            or not _shares_move(p)
+            or not shares_move(p)
             or len(busy[0]) < 2
             or any(len(b) != len(busy[0]) for b in busy)
         ):
@@ -514,8 +569,8 @@ class Scheduler:
         # half-way to shares proportional to the measured speeds: a rank's busy time also holds
         # work no share changes (the optimizer) and waits for the others in the gradient
         # exchange, so a small share looks slower per sample than it is and the full move
-        # overshoots; the next window measures whether the move paid (`_share_check`)
-        new = _halfway(shares, shares_for(med, shares, gb))
+        # overshoots; the next window measures whether the move paid (`_revert_shares`)
+        new = halfway(shares, shares_for(med, shares, gb))
         if new == shares:
             return None
         slow = max(range(n), key=lambda i: per_sample[i])
@@ -525,34 +580,3 @@ class Scheduler:
             reason=f"data rank {slow} takes {per_sample[slow] / mean:.2f}x the mean time per sample",
             slow=slow,
         )
-
-
-def _peak(busy: Sequence[tuple[float, ...]]) -> float | None:
-    """The busiest data rank's compute per step over a window (its median), or None."""
-    return statistics.median(max(b) for b in busy) if busy else None
-
-
-def _halfway(shares: Sequence[int], target: Sequence[int]) -> tuple[int, ...]:
-    """Shares half-way from ``shares`` to ``target`` (same total), each moving at least one
-    sample towards its target where it differs.
-
-    >>> _halfway((8, 8), (12, 4))
-    (10, 6)
-    >>> _halfway((10, 6), (11, 5))
-    (11, 5)
-    """
-    out = []
-    for a, b in zip(shares, target, strict=True):
-        step = (b - a) / 2
-        out.append(a + (math.ceil(step) if step > 0 else math.floor(step)))
-    extra = sum(out) - sum(shares)  # rounding away from zero on both sides may add samples
-    order = sorted(range(len(out)), key=lambda i: out[i] - target[i], reverse=extra > 0)
-    for i in order[: abs(extra)]:
-        out[i] -= 1 if extra > 0 else -1
-    return tuple(out)
-
-
-def _shares_move(p: ParallelConfig) -> bool:
-    """Whether data ranks can take uneven shares under ``p``: not with pipeline stages (their
-    microbatches split each share) nor experts (their ranks route tokens to each other)."""
-    return p.pp == 1 and p.ep == 1
