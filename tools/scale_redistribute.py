@@ -26,7 +26,7 @@ from bench_reshard import model_spec, placements_for  # noqa: E402
 
 from anyshard.api.redistribute import DEFAULT_MAX_INFLIGHT_BYTES, plan_redistribution  # noqa: E402
 from anyshard.api.tensor_layout import hold_mapping  # noqa: E402
-from anyshard.format.manifest import MeshEntry  # noqa: E402
+from anyshard.format.mesh import MeshEntry  # noqa: E402
 from anyshard.reshard.exchange import rounds_for  # noqa: E402
 
 

@@ -25,7 +25,7 @@ from anyshard.api.state import flatten_state, json_roundtrip
 from anyshard.api.tensor_layout import layout_of
 from anyshard.errors import AnyshardError, LayoutError, StateDictMismatchError
 from anyshard.format.dtypes import DTYPE_TO_ST, ST_TO_DTYPE
-from anyshard.format.manifest import MeshEntry
+from anyshard.format.mesh import MeshEntry
 from anyshard.geometry.boxes import Box, Piece, full_box, intersect
 from anyshard.reshard.exchange import (
     Move,

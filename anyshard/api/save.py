@@ -31,7 +31,7 @@ from anyshard.format.commit import (
 )
 from anyshard.format.datafile import write_datafile
 from anyshard.format.incremental import Incremental
-from anyshard.format.manifest import MeshEntry
+from anyshard.format.mesh import MeshEntry
 from anyshard.ucl.evaluate import compile, coords_of_rank, layout_for
 from anyshard.ucl.library import load_spec
 

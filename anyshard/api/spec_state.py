@@ -16,7 +16,8 @@ from anyshard.api.state import Leaf, json_roundtrip
 from anyshard.errors import AnyshardError, LayoutError, StateDictMismatchError
 from anyshard.format.commit import ReportedTensor
 from anyshard.format.dtypes import DTYPE_TO_ST, ST_TO_DTYPE
-from anyshard.format.manifest import Manifest, MeshEntry
+from anyshard.format.manifest import Manifest
+from anyshard.format.mesh import MeshEntry
 from anyshard.reshard.fill import Fill
 from anyshard.ucl.evaluate import (
     Layout,

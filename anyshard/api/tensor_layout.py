@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from anyshard._compat import root_mesh, strided_shard_type
 from anyshard.errors import LayoutError
-from anyshard.format.manifest import MeshEntry
+from anyshard.format.mesh import MeshEntry
 from anyshard.geometry.shards import Shard, chunk_bounds
 from anyshard.ucl.lowering import compile_mapping_cached
 from anyshard.ucl.mapping import Chunk, Mapping, On, Op, Replicate

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem
 
 from anyshard.errors import AnyshardError
 from anyshard.format.dtypes import DTYPE_TO_ST
-from anyshard.format.manifest import MeshEntry
+from anyshard.format.mesh import MeshEntry
 from anyshard.geometry.boxes import Box
 
 

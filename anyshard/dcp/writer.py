@@ -41,7 +41,8 @@ from anyshard.format.commit import (
     data_file_name,
 )
 from anyshard.format.datafile import write_datafile
-from anyshard.format.manifest import MANIFEST_NAME, MeshEntry
+from anyshard.format.manifest import MANIFEST_NAME
+from anyshard.format.mesh import MeshEntry
 from anyshard.format.steps import remove_unnamed
 
 __all__ = ["AnyshardWriter", "CheckpointExistsError"]

@@ -17,11 +17,11 @@ from anyshard.format import storage
 from anyshard.format.manifest import (
     MANIFEST_NAME,
     Manifest,
-    MeshEntry,
     Ref,
     SpecEntry,
     TensorEntry,
 )
+from anyshard.format.mesh import MeshEntry
 from anyshard.ucl.evaluate import Layout, recorded_layout
 from anyshard.ucl.ranks import coverage_problems
 from anyshard.ucl.syntax import Spec

@@ -18,8 +18,6 @@ unverified.
 from __future__ import annotations
 
 import json
-import math
-import posixpath
 import re
 import warnings
 from collections.abc import Mapping as MappingType
@@ -33,13 +31,19 @@ from anyshard.errors import (
     ChecksumError,
     CorruptCheckpointError,
     FormatVersionError,
-    MappingError,
     StorageError,
-    UCLError,
 )
 from anyshard.format import storage, strict_json
 from anyshard.format.checksum import check_seal, is_digest, seal
-from anyshard.format.dtypes import ST_TO_DTYPE
+from anyshard.format.manifest_checks import (
+    MAX_BYTES,
+    byte_values_of,
+    check_meshes,
+    check_tensors,
+    data_files,
+    planner_data_of,
+)
+from anyshard.format.mesh import MeshEntry
 from anyshard.format.strict_json import (
     FieldError,
     field_dict,
@@ -48,16 +52,14 @@ from anyshard.format.strict_json import (
     field_name,
     field_str,
 )
-from anyshard.ucl.lowering import compile_mapping
-from anyshard.ucl.mapping import Chunk, Mapping, On, Split, parse_mapping
-from anyshard.ucl.ranks import RankTensors, compile_every_rank, logical_shapes, written_parts
+from anyshard.ucl.mapping import Mapping, parse_mapping
+from anyshard.ucl.ranks import RankTensors, compile_every_rank
 
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
     "Manifest",
-    "MeshEntry",
     "Ref",
     "SpecEntry",
     "TensorEntry",
@@ -71,8 +73,7 @@ FORMAT_VERSION = 4
 MANIFEST_NAME = "manifest.json"
 KNOWN_VERSIONS = (1, 2, 3, 4)
 SEALED_SINCE = 4
-# the Python types of raw bytes values (manifest field ``bytes``, format_version 4 and later)
-BYTE_VALUE_TYPES = ("bytes", "BytesIO")
+MAX_WORLD_SIZE = 1 << 24  # ranks a manifest may name: 16 Mi, a thousand times today's largest jobs
 _SEAL_START = f'{{"format":"{FORMAT_NAME}","format_version":'.encode()
 _SEAL_PREFIX = _SEAL_START + f'{FORMAT_VERSION},"crc32c":"'.encode()  # what is written
 
@@ -85,132 +86,33 @@ def _seal_prefix(data: bytes) -> bytes | None:
     return data[: len(_SEAL_START) + m.end()]
 
 
-MAX_BYTES = (1 << 62) - 1  # a tensor's bytes, at most: what an int64 offset addresses
-MAX_WORLD_SIZE = 1 << 24  # ranks a manifest may name: 16 Mi, a thousand times today's largest jobs
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class MeshEntry:
-    """A device mesh: named dims with sizes, and the global rank at each coordinate.
-
-    Ranks are ``offset + sum(coord * stride)`` when ``strides`` is given (every mesh cut from a
-    row-major world is), else listed in ``ranks`` in row-major order of the coordinates.
-    """
-
-    dims: tuple[str, ...]
-    sizes: tuple[int, ...]
-    offset: int = 0
-    strides: tuple[int, ...] | None = None
-    ranks: tuple[int, ...] | None = None
-
-    def __post_init__(self) -> None:
-        if len(self.dims) != len(self.sizes) or len(set(self.dims)) != len(self.dims):
-            raise ValueError(f"mesh dims {self.dims} and sizes {self.sizes} do not match")
-        if (self.strides is None) == (self.ranks is None):
-            raise ValueError("a mesh needs exactly one of strides or ranks")
-        if self.ranks is not None and len(self.ranks) != math.prod(self.sizes):
-            raise ValueError(f"mesh of sizes {self.sizes} lists {len(self.ranks)} ranks")
-        if self.strides is not None and len(self.strides) != len(self.sizes):
-            raise ValueError(f"mesh of sizes {self.sizes} has strides {self.strides}")
-
-    @classmethod
-    def from_rank_grid(
-        cls, dims: tuple[str, ...], sizes: tuple[int, ...], ranks: list[int]
-    ) -> MeshEntry:
-        """Describe a mesh from its ranks in row-major order, compactly when they are affine."""
-        strides = []
-        for d in range(len(sizes)):
-            step = math.prod(sizes[d + 1 :])
-            strides.append(ranks[step] - ranks[0] if sizes[d] > 1 else 0)
-        entry = cls(dims=dims, sizes=sizes, offset=ranks[0], strides=tuple(strides))
-        if all(entry.rank_at_index(i) == r for i, r in enumerate(ranks)):
-            return entry
-        return cls(dims=dims, sizes=sizes, ranks=tuple(ranks))
-
-    @classmethod
-    def row_major(cls, sizes: MappingType[str, int]) -> MeshEntry:
-        """Ranks in row-major order of the dims of ``sizes`` (the last varies fastest), as a
-        UCL spec's mesh numbers them."""
-        strides = []
-        step = 1
-        for n in reversed(list(sizes.values())):
-            strides.append(step if n > 1 else 0)
-            step *= n
-        return cls(
-            dims=tuple(sizes),
-            sizes=tuple(sizes.values()),
-            offset=0,
-            strides=tuple(reversed(strides)),
+def _format_version(j: Any, where: str, sealed: bool) -> int:
+    """The format_version of manifest JSON ``j``: a version this anyshard reads, sealed if and
+    only if that version is."""
+    if not isinstance(j, dict) or j.get("format") != FORMAT_NAME:
+        raise CorruptCheckpointError(
+            f"{where}: not an anyshard manifest (format={j.get('format') if isinstance(j, dict) else None!r:.60})"
         )
+    version = j.get("format_version")
+    if type(version) is not int:  # bool is an int to Python, not to JSON
+        raise CorruptCheckpointError(
+            f"{where}: format_version {version!r:.60} is not an integer; the manifest is corrupt"
+        )
+    if version not in KNOWN_VERSIONS:
+        raise FormatVersionError(
+            f"{where}: format_version {version!r} is not one this anyshard reads "
+            f"({', '.join(map(str, KNOWN_VERSIONS))}); upgrade anyshard to read it"
+        )
+    if (version >= SEALED_SINCE) != sealed or (not sealed and "crc32c" in j):
+        # a sealed version must begin with its seal, and an earlier one has none: either
+        # way bytes of the manifest's beginning were changed
+        raise ChecksumError(
+            f"{where}: the manifest's checksum is missing or damaged (format_version "
+            f"{version}); the file is corrupt. Restore it from a replica or load an earlier "
+            "step"
+        )
+    return version
 
-    @property
-    def axis_sizes(self) -> dict[str, int]:
-        return dict(zip(self.dims, self.sizes, strict=True))
-
-    def rank_at_index(self, flat: int) -> int:
-        coords = []
-        for n in reversed(self.sizes):
-            coords.append(flat % n)
-            flat //= n
-        return self.rank(dict(zip(self.dims, reversed(coords), strict=True)))
-
-    def rank(self, coords: MappingType[str, int]) -> int:
-        """Global rank at ``coords``; dims missing from ``coords`` take coordinate 0."""
-        c = [coords.get(d, 0) for d in self.dims]
-        if self.strides is not None:
-            return self.offset + sum(i * s for i, s in zip(c, self.strides, strict=True))
-        flat = 0
-        for i, n in zip(c, self.sizes, strict=True):
-            flat = flat * n + i
-        return self.ranks[flat]
-
-    def rank_grid(self) -> np.ndarray:
-        """The global rank at every coordinate, as an array of shape ``sizes``."""
-        if self.ranks is not None:
-            return np.array(self.ranks, dtype=np.int64).reshape(self.sizes)
-        grid = np.full((), self.offset, dtype=np.int64)
-        for d, (n, s) in enumerate(zip(self.sizes, self.strides, strict=True)):
-            shape = [1] * len(self.sizes)
-            shape[d] = n
-            grid = grid + (np.arange(n, dtype=np.int64) * s).reshape(shape)
-        return np.broadcast_to(grid, self.sizes)
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"dims": list(self.dims), "sizes": list(self.sizes)}
-        if self.strides is not None:
-            out["offset"], out["strides"] = self.offset, list(self.strides)
-        else:
-            out["ranks"] = list(self.ranks)
-        return out
-
-    @classmethod
-    def from_json(cls, j: MappingType[str, Any]) -> MeshEntry:
-        """From its JSON, every field checked (`FieldError`)."""
-        j = field_dict(j, "a mesh")
-        dims = tuple(field_name(d, "a mesh dim") for d in field_list(j["dims"], "mesh dims"))
-        sizes = tuple(field_int(n, "a mesh size", 1) for n in field_list(j["sizes"], "mesh sizes"))
-        strides = ranks = None
-        if "strides" in j:
-            strides = tuple(
-                field_int(x, "a mesh stride", lo=-(2**62))
-                for x in field_list(j["strides"], "mesh strides")
-            )
-        if "ranks" in j:
-            ranks = tuple(field_int(r, "a mesh rank") for r in field_list(j["ranks"], "mesh ranks"))
-        offset = field_int(j.get("offset", 0), "the mesh offset")
-        try:
-            return cls(dims=dims, sizes=sizes, offset=offset, strides=strides, ranks=ranks)
-        except ValueError as e:
-            raise FieldError(str(e)) from None
-
-    def rank_range(self) -> tuple[int, int]:
-        """The lowest and highest global rank of the mesh."""
-        if self.ranks is not None:
-            return min(self.ranks), max(self.ranks)
-        lo = hi = self.offset
-        for n, s in zip(self.sizes, self.strides, strict=True):
-            lo, hi = lo + (n - 1) * min(s, 0), hi + (n - 1) * max(s, 0)
-        return lo, hi
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -289,23 +191,6 @@ class SpecEntry:
             layout=layout,
             mesh=field_int(j["mesh"], "the spec's mesh number"),
         )
-
-
-def _check_relative(name: str, where: str) -> str:
-    if (
-        not isinstance(name, str)
-        or not name
-        or "\\" in name
-        or name.startswith("/")
-        or "://" in name
-        or any(part in ("..", "") for part in name.split("/"))
-        or posixpath.normpath(name) != name
-    ):
-        raise CorruptCheckpointError(
-            f"{where}: file name {name!r} points outside the checkpoint; refusing to read it "
-            "(the manifest is corrupt or was crafted)"
-        )
-    return name
 
 
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
@@ -509,28 +394,7 @@ class Manifest:
             j = strict_json.loads(data)
         except FieldError as e:
             raise CorruptCheckpointError(f"{where}: manifest is not valid JSON ({e})") from None
-        if not isinstance(j, dict) or j.get("format") != FORMAT_NAME:
-            raise CorruptCheckpointError(
-                f"{where}: not an anyshard manifest (format={j.get('format') if isinstance(j, dict) else None!r:.60})"
-            )
-        version = j.get("format_version")
-        if type(version) is not int:  # bool is an int to Python, not to JSON
-            raise CorruptCheckpointError(
-                f"{where}: format_version {version!r:.60} is not an integer; the manifest is corrupt"
-            )
-        if version not in KNOWN_VERSIONS:
-            raise FormatVersionError(
-                f"{where}: format_version {version!r} is not one this anyshard reads "
-                f"({', '.join(map(str, KNOWN_VERSIONS))}); upgrade anyshard to read it"
-            )
-        if (version >= SEALED_SINCE) != sealed or (not sealed and "crc32c" in j):
-            # a sealed version must begin with its seal, and an earlier one has none: either
-            # way bytes of the manifest's beginning were changed
-            raise ChecksumError(
-                f"{where}: the manifest's checksum is missing or damaged (format_version "
-                f"{version}); the file is corrupt. Restore it from a replica or load an earlier "
-                "step"
-            )
+        version = _format_version(j, where, sealed)
         if not sealed:
             warnings.warn(
                 f"anyshard: {where} is format_version {version}, written before manifests were "
@@ -545,28 +409,16 @@ class Manifest:
             ) from None
         except FieldError as e:
             raise CorruptCheckpointError(f"{where}: manifest is malformed: {e}") from None
-        _check_tensors(manifest, where)
+        check_tensors(manifest, where)
         object.__setattr__(manifest, "read_version", version)
         return manifest
 
     @classmethod
     def _from_json(cls, j: dict, where: str) -> Manifest:
         world = field_int(j["world_size"], "world_size", 1, MAX_WORLD_SIZE)
-        files = {}
-        for r, f in field_dict(j["files"], "files").items():
-            if not (r.isascii() and r.isdigit()):
-                raise FieldError(f"files: {r!r:.40} is not a rank")
-            files[field_int(int(r), "a rank of files", 0, world - 1)] = _check_relative(
-                field_name(f, f"the file of rank {r}"), where
-            )
+        files = data_files(j, world, where)
         meshes = tuple(MeshEntry.from_json(m) for m in field_list(j["meshes"], "meshes"))
-        for i, m in enumerate(meshes):
-            lo, hi = m.rank_range()
-            if math.prod(m.sizes) > world or lo < 0 or hi >= world:
-                raise FieldError(
-                    f"mesh {i} ({dict(zip(m.dims, m.sizes, strict=True))}) has ranks "
-                    f"{lo}..{hi}, not {math.prod(m.sizes)} distinct ranks of the world of {world}"
-                )
+        check_meshes(meshes, world)
         tensors = {
             field_name(k, "a tensor name"): TensorEntry.from_json(v)
             for k, v in field_dict(j["tensors"], "tensors").items()
@@ -584,24 +436,8 @@ class Manifest:
             raise FieldError("references need format_version 3 or later")
         if ("bytes" in j or "planner_data" in j) and j.get("format_version", 0) < 4:
             raise FieldError("bytes values and planner_data need format_version 4 or later")
-        byte_values = {
-            field_str(k, "a bytes value's key"): field_str(v, f"the type of bytes value {k!r:.60}")
-            for k, v in field_dict(j.get("bytes", {}), "bytes").items()
-        }
-        for k, kind in byte_values.items():
-            t = tensors.get(k)
-            if kind not in BYTE_VALUE_TYPES or t is None or t.dtype != "U8" or len(t.shape) != 1:
-                raise FieldError(
-                    f"bytes: {k!r:.60} must be one of {BYTE_VALUE_TYPES} stored as a 1-d U8 tensor"
-                )
-        planner_data: dict[str, tuple[str | int, ...]] = {}
-        for k, path in field_dict(j.get("planner_data", {}), "planner_data").items():
-            keys = field_list(path, f"the planner_data of {k!r:.60}")
-            if not keys or not all(
-                isinstance(x, str) or (isinstance(x, int) and not isinstance(x, bool)) for x in keys
-            ):
-                raise FieldError(f"planner_data: {k!r:.60} maps to {keys!r:.60}, not keys")
-            planner_data[field_str(k, "a planner_data key")] = tuple(keys)
+        byte_values = byte_values_of(j, tensors)
+        planner_data = planner_data_of(j)
         return cls(
             world_size=world,
             meshes=meshes,
@@ -616,107 +452,6 @@ class Manifest:
             planner_data=planner_data,
             save_id=field_str(j.get("save_id", ""), "save_id"),
         )
-
-
-def _check_tensors(manifest: Manifest, where: str) -> None:
-    """Each tensor entry names a known dtype, an existing mesh, and a mapping over that mesh."""
-    spec_stored: dict = {}  # logical name -> the spec's written parts holding it
-    spec_shapes: dict = {}  # logical name -> its shape under the spec
-    if manifest.spec is not None:
-        if not 0 <= manifest.spec.mesh < len(manifest.meshes):
-            raise CorruptCheckpointError(
-                f"{where}: the spec's mesh {manifest.spec.mesh} does not exist"
-            )
-        mesh = manifest.meshes[manifest.spec.mesh]
-        wrong = {d: n for d, n in mesh.axis_sizes.items() if manifest.spec.layout.get(d) != n}
-        if wrong or mesh != MeshEntry.row_major(mesh.axis_sizes):
-            raise CorruptCheckpointError(
-                f"{where}: the spec's mesh {mesh.to_json()} is not its layout's "
-                f"{manifest.spec.layout} in row-major rank order; the manifest is corrupt"
-            )
-        try:
-            saved = manifest.spec_ranks(saved=True)
-            spec_stored = written_parts(saved)
-            spec_shapes = logical_shapes(saved)
-        except (UCLError, ValueError) as e:
-            raise CorruptCheckpointError(
-                f"{where}: the manifest's spec does not compile for its layout ({e})"
-            ) from None
-    problems: dict[tuple, str | None] = {}  # (mapping, shape, mesh) -> what is wrong, if anything
-    for fqn, t in manifest.tensors.items():
-        if (
-            t.dtype in ST_TO_DTYPE
-            and math.prod(t.shape) * ST_TO_DTYPE[t.dtype].itemsize > MAX_BYTES
-        ):
-            raise CorruptCheckpointError(
-                f"{where}: the entry of tensor {fqn!r} is malformed: shape {list(t.shape)} holds "
-                "more than 2**62 bytes; the manifest is corrupt or was crafted"
-            )
-        if t.mapping is None:
-            if manifest.spec is None:
-                why = "it has no mapping and the manifest has no spec"
-            elif fqn not in spec_stored:
-                why = "the spec stores no shard of it"
-            elif spec_shapes.get(fqn) != t.shape:
-                why = f"shape {list(t.shape)}, but the spec gives {list(spec_shapes[fqn])}"
-            elif t.dtype not in ST_TO_DTYPE:
-                why = f"dtype {t.dtype!r} is not one of {', '.join(sorted(ST_TO_DTYPE))}"
-            else:
-                continue
-            raise CorruptCheckpointError(
-                f"{where}: the entry of tensor {fqn!r} is malformed: {why}; the manifest is corrupt "
-                "or was written by an incompatible tool"
-            )
-        if t.dtype not in ST_TO_DTYPE:
-            why = f"dtype {t.dtype!r} is not one of {', '.join(sorted(ST_TO_DTYPE))}"
-        elif not 0 <= t.mesh < len(manifest.meshes):
-            why = f"mesh {t.mesh} does not exist (the manifest lists {len(manifest.meshes)})"
-        else:
-            key = (t.mapping, t.shape, t.mesh)  # tensors of one shape share a mapping
-            if key not in problems:
-                problems[key] = _mapping_problem(t, manifest.meshes[t.mesh], manifest.files)
-            why = problems[key]
-            if why is None:
-                continue
-        raise CorruptCheckpointError(
-            f"{where}: the entry of tensor {fqn!r} is malformed: {why}; the manifest is corrupt "
-            "or was written by an incompatible tool"
-        )
-
-
-def _mapping_problem(t: TensorEntry, mesh: MeshEntry, files: MappingType[int, str]) -> str | None:
-    """Why ``t``'s mapping cannot describe its stored shards over ``mesh``, or None: it parses,
-    names only the mesh's dims, and lowers for the tensor's shape (at the first coordinate:
-    what fits there fits everywhere)."""
-    try:
-        parsed = t.parsed
-    except (ValueError, TypeError) as e:  # MappingSyntaxError is a ValueError
-        return f"mapping {t.mapping!r} does not parse ({e})"
-    extra = set(parsed.axes) - set(mesh.dims)
-    if extra:
-        return f"mapping {t.mapping!r} names mesh dim(s) {sorted(extra)} that its mesh lacks"
-    pinned = {op.axis for op in parsed.ops if isinstance(op, On)}
-    split = {op.axis_name for op in parsed.ops if isinstance(op, (Chunk, Split)) and op.axis_name}
-    free = [d for d in mesh.dims if d in split and d not in pinned]
-    shards = math.prod(mesh.axis_sizes[d] for d in free)
-    if shards > len(files):  # every stored shard, even an empty one, is in a data file
-        base = {op.axis: op.index for op in parsed.ops if isinstance(op, On)}
-        for i in range(len(files) + 1):  # one of the first len(files) + 1 holders has no file
-            coords = dict(base)
-            for d in reversed(free):
-                i, coords[d] = divmod(i, mesh.axis_sizes[d])
-            if mesh.rank(coords) not in files:
-                break
-        return (
-            f"mapping {t.mapping!r} stores {shards} shards in the data files of as many ranks, "
-            f"but the manifest names {len(files)} data file(s): no data file for rank "
-            f"{mesh.rank(coords)}, which holds one"
-        )
-    try:
-        compile_mapping(parsed, t.shape, mesh.axis_sizes, dict.fromkeys(mesh.dims, 0))
-    except MappingError as e:
-        return f"mapping {t.mapping!r} does not fit the shape {list(t.shape)} ({e})"
-    return None
 
 
 def read_manifest(path: str) -> Manifest:

@@ -49,7 +49,7 @@ from anyshard.format.datafile import (
     tile_count,
 )
 from anyshard.format.dtypes import DTYPE_TO_ST, ST_TO_DTYPE
-from anyshard.format.manifest import MeshEntry
+from anyshard.format.mesh import MeshEntry
 from anyshard.geometry.boxes import Piece, box_shape, full_box
 from anyshard.loaders._shared import ExportItem, ExportReport, Progress, export_items, parse_size
 from anyshard.ucl.evaluate import compile, coords_of_rank, layout_for

@@ -28,7 +28,7 @@ from anyshard.api.views import BaseView, StoredShard
 from anyshard.errors import AnyshardError, CorruptCheckpointError
 from anyshard.format import storage
 from anyshard.format.dtypes import DTYPE_TO_ST
-from anyshard.format.manifest import MeshEntry
+from anyshard.format.mesh import MeshEntry
 from anyshard.geometry.boxes import Box, box_numel, box_shape
 from anyshard.loaders._shared import checked_region, rank_grid
 from anyshard.reshard.executor import piece_view

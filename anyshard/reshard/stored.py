@@ -12,7 +12,8 @@ import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from anyshard.format.manifest import Manifest, MeshEntry
+from anyshard.format.manifest import Manifest
+from anyshard.format.mesh import MeshEntry
 from anyshard.geometry.boxes import Box, intersect
 from anyshard.geometry.shards import Shard
 from anyshard.ucl.evaluate import LocalTensor

@@ -5,7 +5,8 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from anyshard.format.manifest import Manifest, MeshEntry, TensorEntry
+from anyshard.format.manifest import Manifest, TensorEntry
+from anyshard.format.mesh import MeshEntry
 from anyshard.ucl.lowering import enumerate_shards
 
 OPS = [
