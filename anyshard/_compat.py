@@ -40,6 +40,8 @@ __all__ = [
     "process_groups",
     "root_mesh",
     "s3_call",
+    "s3_request",
+    "s3_request_params",
     "set_element",
     "set_nccl_timeout",
     "storage_offset_in_file",
@@ -336,3 +338,18 @@ def s3_call(fs: Any) -> Callable[..., Any] | None:
     its retries and credentials (s3fs 2024.12-2026.9); None for a filesystem without it (not
     S3), which reads whole ranges instead of streaming."""
     return getattr(fs, "_call_s3", None)
+
+
+def s3_request(fs: Any) -> Callable[..., Any] | None:
+    """s3fs's ``S3FileSystem.call_s3(method, **params)``: `s3_call` as a blocking call (fsspec's
+    sync wrapper, which runs it on the filesystem's event loop and takes fsspec's ``timeout``)
+    (s3fs 2024.12-2026.9); private though it has no underscore. None for a filesystem without
+    it (not S3), which gets fsspec's plain writes: no conditional PUT, no multipart upload."""
+    return getattr(fs, "call_s3", None)
+
+
+def s3_request_params(fs: Any) -> dict[str, Any]:
+    """s3fs's ``S3FileSystem.req_kw``: the parameters s3fs adds to each of its own S3 calls
+    (``RequestPayer`` for a requester-pays filesystem), for calls anyshard sends itself (s3fs
+    2024.12-2026.9); private though it has no underscore. Empty where missing."""
+    return dict(getattr(fs, "req_kw", None) or {})

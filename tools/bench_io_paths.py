@@ -63,7 +63,7 @@ def readers(url: str, plan: Plan, kv, fs, merge: bool) -> dict:
     fsspec's through ``fs`` (``merge``: the runs merged into GETs, as on S3)."""
     import tensorstore as ts
 
-    from anyshard.format import _remote, storage
+    from anyshard.format import ranged_reads, storage
 
     key = url.rsplit("/", 1)[1]
 
@@ -81,7 +81,7 @@ def readers(url: str, plan: Plan, kv, fs, merge: bool) -> dict:
     def fsspec() -> None:
         path = url.removeprefix("s3://")
         if merge:  # S3: runs merged into GETs of at most 16 MiB
-            blocks = list(_remote._blocks(plan.spans, 16 * h.MiB))
+            blocks = list(ranged_reads._blocks(plan.spans, 16 * h.MiB))
             starts, ends = [b[0] for b in blocks], [b[1] for b in blocks]
             datas = fs.cat_ranges([path] * len(blocks), starts, ends)
             for (start, _, spans), data in zip(blocks, datas, strict=True):

@@ -8,7 +8,9 @@ with exponential backoff until ``ANYSHARD_STORAGE_DEADLINE`` seconds (default 12
 each attempt cut off after ``ANYSHARD_STORAGE_ATTEMPT_TIMEOUT`` (default a quarter of the
 deadline); then a `StorageError` names the object and the last cause. A missing object raises
 `FileNotFoundError` at once, for the caller to say what it should have been. The URL machinery
-(retries, S3 multipart streams, coalesced ranged reads) lives in `anyshard.format._remote`.
+lives in `anyshard.format.object_store` (retries, whole objects, the commit's exclusive PUT
+`put_if_absent`, S3 multipart streams) and `anyshard.format.ranged_reads` (coalesced ranged
+reads).
 """
 
 from __future__ import annotations
@@ -22,7 +24,17 @@ from contextlib import contextmanager
 from typing import BinaryIO
 
 from anyshard.errors import StorageError
-from anyshard.format._remote import MultipartWriter, call, read_spans, retry
+from anyshard.format.object_store import (
+    MultipartWriter,
+    call,
+    object_exists,
+    put_if_absent,
+    put_object,
+    read_object,
+    retry,
+    speaks_s3,
+)
+from anyshard.format.ranged_reads import read_spans
 
 __all__ = [
     "exists",
@@ -96,12 +108,7 @@ def exists(path: str) -> bool:
     if not is_url(path):
         return os.path.exists(_local(path))
     fs, p = _fs(path)
-    fs.invalidate_cache(p)  # another process may have written it since this one listed
-    try:
-        retry(path, "stat", lambda t: call(fs, "info", t, p))
-    except FileNotFoundError:
-        return False
-    return True
+    return object_exists(fs, p, path)
 
 
 def size(path: str) -> int:
@@ -185,10 +192,8 @@ def remove_tree(path: str) -> None:
 def read_bytes(path: str) -> bytes:
     try:
         if is_url(path):
-            try:  # a range from 0, not the whole object: s3fs would HEAD it first
-                return _url_op(path, "read", "cat_file", start=0)
-            except EOFError:  # S3 answers 416 to a range over an empty object
-                return b""
+            fs, p = _fs(path)
+            return read_object(fs, p, path)
         with open(_local(path), "rb") as f:
             return f.read()
     except (FileNotFoundError, IsADirectoryError, StorageError):  # callers say what it should be
@@ -207,12 +212,14 @@ def write_bytes_atomic(path: str, data: bytes, *, exclusive: bool = False) -> No
     """Write a small document so that readers see either nothing or all of it.
 
     With ``exclusive``, `FileExistsError` if ``path`` exists, decided atomically where the
-    backend can (local files: a hard link; S3: a conditional PUT, ``If-None-Match: *``), so two
-    writers cannot both commit; other URL schemes only check first.
+    backend can (local files: a hard link; S3: a conditional PUT, ``If-None-Match: *``, in
+    `object_store.put_if_absent`), so two writers cannot both commit; other URL schemes only
+    check first.
     """
     try:
         if is_url(path):
-            _write_url(path, data, exclusive)
+            fs, p = _fs(path)
+            (put_if_absent if exclusive else put_object)(fs, p, path, data)
             return
         local = _local(path)
         tmp = f"{local}.tmp-{os.getpid()}-{threading.get_ident()}"
@@ -254,23 +261,6 @@ def _bucket_missing(path: str) -> bool:
         return False
 
 
-def _write_url(path: str, data: bytes, exclusive: bool) -> None:
-    fs, p = _fs(path)
-    if not exclusive:  # one PUT: an object store makes it visible whole or not at all
-        retry(path, "write", lambda t: call(fs, "pipe_file", t, p, data))
-        return
-    if not hasattr(fs, "call_s3"):
-        if exists(path):
-            raise FileExistsError(f"{path} exists")
-        retry(path, "write", lambda t: call(fs, "pipe_file", t, p, data))
-        return
-    try:
-        retry(path, "write", lambda t: call(fs, "pipe_file", t, p, data, mode="create"))
-    except FileExistsError:
-        if read_bytes(path) != data:  # else: a retry after our own PUT, whose answer was lost
-            raise FileExistsError(f"{path} exists") from None
-
-
 def _fsync_dir(path: str) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -303,7 +293,7 @@ def open_writer(path: str, *, fsync: bool = True) -> Iterator[BinaryIO]:
                 _fsync_dir(os.path.dirname(_local(path)) or ".")
             return
         fs, p = _fs(path)
-        if not hasattr(fs, "call_s3"):
+        if not speaks_s3(fs):
             with fs.open(p, "wb") as f:
                 yield f
             return
@@ -418,9 +408,9 @@ class FileReader:
     def read_scattered(self, spans: Sequence[tuple[int, memoryview]]) -> None:
         """Fill each buffer with the bytes at its offset.
 
-        On a URL, spans closer than 1 MiB are fetched as one GET (see `_remote.read_spans` for
-        the sizes of GETs and how many run at once): a thousand row-sized spans cost a
-        few requests, not a thousand round trips. Locally, one ``preadv`` per span.
+        On a URL, spans closer than 1 MiB are fetched as one GET (see `ranged_reads.read_spans`
+        for the sizes of GETs and how many run at once): a thousand row-sized spans cost a few
+        requests, not a thousand round trips. Locally, one ``preadv`` per span.
         """
         if self._fd is not None:
             for offset, buf in spans:

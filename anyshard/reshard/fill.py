@@ -9,10 +9,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from anyshard.format import storage
-from anyshard.format._remote import MAX_GAP
 from anyshard.format.datafile import DataFileHeader, data_path, read_headers
 from anyshard.format.dtypes import ST_TO_DTYPE
 from anyshard.format.manifest import Manifest
+from anyshard.format.ranged_reads import MAX_GAP
 from anyshard.geometry.boxes import Piece
 from anyshard.reshard import planner
 from anyshard.reshard.executor import execute_plan

@@ -72,14 +72,14 @@ def _flaky(seconds: float, failures: int, moves: bool):
 
 
 def test_the_deadline_counts_from_the_last_attempt_that_moved_bytes(monkeypatch):
-    from anyshard.format import _remote
+    from anyshard.format import object_store
 
     monkeypatch.setenv("ANYSHARD_STORAGE_DEADLINE", "1.0")
-    monkeypatch.setattr(_remote, "FIRST_BACKOFF", 0.01)
+    monkeypatch.setattr(object_store, "FIRST_BACKOFF", 0.01)
     # 6 failures of 0.3 s each: 1.8 s in all, past the deadline, but each one moved bytes
     attempt, progress = _flaky(0.3, 6, moves=True)
-    assert _remote.retry("s3://b/k", "read", attempt, progress=progress) == "ok"
+    assert object_store.retry("s3://b/k", "read", attempt, progress=progress) == "ok"
     # the same failures without progress end at the deadline
     attempt, progress = _flaky(0.3, 6, moves=False)
     with pytest.raises(StorageError, match="deadline"):
-        _remote.retry("s3://b/k", "read", attempt, progress=progress)
+        object_store.retry("s3://b/k", "read", attempt, progress=progress)

@@ -1,5 +1,6 @@
-"""The URL half of `anyshard.format.storage`: retries until a deadline, streamed S3 multipart
-writes, and coalesced concurrent ranged reads. Only `storage` imports this module.
+"""Object storage, for `anyshard.format.storage`: every call under a retry with a deadline,
+whole objects read and written, the commit's exclusive write (`put_if_absent`: one conditional
+PUT), and streamed S3 multipart writes. Ranged reads of an object are `ranged_reads`'.
 
 Every call to a remote object goes through `retry`: transient failures (dropped connections,
 timeouts, HTTP 5xx, 408 and 429) are retried with jittered exponential backoff until
@@ -18,27 +19,30 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from functools import cache
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from anyshard._compat import s3_call
+from anyshard._compat import s3_request
 from anyshard.errors import StorageError
 
-__all__ = ["MultipartWriter", "call", "read_spans", "retry"]
+__all__ = [
+    "MultipartWriter",
+    "call",
+    "is_transient",
+    "object_exists",
+    "put_if_absent",
+    "put_object",
+    "read_object",
+    "retry",
+    "speaks_s3",
+]
 
 T = TypeVar("T")
-Span = tuple[int, memoryview]  # (offset in the object, buffer to fill)
 
 PART_BYTES = 32 << 20  # multipart part size (S3 needs >= 5 MiB); doubles every 1000 parts
 PARTS_IN_FLIGHT = 4  # a writer holds at most this many parts (+ the one it fills) in memory
-MAX_GAP = 1 << 20  # ranges closer than this are fetched as one GET, gap included
-MAX_BLOCK = 16 << 20  # ... but no GET is larger: big ranges split into concurrent GETs
-WAVE_BYTES = 64 << 20  # bytes in flight per batch of concurrent GETs of one reader
-MAX_STREAM = 256 << 20  # S3: a streamed GET covers at most this many bytes
-STREAMS = 8  # S3: streamed GETs in flight per call
-CHUNK = 1 << 20  # S3: a streamed GET reads its body this much at a time (gaps: into a junk buffer)
 FIRST_BACKOFF, MAX_BACKOFF = 0.1, 5.0
 
 
@@ -175,11 +179,62 @@ def retry(
         backoff = min(backoff * 2, MAX_BACKOFF)
 
 
-def call(fs, method: str, timeout: float, *args, **kwargs):
-    """``fs.method(...)``, cut off after ``timeout`` seconds where fsspec can (async backends)."""
+def call(fs, method: str | Callable[..., Any], timeout: float, *args, **kwargs):
+    """``fs.method(...)`` (``method``: a name, or a method of ``fs`` itself), cut off after
+    ``timeout`` seconds where fsspec can (async backends)."""
     if getattr(fs, "async_impl", False) and not getattr(fs, "asynchronous", False):
         kwargs["timeout"] = timeout
-    return getattr(fs, method)(*args, **kwargs)
+    return (getattr(fs, method) if isinstance(method, str) else method)(*args, **kwargs)
+
+
+def speaks_s3(fs) -> bool:
+    """Whether ``fs`` sends S3 API calls of anyshard's own (s3fs): conditional PUTs and
+    multipart uploads; other fsspec backends get their plain writes."""
+    return s3_request(fs) is not None
+
+
+# --- whole objects, and the commit ------------------------------------------------------------
+
+
+def object_exists(fs, path: str, url: str) -> bool:
+    fs.invalidate_cache(path)  # another process may have written it since this one listed
+    try:
+        retry(url, "stat", lambda t: call(fs, "info", t, path))
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def read_object(fs, path: str, url: str) -> bytes:
+    try:  # a range from 0, not the whole object: s3fs would HEAD it first
+        return retry(url, "read", lambda t: call(fs, "cat_file", t, path, start=0))
+    except EOFError:  # S3 answers 416 to a range over an empty object
+        return b""
+
+
+def put_object(fs, path: str, url: str, data: bytes) -> None:
+    """One PUT: an object store makes it visible whole or not at all."""
+    retry(url, "write", lambda t: call(fs, "pipe_file", t, path, data))
+
+
+def put_if_absent(fs, path: str, url: str, data: bytes) -> None:
+    """The commit to object storage: ``data`` written at ``url`` only where no object is there,
+    else `FileExistsError`, so that two writers cannot both commit.
+
+    On S3 one conditional PUT (``If-None-Match: *``, s3fs's ``mode="create"``) decides it
+    atomically; a refusal where the object holds ``data`` is a retry after this writer's own PUT,
+    whose answer was lost. Other stores are checked first, then written (not atomic).
+    """
+    if not speaks_s3(fs):
+        if object_exists(fs, path, url):
+            raise FileExistsError(f"{url} exists")
+        put_object(fs, path, url, data)
+        return
+    try:
+        retry(url, "write", lambda t: call(fs, "pipe_file", t, path, data, mode="create"))
+    except FileExistsError:
+        if read_object(fs, path, url) != data:  # else: a retry after our own PUT
+            raise FileExistsError(f"{url} exists") from None
 
 
 # --- streamed writes --------------------------------------------------------------------------
@@ -209,7 +264,8 @@ class MultipartWriter:
 
     def _s3(self, what: str, method: str, **kwargs):
         kwargs.update(Bucket=self._bucket, Key=self._key)
-        return retry(self._url, what, lambda t: call(self._fs, "call_s3", t, method, **kwargs))
+        request = s3_request(self._fs)
+        return retry(self._url, what, lambda t: call(self._fs, request, t, method, **kwargs))
 
     def _part_bytes(self) -> int:
         return PART_BYTES << (len(self._parts) // 1000)  # S3 allows 10,000 parts
@@ -286,194 +342,3 @@ class MultipartWriter:
                 self._s3("abort of an upload", "abort_multipart_upload", UploadId=self._upload_id)
             except (OSError, EOFError):
                 pass  # best effort: a bucket lifecycle rule removes what remains
-
-
-# --- ranged reads -----------------------------------------------------------------------------
-
-
-def read_spans(fs, path: str, url: str, spans: Sequence[Span]) -> None:
-    """Fill each buffer of ``spans`` from its offset in the object, near spans sharing a GET.
-
-    On S3 each GET streams its body straight into the buffers (memory: a chunk per GET, not the
-    range), so one GET may cover up to `MAX_STREAM` bytes; a GET that fails goes on from the
-    byte it reached. Elsewhere (and for spans that overlap) GETs of at most `MAX_BLOCK` are read
-    whole, `WAVE_BYTES` at a time.
-    """
-    if s3_call(fs) is not None and not getattr(fs, "asynchronous", False):
-        blocks = list(_blocks(spans, MAX_STREAM))
-        if not _overlapping(blocks):
-            _stream(fs, path, url, blocks)
-            return
-    wave: list = []
-    for block in _blocks(spans, MAX_BLOCK):
-        wave.append(block)
-        if sum(b - a for a, b, _ in wave) >= WAVE_BYTES:
-            _fetch(fs, path, url, wave)
-            wave = []
-    if wave:
-        _fetch(fs, path, url, wave)
-
-
-def _blocks(spans: Sequence[Span], most: int) -> Iterator[tuple[int, int, list[Span]]]:
-    """(start, stop, spans) of the GETs that cover ``spans``: near ones merged, none longer
-    than ``most`` bytes."""
-    pieces = []
-    for offset, buf in spans:
-        buf = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
-        for a in range(0, len(buf), most):
-            pieces.append((offset + a, buf[a : a + most]))
-    pieces.sort(key=lambda s: s[0])
-    block: list | None = None
-    for offset, buf in pieces:
-        stop = offset + len(buf)
-        if block and offset - block[1] <= MAX_GAP and max(stop, block[1]) - block[0] <= most:
-            block[1] = max(block[1], stop)
-            block[2].append((offset, buf))
-            continue
-        if block:
-            yield tuple(block)
-        block = [offset, stop, [(offset, buf)]]
-    if block:
-        yield tuple(block)
-
-
-def _fetch(fs, path: str, url: str, blocks: list[tuple[int, int, list[Span]]]) -> None:
-    """GET ``blocks`` concurrently (on a retry, only those that failed); scatter the bytes."""
-    done: set[int] = set()
-
-    def attempt(timeout: float) -> None:
-        todo = [i for i in range(len(blocks)) if i not in done]
-        starts = [blocks[i][0] for i in todo]
-        ends = [blocks[i][1] for i in todo]
-        got = call(fs, "cat_ranges", timeout, [path] * len(todo), starts, ends)
-        failed = []
-        for i, data in zip(todo, got, strict=True):
-            if isinstance(data, BaseException):
-                failed.append(data)
-            else:
-                _scatter(*blocks[i], data)
-                done.add(i)
-        if failed:  # the one to act on: a missing object first, then one retrying cannot fix
-            failed.sort(key=lambda e: (not isinstance(e, FileNotFoundError), is_transient(e)))
-            raise failed[0]
-
-    retry(url, f"read of bytes [{blocks[0][0]}, {blocks[-1][1]})", attempt)
-
-
-def _scatter(start: int, stop: int, spans: list[Span], data: bytes) -> None:
-    if len(data) < stop - start:
-        raise EOFError(
-            f"expected {stop - start} bytes at offset {start}, the object ends at {start + len(data)}"
-        )
-    view = memoryview(data)
-    for offset, buf in spans:
-        buf[:] = view[offset - start : offset - start + len(buf)]
-
-
-class _Stream:
-    """One streamed GET of ``[start, stop)``: ``done`` bytes of it are in their buffers."""
-
-    def __init__(self, start: int, stop: int, spans: list[Span]):
-        self.start, self.stop, self.spans = start, stop, spans
-        self.done = 0
-
-    async def run(self, fs, bucket: str, key: str, kwargs: dict, stall: float) -> None:
-        pos = self.start + self.done
-        get = s3_call(fs)
-        assert get is not None  # `read_spans` streams from S3 filesystems only
-        resp = await asyncio.wait_for(
-            get(
-                "get_object", Bucket=bucket, Key=key, Range=f"bytes={pos}-{self.stop - 1}", **kwargs
-            ),
-            stall,
-        )
-        body = resp["Body"]
-        got = resp.get("ContentRange") or ""
-        if not got.startswith(f"bytes {pos}-"):  # a server that ignored the Range header
-            await _close(body)
-            raise StorageError(
-                f"s3://{bucket}/{key}: asked for bytes {pos}-{self.stop - 1}, the server answered "
-                f"{got or 'without a Content-Range'}; it does not serve byte ranges as S3 does"
-            )
-        junk = None
-        try:
-            for offset, buf in self.spans:
-                end = offset + len(buf)
-                if end <= pos:
-                    continue
-                if offset > pos:  # a gap between spans: read through it
-                    junk = junk if junk is not None else memoryview(bytearray(min(CHUNK, MAX_GAP)))
-                    while pos < offset:
-                        pos = await self._into(body, junk[: min(len(junk), offset - pos)], stall)
-                while pos < end:
-                    a = pos - offset
-                    pos = await self._into(body, buf[a : min(len(buf), a + CHUNK)], stall)
-        finally:
-            await _close(body)
-
-    async def _into(self, body, buf: memoryview, stall: float) -> int:
-        n = await asyncio.wait_for(body.readinto(buf), stall)
-        if n == 0:
-            end = self.start + self.done
-            raise EOFError(
-                f"expected {self.stop - self.start} bytes at offset {self.start}, the object ends at {end}"
-            )
-        self.done += n
-        return self.start + self.done
-
-
-async def _close(body) -> None:
-    """Release a response body's connection (``aclose`` where the backend has it)."""
-    closer = getattr(body, "aclose", None)
-    if closer is not None:
-        await closer()
-    else:
-        body.close()
-
-
-def _overlapping(blocks: list[tuple[int, int, list[Span]]]) -> bool:
-    """Whether two spans of a block share bytes (a stream fills each byte once, in order)."""
-    for _, _, spans in blocks:
-        end = -1
-        for offset, buf in spans:
-            if offset < end:
-                return True
-            end = max(end, offset + len(buf))
-    return False
-
-
-def _stream(fs, path: str, url: str, blocks: list[tuple[int, int, list[Span]]]) -> None:
-    """GET ``blocks`` from S3, `STREAMS` at a time, each body streamed into its spans; on a
-    retry every unfinished GET goes on from the byte it reached. An attempt is cut off when a
-    GET makes no progress for the attempt's timeout, and the deadline counts from the last
-    attempt that moved bytes."""
-    from fsspec.asyn import sync
-
-    bucket, key, version = fs.split_path(path)
-    kwargs = dict(getattr(fs, "req_kw", None) or {})
-    if version:
-        kwargs["VersionId"] = version
-    streams = [_Stream(*b) for b in blocks]
-
-    async def all_of(stall: float) -> list:
-        gate = asyncio.Semaphore(STREAMS)
-
-        async def one(st: _Stream) -> None:
-            async with gate:
-                await st.run(fs, bucket, key, kwargs, stall)
-
-        todo = [st for st in streams if st.start + st.done < st.stop]
-        return await asyncio.gather(*(one(st) for st in todo), return_exceptions=True)
-
-    def attempt(timeout: float) -> None:
-        got = sync(fs.loop, all_of, timeout)
-        failed = [e for e in got if isinstance(e, BaseException)]
-        if failed:  # the one to act on: a missing object first, then one retrying cannot fix
-            failed.sort(key=lambda e: (not isinstance(e, FileNotFoundError), is_transient(e)))
-            raise failed[0]
-
-    if not blocks:
-        return
-    first, last = blocks[0][0], blocks[-1][1]
-    done = lambda: sum(st.done for st in streams)  # noqa: E731
-    retry(url, f"read of bytes [{first}, {last})", attempt, progress=done)
