@@ -28,15 +28,15 @@ def test_an_unexpected_exception_exits_3_with_internal_error_and_its_traceback(
     def broken(args):
         raise ZeroDivisionError("a bug deep inside")
 
-    monkeypatch.setattr(anyshard.cli, "_inspect", broken)
-    anyshard.cli._parser.cache_clear()  # the parser (built once) holds the command it runs
+    monkeypatch.setattr(anyshard.cli.parser, "inspect_command", broken)
+    anyshard.cli.parser.command_parser.cache_clear()  # the parser (built once) holds the command it runs
     assert main(["inspect", path]) == 3
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err
     assert "ZeroDivisionError: a bug deep inside" in err
     assert "anyshard inspect: internal error" in err
     monkeypatch.undo()
-    anyshard.cli._parser.cache_clear()  # no later test gets the broken command
+    anyshard.cli.parser.command_parser.cache_clear()  # no later test gets the broken command
 
 
 def test_an_anyshard_error_stays_one_line_and_exit_2(tmp_path, capsys):
