@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
     from torch.distributed.checkpoint.planner import SavePlanner
     from torch.distributed.checkpoint.storage import StorageWriter
     from torch.distributed.device_mesh import DeviceMesh
@@ -32,8 +32,10 @@ __all__ = [
     "clear_dtensor_sharding_cache",
     "compute_local_shape_and_global_offset",
     "dcp_save_here",
+    "dcp_storage_info",
     "flatten_mesh",
     "flatten_state_dict",
+    "fsspec_reader",
     "fsspec_writer",
     "local_tensor",
     "module_members",
@@ -276,6 +278,28 @@ def fsspec_writer() -> type[FileSystemWriter]:
     except ImportError as e:
         raise _missing("torch.distributed.checkpoint._fsspec_filesystem.FsspecWriter", e) from None
     return FsspecWriter
+
+
+def fsspec_reader() -> type[FileSystemReader]:
+    """DCP's ``FsspecReader`` (its `FileSystemReader` of any fsspec URL), from the same private
+    ``_fsspec_filesystem`` module as `fsspec_writer` (torch 2.6-2.14); a clear error where
+    missing."""
+    try:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+    except ImportError as e:
+        raise _missing("torch.distributed.checkpoint._fsspec_filesystem.FsspecReader", e) from None
+    return FsspecReader
+
+
+def dcp_storage_info(relative_path: str, offset: int, length: int) -> Any:
+    """DCP's ``filesystem._StorageInfo``: where an item's bytes lie in a checkpoint
+    FileSystemWriter wrote (a file, an offset, a length), as its ``.metadata`` records it, for
+    tools that write such metadata themselves (torch 2.6-2.14); a clear error where missing."""
+    try:
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+    except ImportError as e:
+        raise _missing("torch.distributed.checkpoint.filesystem._StorageInfo", e) from None
+    return _StorageInfo(relative_path, offset, length)
 
 
 def dcp_save_here(

@@ -76,12 +76,13 @@ class Relay:
 def _rank(rank: int, world: int, url: str, mib: int, reps: int, seed: int, sent) -> list | None:
     import torch
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     import anyshard
+    from anyshard._compat import fsspec_reader, fsspec_writer
 
+    FsspecReader, FsspecWriter = fsspec_reader(), fsspec_writer()  # DCP's, onto any URL
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     g = torch.Generator().manual_seed(seed)
     full = {f"w{i}": torch.randn(8192, 1024, generator=g) for i in range(max(1, mib // 32))}

@@ -68,9 +68,9 @@ def worker(rank: int, world: int, cfg: dict) -> dict | None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset as box
 
     import anyshard
+    from anyshard._compat import compute_local_shape_and_global_offset as box
 
     spec, seed = rs.model_spec(cfg["gib"]), cfg["seed"]
     meshes, source, targets, expected = rs.states(spec, seed)

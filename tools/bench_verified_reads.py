@@ -121,11 +121,11 @@ def saver(rank: int, world: int, cfg: dict) -> None:
 def _dcp_load(state, path: str, ours: bool) -> None:
     """DCP's load of ``path``: anyshard's reader, or DCP's own (fsspec's for a URL)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
+    from anyshard._compat import fsspec_reader
     from anyshard.dcp import AnyshardReader
 
-    own = FsspecReader if "://" in path else dcp.FileSystemReader
+    own = fsspec_reader() if "://" in path else dcp.FileSystemReader
     dcp.load(state, storage_reader=(AnyshardReader if ours else own)(path))
 
 

@@ -24,8 +24,8 @@ from collections import namedtuple
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from torch.distributed.tensor import Replicate, Shard  # noqa: E402
-from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
 
+from anyshard._compat import dcp_storage_info, strided_shard_type  # noqa: E402
 from anyshard.api.tensor_layout import hold_mapping, stored_mapping  # noqa: E402
 from anyshard.format.datafile import block_size  # noqa: E402
 from anyshard.format.manifest import Manifest, MeshEntry, TensorEntry  # noqa: E402
@@ -103,7 +103,7 @@ def placements(kind: str, tp: int):
     """FSDP2 (dp_shard) over TP on the (dp_shard, tp) sub-mesh of a stage, as torch builds them;
     grouped experts: TP over the expert's output (col) or input (row) dim, FSDP over experts."""
     return {
-        "col": (_StridedShard(0, split_factor=tp), Shard(0)),
+        "col": (strided_shard_type()(0, split_factor=tp), Shard(0)),
         "row": (Shard(0), Shard(1)),
         "norm": (Shard(0), Replicate()),
         "expert_col": (Shard(0), Shard(1)),
@@ -187,7 +187,6 @@ def dcp_metadata(manifest: Manifest, model, lay: Layout, build: bool) -> tuple[i
         return entries, None
     import torch
     from torch.distributed.checkpoint import metadata as m
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     md, storage = {}, {}
     for t in model:
@@ -199,7 +198,7 @@ def dcp_metadata(manifest: Manifest, model, lay: Layout, build: bool) -> tuple[i
             box, file = p.logical_box, f"__{lay.mesh.rank(coords)}_0.distcp"
             offsets, sizes = torch.Size(lo for lo, _ in box), torch.Size(hi - lo for lo, hi in box)
             chunks.append(m.ChunkStorageMetadata(offsets=offsets, sizes=sizes))
-            where = _StorageInfo(file, 0, box_numel(box) * ITEMSIZE)
+            where = dcp_storage_info(file, 0, box_numel(box) * ITEMSIZE)
             storage[m.MetadataIndex(t.name, offsets, len(chunks) - 1)] = where
         props, size = m.TensorProperties(dtype=torch.bfloat16), torch.Size(t.shape)
         md[t.name] = m.TensorStorageMetadata(properties=props, size=size, chunks=chunks)

@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 import anyshard
 import anyshard.format.datafile
 import anyshard.reshard.fill
+from anyshard._compat import compute_local_shape_and_global_offset
 
 sys.path.append(os.path.join(os.path.dirname(__file__), "..", "..", "tools"))  # after harness.py
 import scale_sim  # noqa: E402
