@@ -114,7 +114,6 @@ def _format_version(j: Any, where: str, sealed: bool) -> int:
     return version
 
 
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TensorEntry:
     """A logical tensor: global shape and dtype, and the mapping of its stored shards.
