@@ -24,6 +24,7 @@ from anyshard.trainer_integration.gpt.config import (
     load_config,
     loads_config,
     parse_fault_env,
+    validate,
 )
 
 
@@ -44,7 +45,7 @@ def _write(tmp_path, text: str) -> str:
 
 
 def test_the_defaults_validate_and_default_toml_writes_them_all_out():
-    Config().validate()
+    validate(Config())
     assert load_config() == Config()
     text = _default_toml()
     assert loads_config(text) == Config()
@@ -353,9 +354,11 @@ def test_layouts_that_fit_validate(overrides):
 
 def test_all_problems_are_reported_at_once_and_sorted():
     with pytest.raises(ConfigError) as info:
-        Config(
-            model=ModelConfig(n_kv_heads=3), parallel=ParallelConfig(dp_shard=5), run_dir="r"
-        ).validate()
+        validate(
+            Config(
+                model=ModelConfig(n_kv_heads=3), parallel=ParallelConfig(dp_shard=5), run_dir="r"
+            )
+        )
     lines = str(info.value).splitlines()[1:]
     assert len(lines) == 2 and lines == sorted(lines)
     assert lines[0].startswith("  - model.n_heads") and lines[1].startswith("  - train.global")

@@ -7,7 +7,13 @@ import dataclasses
 
 import pytest
 
-from anyshard.trainer_integration.gpt.config import Config, ModelConfig, ParallelConfig, TrainConfig
+from anyshard.trainer_integration.gpt.config import (
+    Config,
+    ModelConfig,
+    ParallelConfig,
+    TrainConfig,
+    validate,
+)
 from anyshard.trainer_integration.gpt.layout_chooser.candidates import choose_layout
 from anyshard.trainer_integration.gpt.layout_chooser.memory import parameter_count
 from anyshard.trainer_integration.gpt.model import build_model
@@ -34,7 +40,7 @@ def test_every_choice_validates_and_keeps_what_it_can(world):
     choice = choose_layout(cfg, world, memory_bytes=1 << 30)
     p = choice.parallel
     assert p.world_size == world
-    dataclasses.replace(cfg, parallel=p).validate()  # raises if invalid
+    validate(dataclasses.replace(cfg, parallel=p))  # raises if invalid
     if world % 2 == 0:
         assert p.pp == 2  # the configured pipeline depth survives where it divides the world
     assert "needs 4 ranks" in choice.reasons[0]

@@ -7,12 +7,13 @@ cores with 2 to 4 ranks), the TOML file (tables ``[model]``, ``[parallel]``, ``[
 ``ANYSHARD_FAULT="rank:step[:mode]"`` (e.g. ``1:7:sigkill``), which sets the fault to inject
 without editing the config, so a test or a shell can crash one run of an unchanged command, and
 ``ANYSHARD_SLOW="rank:factor[:from_step]"`` (e.g. ``1:2:50``), which makes one rank a straggler
-(`parsing`). `Config.validate` checks that the sizes fit the parallel layout, all problems at
+(`parsing`). `validate` checks that the sizes fit the parallel layout, all problems at
 once (`checks`).
 
 Run the examples: ``python -m pytest --doctest-modules anyshard/trainer_integration/gpt/config/``
 """
 
+from anyshard.trainer_integration.gpt.config.checks import validate
 from anyshard.trainer_integration.gpt.config.parsing import (
     TINY_CONFIG,
     config_to_dict,
@@ -55,4 +56,5 @@ __all__ = [
     "loads_config",
     "parse_fault_env",
     "trainer_config",
+    "validate",
 ]

@@ -162,6 +162,23 @@ def config_problems(cfg: Config) -> list[str]:
     return sorted(problems)
 
 
+def validate(cfg: Config) -> None:
+    """Raise `ConfigError` listing every value that conflicts with another, with a fix.
+
+    >>> validate(Config())
+    >>> try:
+    ...     validate(Config(model=ModelConfig(n_kv_heads=3)))
+    ... except ConfigError as e:
+    ...     print(e)  # doctest: +NORMALIZE_WHITESPACE
+    invalid configuration:
+      - model.n_heads (4) is not divisible by model.n_kv_heads (3): each key/value head
+        serves a group of query heads; set n_kv_heads to one of 1, 2, 4
+    """
+    problems = config_problems(cfg)
+    if problems:
+        raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
 def _ft_problems(cfg: Config) -> list[str]:
     f, p, t = cfg.ft, cfg.parallel, cfg.train
     problems = []

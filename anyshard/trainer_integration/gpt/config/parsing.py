@@ -19,6 +19,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from anyshard.format import storage
+from anyshard.trainer_integration.gpt.config.checks import validate
 from anyshard.trainer_integration.gpt.config.schema import (
     FAULT_ENV,
     FAULT_MODES,
@@ -245,7 +246,7 @@ def loads_config(
     values.setdefault("fault", {}).update(parse_fault_env(environ.get(FAULT_ENV, "")))
     values["fault"].update(parse_slow_env(environ.get(SLOW_ENV, "")))
     cfg = _build(values)
-    cfg.validate()
+    validate(cfg)
     return cfg
 
 
@@ -287,7 +288,7 @@ def load_config(
 
     ``overrides`` are command-line words: ``["--parallel.tp", "2", "--train.steps=10"]``;
     ``environ`` defaults to ``os.environ``. Raises `ConfigError` (a ValueError) on an unknown
-    key, a value of the wrong type, or values that conflict (see `Config.validate`).
+    key, a value of the wrong type, or values that conflict (see `checks.validate`).
 
     >>> cfg = load_config(None, ["--parallel.dp_shard", "2", "--checkpoint.async_=yes"], environ={})
     >>> cfg.parallel.world_size, cfg.checkpoint.async_

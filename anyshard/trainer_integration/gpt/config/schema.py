@@ -1,6 +1,6 @@
 """The trainer's configuration as typed sections: one frozen dataclass per TOML table.
 
-Validation of the values against each other is in `checks` (`Config.validate` runs it), reading
+Validation of the values against each other is in `checks` (`checks.validate` runs it), reading
 and writing TOML in `parsing`.
 
 Run the examples: ``python -m pytest --doctest-modules anyshard/trainer_integration/gpt/config/``
@@ -222,24 +222,6 @@ class Config:
     fault: FaultConfig = field(default_factory=FaultConfig)
     ft: FtConfig = field(default_factory=FtConfig)
     run_dir: str = "runs/demo"  # where logs go
-
-    def validate(self) -> None:
-        """Raise `ConfigError` listing every value that conflicts with another, with a fix.
-
-        >>> Config().validate()
-        >>> try:
-        ...     Config(model=ModelConfig(n_kv_heads=3)).validate()
-        ... except ConfigError as e:
-        ...     print(e)  # doctest: +NORMALIZE_WHITESPACE
-        invalid configuration:
-          - model.n_heads (4) is not divisible by model.n_kv_heads (3): each key/value head
-            serves a group of query heads; set n_kv_heads to one of 1, 2, 4
-        """
-        from anyshard.trainer_integration.gpt.config.checks import config_problems
-
-        problems = config_problems(self)  # imported here: the checks import these classes
-        if problems:
-            raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
 def heal_parallel(cfg: Config) -> ParallelConfig | None:

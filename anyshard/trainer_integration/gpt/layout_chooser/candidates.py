@@ -3,7 +3,7 @@ ranks than its configured layout has.
 
 `choose_layout` enumerates every mesh (pp, dp_replicate, dp_shard, ep, cp, tp) whose degrees
 multiply to the world size, keeps those the model splits over evenly and the batch divides
-over (the rules `Config.validate` applies), estimates each one's memory per rank (parameters,
+over (the rules `config.validate` applies), estimates each one's memory per rank (parameters,
 gradients and AdamW's two moments in fp32, sharded by pp x tp x dp_shard x ep x cp), drops those
 over the budget, and prefers, in order: the configured layout itself; keeping the configured
 pp, tp, ep and cp degrees (they shape the model's code paths; data parallelism absorbs the

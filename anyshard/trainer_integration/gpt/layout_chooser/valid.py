@@ -1,6 +1,6 @@
 """Whether a layout is valid for the trainer's model and batch: the mesh splits every size it
 splits evenly, and the batch divides over the data-parallel ranks, the microbatches and the
-context-parallel chunks. `Config.validate` applies these rules to the configured layout
+context-parallel chunks. `config.validate` applies these rules to the configured layout
 (`config.checks`), `candidates.candidate_layouts` to every layout of a world.
 
 >>> from anyshard.trainer_integration.gpt.config import ModelConfig, ParallelConfig
