@@ -20,7 +20,7 @@ import sys
 import tempfile
 
 import benchkit as h
-from bench_goodput import step_times, train
+from benchkit.trainer_runs import step_times, train
 
 HEADING = "## Async saves that do not stall a step (`tools/bench_async_blocking.py`)"
 

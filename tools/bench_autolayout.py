@@ -25,7 +25,7 @@ import sys
 import tempfile
 
 import benchkit as h
-from bench_goodput import step_times, train
+from benchkit.trainer_runs import step_times, train
 
 POOR = {2: "tp=2", 4: "pp=2,tp=2"}
 MEMORY_RUN_STEPS = 7  # a memory run's steps: the memory event's, then more for the step time
@@ -52,19 +52,6 @@ def end_to_end_s(run: dict) -> float:
     """From the trainer's start (before calibration) to its last step."""
     start = next(e for e in run["events"] if e["event"] == "start")
     return run["losses"][-1]["time"] - (start["time"] - start["startup_to_first_step_s"])
-
-
-def spearman(xs: list[float], ys: list[float]) -> float:
-    """Rank correlation of two equally long lists (average ranks for ties)."""
-
-    def ranks(v: list[float]) -> list[float]:
-        s = sorted(v)
-        return [s.index(x) + (s.count(x) - 1) / 2 for x in v]
-
-    try:
-        return statistics.correlation(ranks(xs), ranks(ys))
-    except statistics.StatisticsError:  # fewer than two values, or all alike
-        return float("nan")
 
 
 class Runs:
@@ -242,7 +229,7 @@ def accuracy(cfg, world: int, calibrated: dict, runs: Runs):
     predicted = {c: r.step_s for c, r in _layouts(cfg, world, rates).items()}
     measured = runs.fixed()
     both = [c for c in measured if c in predicted]
-    rho = spearman([predicted[c] for c in both], [measured[c] for c in both])
+    rho = h.spearman([predicted[c] for c in both], [measured[c] for c in both])
     mape = statistics.mean(abs(predicted[c] - measured[c]) / measured[c] for c in both)
     return predicted, measured, both, rho, mape
 

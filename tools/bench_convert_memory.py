@@ -19,8 +19,8 @@ import sys
 import tempfile
 import time
 
-import bench_reshard as rs
 import benchkit as h
+from benchkit import llama
 
 SAVE_WORLD = 4  # the sharded layout: (dp_shard=2, tp=2)
 TARGET_SLACK_MIB = 256
@@ -40,7 +40,7 @@ ru_maxrss agrees). DCP is `dcp_to_torch_save(src, out.pt)`; anyshard is the cons
 point `anyshard.cli.main(['convert', src, dst, '--to', ...])`, the gpt row with `--spec gpt
 --layout pp=1,dp=2,tp=2,...`. Wall time is the conversion alone; CPU seconds (user + sys) and bytes
 read and written (/proc/PID/io) are the whole child process's, the same counters
-(tools/benchkit.py) for every tool. Outputs are checked one tensor at a time outside the measured
+(tools/benchkit/) for every tool. Outputs are checked one tensor at a time outside the measured
 processes: the `.pt` (`torch.load(mmap=True, weights_only=True)`) against the tensors regenerated
 from their seeds, the Hugging Face files (`safe_open`) and anyshard checkpoints (`anyshard.open`)
 against the `.pt`. Target: peak RSS <= 2 x largest tensor + 256 MiB, checked on the raw peak and
@@ -60,13 +60,13 @@ def model_dims(gib: float, largest_mib: int, hidden: int, heads: int, kv_heads: 
 
 def model_shapes(d: dict) -> list[tuple[str, tuple[int, ...], str]]:
     kv = d["kv_heads"] * (d["hidden"] // d["heads"])
-    return rs.gpt_shapes(d["hidden"], d["ffn"], d["vocab"], d["layers"], kv, embedding="col")
+    return llama.gpt_shapes(d["hidden"], d["ffn"], d["vocab"], d["layers"], kv, embedding="col")
 
 
 def save_whole(dst: str, dims: dict) -> None:
     import torch.distributed.checkpoint as dcp
 
-    state = {name: rs.full_tensor(name, shape) for name, shape, _ in model_shapes(dims)}
+    state = {name: llama.full_tensor(name, shape) for name, shape, _ in model_shapes(dims)}
     dcp.save(state, checkpoint_id=dst, no_dist=True)
 
 
@@ -77,7 +77,7 @@ def save_rank(rank: int, world: int, dst: str, dims: dict) -> None:
 
     mesh, state = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_shard", "tp")), {}
     for name, shape, kind in model_shapes(dims):
-        full, pl = rs.full_tensor(name, shape), rs.placements_for("src", kind)
+        full, pl = llama.full_tensor(name, shape), llama.placements(kind, llama.MESHES["src"][1])
         local = distribute_tensor(full, mesh, pl, src_data_rank=None).to_local().clone()
         kw = {"run_check": False, "shape": full.shape, "stride": full.stride()}
         state[name] = DTensor.from_local(local, mesh, pl, **kw)
@@ -146,7 +146,7 @@ def verify(tool: str, out: str, pt: str, dims: dict) -> str | None:
     sd = torch.load(pt, mmap=True, weights_only=True)
     if tool == "dcp":
         want = {n: s for n, s, _ in model_shapes(dims)}
-        get = lambda n: rs.full_tensor(n, want[n])  # noqa: E731
+        get = lambda n: llama.full_tensor(n, want[n])  # noqa: E731
     elif tool == "hf":
         index = os.path.join(out, "model.safetensors.index.json")
         if os.path.exists(index):

@@ -14,7 +14,7 @@ read); S3 reads against moto's server on 127.0.0.1, where the second tensor is r
 1/16 of it with equal gaps (the KvStore path issues one GET per run). Writes: `write_datafile` vs
 `safetensors.torch.save_file`, both fsynced. Every read is checked bit-exact. MiB/s counts the
 bytes the plan needs (reads) or the file's tensor bytes (writes). CPU s: user + sys of the
-process, all threads; bytes: /proc/self/io deltas; the same counters (tools/benchkit.py) for every
+process, all threads; bytes: /proc/self/io deltas; the same counters (tools/benchkit/) for every
 system. Median [min-max] of the repetitions, systems in rotated order.
 """
 

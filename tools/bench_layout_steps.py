@@ -14,7 +14,7 @@ import sys
 import tempfile
 
 import benchkit as h
-from bench_goodput import step_times, train
+from benchkit.trainer_runs import step_times, train
 
 UNDER = "## Step time of each 2-rank layout (`tools/bench_layout_steps.py`)"
 

@@ -15,13 +15,9 @@ in front of it that all requests go through.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import multiprocessing as mp
 import os
-import socket
 import sys
-import threading
 
 import benchkit as h
 
@@ -34,43 +30,6 @@ per job (each region fetched by one rank and forwarded), anyshard with `read_onc
 through fsspec; then the same for plain local tensors under a UCL spec (`replicate(dp)`), read
 once and by every rank. Loads are checked bit-exact. Bytes: what the server sent, counted by a
 TCP relay in front of it; time: the slowest rank."""
-
-
-class Relay:
-    """A TCP relay on 127.0.0.1 in front of ``port``; ``sent`` (shared with spawned processes)
-    counts the bytes the server behind it sends."""
-
-    def __init__(self, port: int):
-        self.port, self.sent = port, mp.get_context("spawn").Value("q", 0)
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.endpoint = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        with contextlib.suppress(OSError):  # until closed
-            while True:
-                client, _ = self.sock.accept()
-                threading.Thread(target=self._pipe, args=(client,), daemon=True).start()
-
-    def _pipe(self, client: socket.socket) -> None:
-        with client, socket.create_connection(("127.0.0.1", self.port)) as server:
-            up = threading.Thread(target=self._copy, args=(client, server), daemon=True)
-            up.start()
-            self._copy(server, client, self.sent)
-            up.join()
-
-    @staticmethod
-    def _copy(src: socket.socket, dst: socket.socket, counter=None) -> None:
-        buf = memoryview(bytearray(1 << 20))
-        with contextlib.suppress(OSError):
-            while n := src.recv_into(buf):
-                if counter is not None:  # counted before the client can have it
-                    with counter.get_lock():
-                        counter.value += n
-                dst.sendall(buf[:n])
-        for s in (src, dst):  # either side closing ends both directions
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
 
 
 def _rank(rank: int, world: int, url: str, mib: int, reps: int, seed: int, sent) -> list | None:
@@ -124,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     records, load, rows = h.Records(args.jsonl, "read_once"), h.RunLoad(), []
     with h.s3_server("seaweedfs") as (server, _):
-        relay = Relay(server.ports["s3"])
+        relay = h.Relay(server.ports["s3"])
         os.environ["AWS_ENDPOINT_URL"] = relay.endpoint
         try:
             for world in (int(x) for x in args.ranks.split(",")):

@@ -21,8 +21,8 @@ import shutil
 import sys
 import tempfile
 
-import bench_reshard as rs
 import benchkit as h
+from benchkit import llama
 
 OURS = ("redistribute", "redistribute, new plan")
 SYSTEMS = (*OURS, "anyshard-tmpfs", "dcp-tmpfs", "DTensor.redistribute", "floor", "floor+local")
@@ -56,7 +56,7 @@ def spec_locals(layout: dict, rank: int, seed: int) -> dict:
     for name, t in sorted(compile(spec, lay, coords_of_rank(lay.sizes, rank)).items()):
         out[name] = local = torch.zeros(t.stored_shape)
         for part in t.parts:
-            logical = rs.full_tensor(part.logical, part.logical_shape, seed)
+            logical = llama.full_tensor(part.logical, part.logical_shape, seed)
             for p in part.shard.pieces:
                 n = int(torch.Size(p.array_shape).numel())
                 arr = local.view(-1)[p.base : p.base + n].view(p.array_shape)
@@ -72,13 +72,13 @@ def worker(rank: int, world: int, cfg: dict) -> dict | None:
     import anyshard
     from anyshard._compat import compute_local_shape_and_global_offset as box
 
-    spec, seed = rs.model_spec(cfg["gib"]), cfg["seed"]
-    meshes, source, targets, expected = rs.states(spec, seed)
-    minimum = dict.fromkeys(rs.TARGETS, 0)  # the bytes of a rank's target shards it does not hold
+    spec, seed = llama.model_spec(cfg["gib"]), cfg["seed"]
+    meshes, source, targets, expected = llama.states(spec, seed)
+    minimum = dict.fromkeys(llama.TARGETS, 0)  # the bytes of a rank's target shards not held
     for _, shape, kind in spec:
-        held = box(shape, meshes["src"], rs.placements_for("src", kind))
-        for t in rs.TARGETS:
-            need = box(shape, meshes[t], rs.placements_for(t, kind))
+        held = box(shape, meshes["src"], llama.placements(kind, llama.MESHES["src"][1]))
+        for t in llama.TARGETS:
+            need = box(shape, meshes[t], llama.placements(kind, llama.MESHES[t][1]))
             edges = zip(*held, *need, strict=True)  # each dim's (size, offset), held and needed
             both = math.prod(max(0, min(a + m, b + n) - max(a, b)) for m, a, n, b in edges)
             minimum[t] += 4 * (math.prod(need[0]) - both)
@@ -88,7 +88,7 @@ def worker(rank: int, world: int, cfg: dict) -> dict | None:
     m_src = spec_locals(m_kw["src_layout"], rank, seed)
     m_want = spec_locals(m_kw["dst_layout"], rank, seed)
     want = {case: expected[case[-3:]] for case in CASES[:2]}
-    want[MEGA] = {k: rs.digest(v) for k, v in m_want.items()}
+    want[MEGA] = {k: llama.digest(v) for k, v in m_want.items()}
     m_dst = {k: torch.zeros_like(v) for k, v in m_want.items()}
     del m_want
     state_bytes = {"dtensor": sum(v.to_local().numel() * 4 for v in source.values()),
@@ -120,7 +120,7 @@ def worker(rank: int, world: int, cfg: dict) -> dict | None:
                             dcp.load(dst, storage_reader=reader)), None  # fmt: skip
         if system == "DTensor.redistribute":  # on the source mesh, to the target's shards
             out, kinds = {}, {n: k for n, _, k in spec}
-            on_2x2 = lambda n: rs.placements_for(case[-3:], kinds[n]) * 2  # noqa: E731
+            on_2x2 = lambda n: llama.placements(kinds[n], llama.MESHES[case[-3:]][1]) * 2  # noqa: E731
             return lambda: out.update({n: v.redistribute(meshes["src"], on_2x2(n))
                                        for n, v in source.items()}), out  # fmt: skip
         plan = anyshard.redistribute(src, dst, **kw)  # the floors: its pair sizes
@@ -155,7 +155,7 @@ def worker(rank: int, world: int, cfg: dict) -> dict | None:
         if out:
             rec["rss_over"] -= sum(v.to_local().numel() * 4 for v in out.values())
         got = {k: v.to_local() for k, v in out.items()} if out else dst_of(case)
-        rec["bad"] = [] if system.startswith("floor") else rs.mismatched(got, want[case])[:3]
+        rec["bad"] = [] if system.startswith("floor") else llama.mismatched(got, want[case])[:3]
         if system in OURS:
             mini = None if case == MEGA else minimum[case[-3:]]
             rec.update(received=plan.received_bytes(rank), minimum=mini)

@@ -8,20 +8,18 @@ A few minutes on 2 cores. The method, as written into the docs, is `METHOD` belo
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import zlib
 from functools import partial
 
 import benchkit as h
 from benchkit import GiB, MiB
+from benchkit.llama import TARGETS, WORLD, mismatched, model_spec, states
 
-WORLD, TARGETS = 4, ("tp4", "dp4")
 SYSTEMS = ("floor", "anyshard", "dcp", "dcp_any")
 LABELS = {"floor": "floor", "anyshard": "anyshard", "dcp": "DCP", "dcp_any": "DCP+anyshard"}
 TIME_TARGETS = {  # anyshard's time <= ratio x the other's
@@ -49,87 +47,13 @@ VM host's cache survives drop_caches). On tmpfs each system saves, loads twice a
 checkpoint before the next begins, so that tmpfs holds one checkpoint at a time. Every load is
 compared bit-exact (BLAKE2b digest of each shard's bytes against the expected shard's) outside the
 timed region. Every operation is measured on every rank with the same counters
-(tools/benchkit.py), from a common barrier. Times: the slowest rank, median [min-max] over the
+(tools/benchkit/), from a common barrier. Times: the slowest rank, median [min-max] over the
 repetitions. Bytes are per-rank /proc/self/io deltas (worst rank): `rchar` (bytes requested from
 the kernel), and for the disk regime `read_bytes` from the block device in parentheses; save rows
 show `wchar` (bytes written). RSS+ is the peak VmRSS during the operation minus VmRSS just before
 it (target tensors already allocated), worst rank and repetition: the kernel's VmHWM, reset before
 each operation (a 2 ms sampler thread only where the reset is refused). CPU: user + sys seconds of
 the 4 ranks together, median repetition."""
-
-
-def gpt_shapes(hidden: int, ffn: int, vocab: int, layers: int, kv: int = 0, embedding="row"):
-    """``(name, global shape, kind)`` of a Llama-shaped model in save order: ``kv`` rows of wk and
-    wv (``hidden`` without); kind ``col`` (tp Shard(0)), ``row`` (tp Shard(1)), ``norm``
-    (replicated over tp), the embedding's ``embedding``."""
-    d, qkv = hidden, {"q": hidden, "k": kv or hidden, "v": kv or hidden}
-    out: list[tuple[str, tuple[int, ...], str]] = [("tok_embeddings.weight", (vocab, d), embedding)]
-    for p in (f"layers.{i}." for i in range(layers)):
-        out += [(p + "attention_norm.weight", (d,), "norm")]
-        out += [(p + f"attention.w{x}.weight", (n, d), "col") for x, n in qkv.items()]
-        out += [(p + "attention.wo.weight", (d, d), "row"), (p + "ffn_norm.weight", (d,), "norm")]
-        out += [(p + f"feed_forward.w{x}.weight", (ffn, d), "col") for x in "13"]
-        out += [(p + "feed_forward.w2.weight", (d, ffn), "row")]
-    return out + [("norm.weight", (d,), "norm"), ("output.weight", (vocab, d), "col")]
-
-
-def model_spec(gib: float) -> list[tuple[str, tuple[int, ...], str]]:
-    """`gpt_shapes` of about ``gib`` GiB of fp32."""
-    d = 1024 if gib >= 0.5 else 512
-    f, v = 4 * d, 8192
-    layers = max(1, round((gib * GiB / 4 - 2 * v * d - d) / (4 * d * d + 3 * f * d + 2 * d)))
-    return gpt_shapes(d, f, v, layers)
-
-
-def placements_for(layout: str, kind: str):
-    from torch.distributed.tensor import Replicate, Shard
-
-    tp = {"col": Shard(0), "row": Shard(1), "norm": Replicate()}[kind]
-    return {"src": [Shard(0), tp], "tp4": [tp], "dp4": [Shard(0)]}[layout]
-
-
-def digest(t) -> tuple:
-    """Shape and BLAKE2b of a tensor's bytes: two shards are bit-identical iff these match."""
-    data = h.as_bytes(t.detach().contiguous())
-    return tuple(t.shape), hashlib.blake2b(data, digest_size=20).digest()
-
-
-def mismatched(got: dict, want: dict) -> list[str]:
-    """The names of the tensors of ``got`` whose `digest` is not ``want``'s."""
-    return [n for n, t in got.items() if digest(t) != want[n]]
-
-
-def full_tensor(name: str, shape: tuple[int, ...], seed: int = 0):
-    import torch
-
-    g = torch.Generator().manual_seed(zlib.crc32(name.encode()) + seed)
-    return torch.randn(shape, generator=g, dtype=torch.float32)
-
-
-def states(spec: list, seed: int = 0):
-    """On a rank of 4: the meshes; the source state (DTensors on the (dp_shard=2, tp=2) mesh); the
-    targets (zeros, on the tp=4 and dp_shard=4 meshes) and the `digest` of each expected target
-    shard (holding the shards themselves would double each rank's memory)."""
-    import torch
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    meshes = {"src": init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))}
-    for t, dim in zip(TARGETS, ("tp", "dp_shard"), strict=True):
-        meshes[t] = init_device_mesh("cpu", (WORLD,), mesh_dim_names=(dim,))
-    source, targets, expected = {}, {t: {} for t in TARGETS}, {t: {} for t in TARGETS}
-    for name, shape, kind in spec:
-        full = full_tensor(name, shape, seed)
-        kw = {"run_check": False, "shape": full.shape, "stride": full.stride()}
-        for layout, mesh in meshes.items():
-            pl = placements_for(layout, kind)
-            local = distribute_tensor(full, mesh, pl, src_data_rank=None).to_local()
-            if layout == "src":
-                source[name] = DTensor.from_local(local.clone(), mesh, pl, **kw)
-            else:
-                expected[layout][name] = digest(local)
-                targets[layout][name] = DTensor.from_local(torch.zeros_like(local), mesh, pl, **kw)
-    return meshes, source, targets, expected
 
 
 def floor_save(path: str, tensors) -> None:
@@ -252,8 +176,7 @@ def summarize(data: dict) -> list[dict]:
     for row in rows.values():
         for s in SYSTEMS:
             reps = row[s]
-            keys = (*h.IO_KEYS, "wall_s", "rss_over")
-            worst = {k: [max(r[k] for r in x["ranks"]) for x in reps] for k in keys}
+            worst = h.worst_ranks([x["ranks"] for x in reps], (*h.IO_KEYS, "wall_s", "rss_over"))
             row[s] = {k: h.median(v) for k, v in worst.items()}
             row[s]["times"] = [round(t, 3) for t in worst["wall_s"]]
             row[s]["time"], row[s]["rss_over"] = row[s].pop("wall_s"), max(worst["rss_over"])
@@ -288,15 +211,15 @@ def table(rows: list[dict]) -> tuple[list, list]:
     return head, body
 
 
-def check_targets(rows: list[dict]) -> list[tuple[str, bool | None, str]]:
+def check_targets(rows: list[dict]) -> list[h.Check]:
     out = []
     for r in rows:
         kind, a, d, da = r["op"][:4], r["anyshard"], r["dcp"], r["dcp_any"]
         name = f"{r['regime']} {r['op']}: "
         for other, lim in TIME_TARGETS.get((r["regime"], kind), ()):
-            ref = r[other]["time"]
-            detail = f"{a['time']:.2f} s vs {lim} x {ref:.2f} s = {lim * ref:.2f} s"
-            out.append((f"{name}anyshard <= {lim}x {other}", a["time"] <= lim * ref, detail))
+            out.append(
+                h.at_most(f"{name}anyshard <= {lim}x {other}", a["time"], lim, r[other]["time"])
+            )
         if kind == "load":
             lim, text = READ_RATIO_TARGET * r["target_bytes"], f"{READ_RATIO_TARGET}x target"
             detail = f"{a['rchar'] / MiB:.1f} MiB vs {lim / MiB:.1f} MiB"
@@ -310,8 +233,7 @@ def check_targets(rows: list[dict]) -> list[tuple[str, bool | None, str]]:
         out.append((name + what, rss <= RSS_TARGET_MIB * MiB, f"{rss / MiB:.0f} MiB"))
         lim = DCP_BACKEND_TARGETS[kind]
         what = f"DCP with AnyshardWriter/Reader <= {lim}x DCP with FileSystemWriter/Reader"
-        detail = f"{da['time']:.2f} s vs {lim} x {d['time']:.2f} s = {lim * d['time']:.2f} s"
-        out.append((name + what, da["time"] <= lim * d["time"], detail))
+        out.append(h.at_most(name + what, da["time"], lim, d["time"]))
         if kind == "load" and any(r[s]["bad"] for s in SYSTEMS):
             detail = " ".join(f"{LABELS[s]} {r[s]['bad']}" for s in SYSTEMS[1:])
             out.append((f"{name}bit-exact", False, detail))

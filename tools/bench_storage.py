@@ -52,7 +52,7 @@ Best raw variant is the baseline; anyshard and raw alternate first; objects dele
 repetition. Diagnostics (first repetition only, not baselines): the same bytes as ONE object,
 written with `open(path, 'wb', block_size=32 MiB)` and read with `cat_ranges` in 16 MiB ranges,
 i.e. the layout of anyshard's data file (one object per process). Every operation is measured with
-the same counters (tools/benchkit.py): wall, CPU seconds of this process (all threads) and of the
+the same counters (tools/benchkit/): wall, CPU seconds of this process (all threads) and of the
 server's processes. Figures are medians over the repetitions; MiB/s counts the tensor bytes."""
 
 
@@ -297,7 +297,7 @@ def summarize(local: dict, s3: dict | None, total: int) -> dict:
     rows_s3 = {}
     for key, recs in (s3 or {}).get("ops", {}).items():
         keys = ("wall_s", "cpu_s", "other_cpu_s", "copy_s")
-        s, cpu, server, copy = (h.median([r.get(k, 0.0) for r in recs]) for k in keys)
+        s, cpu, server, copy = h.medians(recs, keys).values()
         rows_s3[key] = {"s": s, "mibs": total / h.MiB / s, "cpu": cpu, "moto_cpu": server,
                         "copy": copy, "times": [round(r["wall_s"], 2) for r in recs]}  # fmt: skip
     return {"local": rows_local, "s3": rows_s3}
@@ -357,7 +357,7 @@ def blocks_of(summary: dict, s3: dict | None, extras: bool, total: int) -> list:
     return out
 
 
-def check_targets(summary: dict) -> list[tuple[str, bool | None, str]]:
+def check_targets(summary: dict) -> list[h.Check]:
     out = []
     for r in summary["local"]:
         for kind in ("steady", "first"):

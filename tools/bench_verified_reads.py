@@ -21,9 +21,8 @@ import tempfile
 import time
 from functools import partial
 
-import bench_reshard as br
 import benchkit as h
-from benchkit import GiB, MiB
+from benchkit import GiB, MiB, llama
 
 SAVE_WORLD, LOAD_WORLD = 4, 8
 TARGETS = {  # name: mesh shape, dim names, the tp dim's place in the mesh (None: dp_shard)
@@ -53,28 +52,7 @@ checksums: one process times, over rank 0's saved shards, the block checksums al
 block and tile checksums as a save computes them (CPU seconds, median of 5). With `--store
 seaweedfs`, the checkpoints are copied to a SeaweedFS server on 127.0.0.1 and loaded from it (DCP
 through `FsspecReader`); bytes are then what the server sent per load, counted by a TCP relay in
-front of it (`bench_read_once.Relay`), divided by the state's bytes."""
-
-
-def model(gib: float, hidden: int) -> list:
-    """bench_reshard's Llama-shaped model of about ``gib`` GiB; of width ``hidden`` if given (at
-    least one layer)."""
-    if not hidden:
-        return br.model_spec(gib)
-    d, f, v = hidden, 4 * hidden, 8192
-    layers = max(1, round((gib * GiB / 4 - 2 * v * d - d) / (4 * d * d + 3 * f * d + 2 * d)))
-    return br.gpt_shapes(d, f, v, layers)
-
-
-def placements(target: str, kind: str):
-    from torch.distributed.tensor import Replicate, Shard
-
-    shape, _ = TARGETS[target]
-    if target == "dp4":
-        one = Shard(0)
-    else:
-        one = {"col": Shard(0), "row": Shard(1), "norm": Replicate()}[kind]
-    return [Replicate()] * (len(shape) - 1) + [one]
+front of it (`benchkit.Relay`), divided by the state's bytes."""
 
 
 def strip_tiles(path: str) -> int:
@@ -108,9 +86,9 @@ def saver(rank: int, world: int, cfg: dict) -> None:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
     state = {}
-    for name, shape, kind in model(cfg["gib"], cfg["hidden"]):
-        full = br.full_tensor(name, shape)
-        pl = br.placements_for("src", kind)
+    for name, shape, kind in llama.model_spec(cfg["gib"], cfg["hidden"]):
+        full = llama.full_tensor(name, shape)
+        pl = llama.placements(kind, llama.MESHES["src"][1])
         local = distribute_tensor(full, mesh, pl, src_data_rank=None).to_local()
         kw = {"run_check": False, "shape": full.shape, "stride": full.stride()}
         state[name] = DTensor.from_local(local.clone(), mesh, pl, **kw)
@@ -131,7 +109,7 @@ def _dcp_load(state, path: str, ours: bool) -> None:
 
 def loader(rank: int, world: int, cfg: dict, sent=None) -> list[dict]:
     """Every system's load into every target, timed; on object storage ``sent`` counts the
-    bytes the server sends (a `bench_read_once.Relay`'s counter)."""
+    bytes the server sends (a `benchkit.Relay`'s counter)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -142,7 +120,7 @@ def loader(rank: int, world: int, cfg: dict, sent=None) -> list[dict]:
 
     if cfg["tile_skip"] is not None:  # the local rule for reading tiles, as given
         planner.TILE_SKIP_LOCAL = cfg["tile_skip"]
-    spec, paths, out = model(cfg["gib"], cfg["hidden"]), cfg["paths"], []
+    spec, paths, out = llama.model_spec(cfg["gib"], cfg["hidden"]), cfg["paths"], []
     systems = {
         "tiles": lambda s: anyshard.load(paths["tiles"], s, strict=len(s) == len(spec)),
         "blocks": lambda s: anyshard.load(paths["blocks"], s, strict=len(s) == len(spec)),
@@ -153,9 +131,9 @@ def loader(rank: int, world: int, cfg: dict, sent=None) -> list[dict]:
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=dims)
         state, expected = {}, {}
         for name, gshape, kind in spec:
-            full, pl = br.full_tensor(name, gshape), placements(t, kind)
+            full, pl = llama.full_tensor(name, gshape), llama.placements(kind, dims)
             local = distribute_tensor(full, mesh, pl, src_data_rank=None).to_local()
-            expected[name] = br.digest(local)
+            expected[name] = llama.digest(local)
             kw = {"run_check": False, "shape": full.shape, "stride": full.stride()}
             state[name] = DTensor.from_local(torch.zeros_like(local), mesh, pl, **kw)
         needed = sum(v.to_local().numel() * 4 for v in state.values())
@@ -168,7 +146,7 @@ def loader(rank: int, world: int, cfg: dict, sent=None) -> list[dict]:
                     v.to_local().fill_(-7.25)
                 zero = None if sent is None else (lambda: setattr(sent, "value", 0))
                 recs = h.measure_ranks(partial(systems[system], state), before=zero)
-                bad = br.mismatched({n: v.to_local() for n, v in state.items()}, expected)
+                bad = llama.mismatched({n: v.to_local() for n, v in state.items()}, expected)
                 got: list = [None] * world
                 dist.all_gather_object(got, (needed, bad[:3]))
                 if rank == 0:
@@ -254,14 +232,12 @@ def main(argv: list[str] | None = None) -> int:
     s3 = args.store == "seaweedfs"
     with contextlib.ExitStack() as stack:
         if s3:
-            from bench_read_once import Relay
-
             server, _ = stack.enter_context(h.s3_server("seaweedfs"))
-            relay = Relay(server.ports["s3"])
+            relay = h.Relay(server.ports["s3"])
             stack.callback(relay.sock.close)
             os.environ["AWS_ENDPOINT_URL"] = relay.endpoint
         for hidden in widths:
-            spec = model(args.gib, int(hidden))
+            spec = llama.model_spec(args.gib, int(hidden))
             width, total = spec[0][1][1], sum(4 * math.prod(s) for _, s, _ in spec)
             sizes.append(f"width {width}: {total / GiB:.2f} GiB fp32 in {len(spec)} tensors")
             print(f"{sizes[-1]}; {args.reps} repetition(s)", flush=True)

@@ -23,8 +23,8 @@ import math
 import sys
 import time
 
-import bench_goodput as bg
 import benchkit as h
+from benchkit.trainer_runs import median_step, read_jsonl
 
 from anyshard.trainer_integration.planning import failures as gp
 
@@ -64,7 +64,7 @@ def workload(recs: list[dict], heal_bytes: float) -> dict:
     for fam, ranks in (("restart", 4), ("ft", 2)):
         clean = _runs(recs, fam, "clean")
         out[fam] = {
-            "step_s": h.median([bg.median_step(r) for r in clean]),
+            "step_s": h.median([median_step(r) for r in clean]),
             "steps": len(clean[0]["losses"]),
             "ranks": ranks,
             "state_gib": heal_bytes / ranks / h.GiB,  # a group holds the whole state
@@ -174,7 +174,7 @@ def validate(profile: gp.Profile, held: list[dict], args) -> list[list[str]]:
         wall = [predict(profile, r, mode, args.back_s) for r in faulty]
         base = predict(profile, {**clean[0], "faults": []}, mode, args.back_s)
         paired = [c["wall_s"] / f["wall_s"] for c, f in zip(clean, faulty, strict=True)]
-        got = [steps * bg.median_step(c) / f["wall_s"] for c, f in zip(clean, faulty, strict=True)]
+        got = [steps * median_step(c) / f["wall_s"] for c, f in zip(clean, faulty, strict=True)]
         pred_paired, pred = base / h.median(wall), steps * step / h.median(wall)
         err = lambda p, m: f"{100 * (p - h.median(m)) / h.median(m):+.1f}%"  # noqa: E731
         what = f"{mode}, {'sync' if sync else 'async'} saves every {every}, faults at steps "
@@ -267,8 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=10, help="seeds per simulated figure (10)")
     p.add_argument("--plot", default="docs/goodput_ett.svg", help="ETT against GPUs per mode")
     args, load = p.parse_args(argv), h.RunLoad()
-    cal = [x for f in args.calibrate for x in bg.records(f)]
-    profile = gather(cal, bg.records(args.storage), args.heartbeat_ms / 1000)
+    cal = [x for f in args.calibrate for x in read_jsonl(f)]
+    profile = gather(cal, read_jsonl(args.storage), args.heartbeat_ms / 1000)
     when = time.strftime("%Y-%m-%d", time.gmtime())
     about = {"command": h.rerun_command(__file__, argv), "date": when, "machine": h.machine_lines()}
     profile = dataclasses.replace(profile, source={**about, **profile.source})
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         head = ["held-out runs", "faults / no fault, paired: measured", "predicted", "error",
                 "goodput with faults: measured", "predicted", "error"]  # fmt: skip
         blocks += ["Held-out runs, predicted from the profile (median [min-max] of the runs):",
-                   (head, validate(profile, [x for f in args.held_out for x in bg.records(f)],
+                   (head, validate(profile, [x for f in args.held_out for x in read_jsonl(f)],
                                    args))]  # fmt: skip
     rows, curves, slowest = scale(profile, args.seeds)
     head = ["GPUs", "mode", "interval (steps)", "ETT", "goodput", "stall per failure", "failures"]

@@ -22,7 +22,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import benchkit as h  # noqa: E402
-from bench_reshard import model_spec, placements_for  # noqa: E402
+from benchkit.llama import MESHES, model_spec, placements  # noqa: E402
 
 from anyshard.api.redistribute import DEFAULT_MAX_INFLIGHT_BYTES, plan_redistribution  # noqa: E402
 from anyshard.api.tensor_layout import hold_mapping  # noqa: E402
@@ -36,7 +36,7 @@ def describe(n: int, tp: int) -> dict:
     mesh, names, dims = MeshEntry.row_major(sizes).to_json(), tuple(sizes), tuple(sizes.values())
     out = {}
     for name, shape, kind in model_spec(1.0):
-        m = hold_mapping(name, placements_for("src", kind), names, dims, names, {})
+        m = hold_mapping(name, placements(kind, MESHES["src"][1]), names, dims, names, {})
         out[name] = {"shape": list(shape), "mesh": mesh, "map": str(m), "dtype": "F32"}
     return {"tensors": out, "values": {}}
 

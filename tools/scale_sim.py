@@ -13,28 +13,28 @@ PyTorch DCP's metadata would hold for the same save (`HEAD`: the figures reporte
 
 from __future__ import annotations
 
-import math
 import os
 import pickle  # only to measure the size of DCP's own (pickled) metadata
 import random
 import sys
 import time
-from collections import namedtuple
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from torch.distributed.tensor import Replicate, Shard  # noqa: E402
+import benchkit as h  # noqa: E402
+from benchkit.llama import Tensor, dense_70b, moe_16  # noqa: E402
+from benchkit.simulated_ranks import (  # noqa: E402
+    ITEMSIZE,
+    Layout,
+    build_manifest,
+    num_layers,
+    plan_rank,
+)
 
-from anyshard._compat import dcp_storage_info, strided_shard_type  # noqa: E402
-from anyshard.api.tensor_layout import hold_mapping, stored_mapping  # noqa: E402
-from anyshard.format.datafile import block_size  # noqa: E402
-from anyshard.format.manifest import Manifest, MeshEntry, TensorEntry  # noqa: E402
+from anyshard.format.manifest import Manifest  # noqa: E402
 from anyshard.geometry.boxes import box_numel  # noqa: E402
-from anyshard.geometry.runs import piece_offsets, unit_length_dim  # noqa: E402
-from anyshard.reshard.planner import StoredShardInfo, match_shards, plan_reads  # noqa: E402
-from anyshard.ucl.lowering import compile_mapping, enumerate_shards  # noqa: E402
+from anyshard.ucl.lowering import enumerate_shards  # noqa: E402
 
-ITEMSIZE = 2  # bf16
 # N -> (save layout, load layout), each (pp, dp_shard, tp)
 LAYOUTS = {
     8: ((2, 2, 2), (1, 4, 2)),
@@ -42,13 +42,6 @@ LAYOUTS = {
     1024: ((8, 16, 8), (4, 64, 4)),
     16384: ((16, 128, 8), (8, 512, 4)),
 }
-DIMS = ("pp", "dp_shard", "tp")
-# kind: col (tp rows), row (tp cols), norm (replicated over tp), expert_col, expert_row; layer:
-# None for the first stage's (embedding) and, ``last``, the last stage's (final norm, output)
-Tensor = namedtuple("Tensor", "name shape kind layer last", defaults=(False,))
-RankStats = namedtuple(
-    "RankStats", "headers plan_s runs reads bytes_read bytes_needed target_bytes"
-)
 HEAD = ["model", "N", "save (pp, dp_shard, tp)", "load", "tensors", "manifest", "DCP chunk entries"]
 HEAD += ["DCP .metadata (pickled)", "headers read / rank (max)", "planning s / rank (max)"]
 HEAD += ["byte runs -> read calls / rank (max)", "bytes read / needed", "commit check s"]
@@ -62,123 +55,6 @@ runs -> reads: byte runs needed, read calls after coalescing (runs over 64 MiB s
 reads). Commit check: rank 0's check that every rank's shards are listed."""
 
 
-def _transformer(h: int, kv: int, vocab: int, layers: int, ffn: list[tuple]) -> list[Tensor]:
-    """Embedding, ``layers`` layers of attention then ``ffn`` ((name, shape, kind) each), norm
-    and output, in the order a save writes them."""
-    attn = [("attention_norm.weight", (h,), "norm"), ("attention.wq.weight", (h, h), "col")]
-    attn += [(f"attention.{w}.weight", (kv, h), "col") for w in ("wk", "wv")]
-    attn += [("attention.wo.weight", (h, h), "row"), ("ffn_norm.weight", (h,), "norm")]
-    out = [Tensor("tok_embeddings.weight", (vocab, h), "col", None)]
-    out += [Tensor(f"layers.{i}.{n}", s, k, i) for i in range(layers) for n, s, k in attn + ffn]
-    last = [Tensor("norm.weight", (h,), "norm", None, True)]
-    return out + last + [Tensor("output.weight", (vocab, h), "col", None, True)]
-
-
-def dense_70b(h=8192, f=28672, kv=1024, vocab=128256, layers=80) -> list[Tensor]:
-    """A Llama-70B-shaped dense transformer (the defaults); smaller sizes give a toy of it."""
-    ffn = [(f"feed_forward.{w}.weight", (f, h), "col") for w in ("w1", "w3")]
-    return _transformer(h, kv, vocab, layers, ffn + [("feed_forward.w2.weight", (h, f), "row")])
-
-
-def moe_16(h=6144, f=16384, kv=1024, vocab=32768, layers=56, experts=16) -> list[Tensor]:
-    """Experts stored as grouped [experts, ...] tensors (as torchtitan holds them), sharded over
-    dp_shard (expert parallelism folded into data-parallel sharding)."""
-    ffn = [("moe.router.weight", (experts, h), "norm")]
-    ffn += [(f"moe.experts.{w}", (experts, f, h), "expert_col") for w in ("w1", "w3")]
-    ffn += [("moe.experts.w2", (experts, h, f), "expert_row")]
-    return _transformer(h, kv, vocab, layers, ffn)
-
-
-def num_layers(model: list[Tensor]) -> int:
-    return 1 + max(t.layer for t in model if t.layer is not None)
-
-
-def stage_of(t: Tensor, pp: int, layers: int) -> int:
-    if t.layer is None:
-        return pp - 1 if t.last else 0
-    return t.layer * pp // layers
-
-
-def placements(kind: str, tp: int):
-    """FSDP2 (dp_shard) over TP on the (dp_shard, tp) sub-mesh of a stage, as torch builds them;
-    grouped experts: TP over the expert's output (col) or input (row) dim, FSDP over experts."""
-    return {
-        "col": (strided_shard_type()(0, split_factor=tp), Shard(0)),
-        "row": (Shard(0), Shard(1)),
-        "norm": (Shard(0), Replicate()),
-        "expert_col": (Shard(0), Shard(1)),
-        "expert_row": (Shard(0), Shard(2)),
-    }[kind]
-
-
-class Layout:
-    def __init__(self, pp: int, dp: int, tp: int):
-        self.sizes, self.world = (pp, dp, tp), pp * dp * tp
-        self.axis_sizes = dict(zip(DIMS, self.sizes, strict=True))
-        self.mesh = MeshEntry(dims=DIMS, sizes=self.sizes, offset=0, strides=(dp * tp, tp, 1))
-
-    def coords(self, rank: int) -> dict[str, int]:
-        _, dp, tp = self.sizes
-        return {"pp": rank // (dp * tp), "dp_shard": rank // tp % dp, "tp": rank % tp}
-
-    def hold(self, t: Tensor, stage: int):
-        _, dp, tp = self.sizes
-        return hold_mapping(t.name, placements(t.kind, tp), DIMS[1:], (dp, tp), DIMS, {"pp": stage})
-
-
-def build_manifest(model: list[Tensor], lay: Layout) -> tuple[Manifest, float]:
-    """The manifest of a save under ``lay``, and the per-rank save planning time (one rank's
-    tensors through hold_mapping + stored_mapping + compile)."""
-    layers, tensors, t0 = num_layers(model), {}, time.perf_counter()
-    for t in model:
-        stage = stage_of(t, lay.sizes[0], layers)
-        hold, at = lay.hold(t, stage), {"pp": stage, "dp_shard": 0, "tp": 0}
-        nbytes = math.prod(compile_mapping(hold, t.shape, lay.axis_sizes, at).shape) * ITEMSIZE
-        stored = stored_mapping(t.name, hold, lay.axis_sizes, nbytes, len(t.shape))
-        tensors[t.name] = TensorEntry(dtype="BF16", shape=t.shape, mesh=0, mapping=str(stored))
-    per_rank = (time.perf_counter() - t0) / lay.sizes[0]  # a rank plans only its stage's tensors
-    files = {r: f"data/rank-{r:05d}.safetensors" for r in range(lay.world)}
-    kw = {"world_size": lay.world, "meshes": (lay.mesh,), "files": files, "tensors": tensors}
-    return Manifest(**kw, library="sim"), per_rank
-
-
-def file_layout(manifest: Manifest, model: list[Tensor], lay: Layout, rank: int) -> dict:
-    """Where each stored shard of ``rank``'s data file lies (`StoredShardInfo`), as the save
-    writes them (model order)."""
-    offset, out = 4096, {}
-    for t in model:
-        entry = manifest.tensors[t.name].parsed
-        if (shard := compile_mapping(entry, t.shape, lay.axis_sizes, lay.coords(rank))) is None:
-            continue
-        n = math.prod(shard.shape) * ITEMSIZE
-        block = block_size(tuple(shard.shape), ITEMSIZE)  # the checksum blocks a save writes
-        crcs = (0,) * max(1, -(-n // block))
-        out[t.name] = StoredShardInfo(offset, offset + n, ITEMSIZE, block=block, crcs=crcs)
-        offset += n
-    return out
-
-
-def plan_rank(manifest: Manifest, model, save: Layout, load: Layout, rank: int, layers: int):
-    coords = load.coords(rank)
-    mine = [t for t in model if stage_of(t, load.sizes[0], layers) == coords["pp"]]
-    t0, transfers, target_bytes = time.perf_counter(), [], 0
-    for i, t in enumerate(mine):
-        target = compile_mapping(load.hold(t, coords["pp"]), t.shape, load.axis_sizes, coords)
-        target_bytes += sum(box_numel(p.logical_box) for p in target.pieces) * ITEMSIZE
-        entry, sizes = manifest.tensors[t.name].parsed, save.axis_sizes
-        transfers += match_shards(t.name, i, target.pieces, entry, t.shape, sizes, save.mesh.rank)
-    match_s, files = time.perf_counter() - t0, sorted({tr.rank for tr in transfers})
-    # stands for reading these files' headers: not planning time
-    info = {(r, k): s for r in files for k, s in file_layout(manifest, model, save, r).items()}
-    t1 = time.perf_counter()
-    plan = plan_reads(transfers, info, [True] * len(mine))
-    plan_s, reads = match_s + time.perf_counter() - t1, sum(r.count for r in plan.requests)
-    # before coalescing: one read per stretch contiguous in both the file and the destination
-    runs = sum(len(piece_offsets(tr.src, unit_length_dim(tr.src, tr.dst))) for tr in transfers)
-    needed = (plan.bytes_read, plan.bytes_needed, target_bytes)
-    return RankStats(len(files), plan_s, runs, reads, *needed)
-
-
 def dcp_metadata(manifest: Manifest, model, lay: Layout, build: bool) -> tuple[int, int | None]:
     """Chunk entries DCP's .metadata would list for this save (one per distinct saved chunk, after
     its replica de-duplication), and its pickled size when ``build`` (torch's own classes)."""
@@ -187,6 +63,8 @@ def dcp_metadata(manifest: Manifest, model, lay: Layout, build: bool) -> tuple[i
         return entries, None
     import torch
     from torch.distributed.checkpoint import metadata as m
+
+    from anyshard._compat import dcp_storage_info
 
     md, storage = {}, {}
     for t in model:
@@ -241,8 +119,6 @@ def table_rows(rows: list[dict]) -> list[list]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import benchkit as h
-
     p = h.parser(__doc__, records=False)
     p.add_argument("--n", default="8,128,1024,16384", help="world sizes (%(default)s)")
     p.add_argument("--model", choices=("dense", "moe", "both"), default="both")

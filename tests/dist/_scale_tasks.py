@@ -18,7 +18,7 @@ import anyshard.reshard.fill
 from anyshard._compat import compute_local_shape_and_global_offset
 
 sys.path.append(os.path.join(os.path.dirname(__file__), "..", "..", "tools"))  # after harness.py
-import scale_sim  # noqa: E402
+from benchkit import llama, simulated_ranks  # noqa: E402
 
 DIMS = ("pp", "dp_shard", "tp")
 SAVE, LOAD = (2, 2, 2), (1, 4, 2)
@@ -28,11 +28,11 @@ SAVE, LOAD = (2, 2, 2), (1, 4, 2)
 SIZES = {"h": 10, "f": 22, "kv": 6, "vocab": 30, "layers": 4}
 
 
-def model() -> list[scale_sim.Tensor]:
-    return scale_sim.dense_70b(**SIZES)
+def model() -> list[llama.Tensor]:
+    return llama.dense_70b(**SIZES)
 
 
-def full_tensor_of(t: scale_sim.Tensor) -> torch.Tensor:
+def full_tensor_of(t: llama.Tensor) -> torch.Tensor:
     """The same values on every rank, from the tensor's name alone."""
     g = torch.Generator().manual_seed(zlib.crc32(t.name.encode()))
     return torch.randn(t.shape, generator=g).to(torch.bfloat16)
@@ -55,8 +55,8 @@ def expected_local(full: torch.Tensor, kind: str, dp: int, tp: int, coords) -> t
     return part(full, 0, dp, d)
 
 
-def _dtensor(t: scale_sim.Tensor, values: torch.Tensor, submesh, tp: int) -> DTensor:
-    placements = scale_sim.placements(t.kind, tp)
+def _dtensor(t: llama.Tensor, values: torch.Tensor, submesh, tp: int) -> DTensor:
+    placements = llama.placements(t.kind, ("dp_shard", "tp"), fsdp_over_tp=tp)
     shape, offset = compute_local_shape_and_global_offset(values.shape, submesh, placements)
     local = values[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
     # distribute_tensor refuses uneven _StridedShard, so build the local shard ourselves
@@ -78,10 +78,10 @@ def _stage_state(sizes: tuple[int, int, int], fill) -> tuple[dict, object]:
     submesh = mesh["dp_shard", "tp"]
     stage = mesh.get_coordinate()[0]
     specs = model()
-    layers = scale_sim.num_layers(specs)
+    layers = simulated_ranks.num_layers(specs)
     state = {}
     for t in specs:
-        if scale_sim.stage_of(t, pp, layers) == stage:
+        if simulated_ranks.stage_of(t, pp, layers) == stage:
             state[t.name] = _dtensor(t, fill(t), submesh, tp)
     return state, submesh
 

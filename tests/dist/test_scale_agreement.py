@@ -17,7 +17,7 @@ sys.path.append(os.path.join(HERE, "..", "..", "tools"))  # after tests/dist
 sys.path.insert(0, HERE)
 
 import _scale_tasks as tasks  # noqa: E402
-import scale_sim  # noqa: E402
+from benchkit import simulated_ranks  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +32,10 @@ def run(pool8, tmp_path_factory):
 @pytest.fixture(scope="module")
 def sim():
     model = tasks.model()
-    save, load = scale_sim.Layout(*tasks.SAVE), scale_sim.Layout(*tasks.LOAD)
-    manifest, _ = scale_sim.build_manifest(model, save)
-    layers = scale_sim.num_layers(model)
-    stats = [scale_sim.plan_rank(manifest, model, save, load, r, layers) for r in range(8)]
+    save, load = simulated_ranks.Layout(*tasks.SAVE), simulated_ranks.Layout(*tasks.LOAD)
+    manifest, _ = simulated_ranks.build_manifest(model, save)
+    layers = simulated_ranks.num_layers(model)
+    stats = [simulated_ranks.plan_rank(manifest, model, save, load, r, layers) for r in range(8)]
     return manifest, stats
 
 

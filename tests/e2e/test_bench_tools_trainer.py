@@ -55,7 +55,7 @@ def test_bench_autolayout_accuracy_runs_every_layout_and_ranks_them(tmp_path):
     )
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     try:
-        from bench_autolayout import spearman
+        from benchkit import spearman
     finally:
         sys.path.pop(0)
     # Spearman's rho by its definition: ranks' Pearson correlation (ties take their mean rank)
