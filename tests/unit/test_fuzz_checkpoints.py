@@ -1,33 +1,29 @@
-"""A seeded subset of the mutation fuzzer (tools/fuzz_checkpoints.py) runs with the suite:
-damaged and hostile checkpoints through every entry point raise only AnyshardError, each call
-returns within 5 s, and a flipped data bit never comes back in a read of a whole tensor or of
-part of one, over two seeds. A smaller run also loads every damaged anyshard checkpoint in 4 gloo
-processes.
+"""A seeded subset of the mutation fuzzer (tools/fuzz_checkpoints.py; its engine, the harness's
+benchkit.fuzzing) runs with the suite: damaged and hostile checkpoints through every entry point
+raise only AnyshardError, each call returns within 5 s, and a flipped data bit never comes back in
+a read of a whole tensor or of part of one, over two seeds. A smaller run also loads every damaged
+anyshard checkpoint in 4 gloo processes.
 
 Run: python -m pytest tests/unit/test_fuzz_checkpoints.py -q
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 
 import pytest
 
-TOOL = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "fuzz_checkpoints.py")
+TOOLS = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
 
 
 @pytest.fixture(scope="module")
 def fuzz():
-    spec = importlib.util.spec_from_file_location("fuzz_checkpoints", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    tools = os.path.dirname(os.path.abspath(TOOL))
-    if tools not in sys.path:  # spawned load processes import the tool by name
-        sys.path.append(tools)
-    spec.loader.exec_module(module)
-    return module
+    if TOOLS not in sys.path:  # spawned load processes import the fuzzer by name
+        sys.path.append(TOOLS)
+    from benchkit import fuzzing
+
+    return fuzzing
 
 
 @pytest.mark.parametrize("seed", [0, 1])

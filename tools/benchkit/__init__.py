@@ -15,7 +15,9 @@ The workloads, a module each:
 - ``benchkit.llama``: Llama-shaped models (the tensors' shapes, their placements on a mesh,
   seeded values) and the states bench_reshard and bench_redistribute move between meshes;
 - ``benchkit.trainer_runs``: the reference trainer run as a job (`train`) and its step times;
-- ``benchkit.simulated_ranks``: N simulated ranks' save manifest and load planning (scale_sim).
+- ``benchkit.simulated_ranks``: N simulated ranks' save manifest and load planning (scale_sim);
+- ``benchkit.mutations`` and ``benchkit.fuzzing``: damaged checkpoints and every entry point
+  called on them (fuzz_checkpoints).
 """
 
 from .measure import (
