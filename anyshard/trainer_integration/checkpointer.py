@@ -15,10 +15,10 @@ Run the examples: ``python -m pytest --doctest-modules anyshard/trainer_integrat
 
 from __future__ import annotations
 
-import os
+import functools
 import time
 import warnings
-from collections.abc import Collection, Mapping, MutableMapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -27,67 +27,22 @@ from anyshard.api import async_save
 from anyshard.api import collectives as coll
 from anyshard.api.load import load
 from anyshard.api.save import save, save_deferred
-from anyshard.api.state import is_json_value
 from anyshard.errors import AnyshardError
 from anyshard.format import steps, storage
-from anyshard.format.manifest import MANIFEST_NAME, read_manifest
+from anyshard.trainer_integration.app_state import check_restorable, state_dicts, write_back
+from anyshard.trainer_integration.retention import (
+    apply_local_retention,
+    apply_retention,
+    clear_stale,
+)
+from anyshard.trainer_integration.tiered import choose_step, upload
 
 __all__ = ["Checkpointer"]
-
-
-def _is_stateful(obj: Any) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(
-        getattr(obj, "load_state_dict", None)
-    )
-
-
-def _is_plain(obj: Any) -> bool:
-    """A JSON value other than a dict (``5``, ``"x"``, ``[0.1, 0.2]``): saved as one value, and
-    restored by writing the stored value into the app state's entry."""
-    return not isinstance(obj, dict) and not _is_stateful(obj) and is_json_value(obj)
-
-
-def _check_app_state(app_state: Mapping[str, Any]) -> None:
-    bad = sorted(
-        f"{name!r} ({type(obj).__name__})"
-        for name, obj in app_state.items()
-        if not (_is_stateful(obj) or isinstance(obj, dict) or is_json_value(obj))
-    )
-    if bad:
-        raise TypeError(
-            f"app_state values must have state_dict()/load_state_dict(), be dicts, or be JSON "
-            f"values (numbers, strings, bools, None, and lists and dicts of them); got "
-            f"{', '.join(bad)}; wrap them in a class with those two methods"
-        )
-
-
-def _state_dicts(app_state: Mapping[str, Any]) -> dict[str, Any]:
-    _check_app_state(app_state)
-    return {name: obj.state_dict() if _is_stateful(obj) else obj for name, obj in app_state.items()}
 
 
 def _positive(name: str, value: int | None) -> None:
     if value is not None and (not isinstance(value, int) or value < 1):
         raise ValueError(f"{name} must be a positive int or None, got {value!r}")
-
-
-def _steps_to_delete(
-    committed: list[int], *, keep_last: int | None, keep_every: int | None
-) -> list[int]:
-    """The committed steps a retention policy deletes: all but the newest ``keep_last`` and the
-    multiples of ``keep_every``. ``keep_last=None`` keeps everything.
-
-    >>> _steps_to_delete([0, 2, 4, 6, 8], keep_last=2, keep_every=4)
-    [2]
-    """
-    if keep_last is None:
-        return []
-    newest = set(sorted(committed)[-keep_last:])
-    return sorted(
-        s
-        for s in committed
-        if s not in newest and not (keep_every is not None and s % keep_every == 0)
-    )
 
 
 class Checkpointer:
@@ -163,29 +118,6 @@ class Checkpointer:
         max_failures: int = 3,
         stale_after_s: float | None = 3600.0,
     ):
-        if every_steps is None:
-            raise ValueError("every_steps must be a positive int, got None")
-        for name, value in (
-            ("every_steps", every_steps),
-            ("keep_last", keep_last),
-            ("keep_every", keep_every),
-            ("keep_local", keep_local),
-        ):
-            _positive(name, value)
-        if local_dir is not None and storage.is_url(local_dir):
-            raise ValueError(f"local_dir must be a local directory, not the URL {local_dir!r}")
-        if incremental and local_dir is not None:
-            raise ValueError(
-                "incremental=True is not supported with local_dir (tiered saves upload each "
-                "step's own files); use one of them"
-            )
-        if frozen and not incremental:
-            raise ValueError("frozen names only apply with incremental=True")
-        if on_error not in ("raise", "skip"):
-            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-        _positive("max_failures", max_failures)
-        if stale_after_s is not None and not stale_after_s >= 0:
-            raise ValueError(f"stale_after_s must be None or >= 0 seconds, got {stale_after_s}")
         self.root = root
         self.every_steps = every_steps
         self.keep_last = keep_last
@@ -195,19 +127,43 @@ class Checkpointer:
         self.local_dir = local_dir
         self.keep_local = keep_local
         self.incremental = incremental
+        self.on_error = on_error
+        self.max_failures = max_failures
+        self.stale_after_s = stale_after_s
+        self._check_options(frozen)
         self.frozen = frozenset(frozen or ())
         self._base: str | None = None  # the newest committed step of this root we know of
         self._issued: str | None = None  # the save in flight, a base once it has committed
         self._pending: list = []  # SaveHandles of the background work in flight
         self._hooks: list = []  # optimizer pre-step hooks of `guard`
         self.blocked_s = 0.0  # seconds `save` and `wait_staged` have held up their caller
-        self.on_error = on_error
-        self.max_failures = max_failures
-        self.stale_after_s = stale_after_s
         # failed saves skipped under on_error="skip": {"step", "error", "time"}, oldest first
         self.failures: list[dict[str, Any]] = []
         self._failed_in_a_row = 0
         self._in_flight: int | None = None  # the step of the async save not yet waited for
+
+    def _check_options(self, frozen: Collection[str] | None) -> None:
+        """The options given to `__init__`, checked before anything uses them."""
+        if self.every_steps is None:
+            raise ValueError("every_steps must be a positive int, got None")
+        for name in ("every_steps", "keep_last", "keep_every", "keep_local"):
+            _positive(name, getattr(self, name))
+        local_dir = self.local_dir
+        if local_dir is not None and storage.is_url(local_dir):
+            raise ValueError(f"local_dir must be a local directory, not the URL {local_dir!r}")
+        if self.incremental and local_dir is not None:
+            raise ValueError(
+                "incremental=True is not supported with local_dir (tiered saves upload each "
+                "step's own files); use one of them"
+            )
+        if frozen and not self.incremental:
+            raise ValueError("frozen names only apply with incremental=True")
+        if self.on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error must be 'raise' or 'skip', got {self.on_error!r}")
+        _positive("max_failures", self.max_failures)
+        stale_after_s = self.stale_after_s
+        if stale_after_s is not None and not stale_after_s >= 0:
+            raise ValueError(f"stale_after_s must be None or >= 0 seconds, got {stale_after_s}")
 
     def guard(self, *optimizers) -> None:
         """Let async saves return at once and stage their copies while the training loop runs
@@ -249,7 +205,7 @@ class Checkpointer:
         on the save thread. Returns the reservation's handle (`wait` waits for it too)."""
         from anyshard.api.state import copy_containers, flatten_state
 
-        state = copy_containers(_state_dicts(app_state))
+        state = copy_containers(state_dicts(app_state))
 
         def reserve() -> int:
             local = {}
@@ -353,7 +309,7 @@ class Checkpointer:
         state: dict[str, Any] = {}
         error = None
         try:  # rank-local: a rank that fails here must not leave the others in a collective
-            state = _state_dicts(app_state)
+            state = state_dicts(app_state)
         except Exception as e:
             error = e
         if self.async_ and self._hooks and self.local_dir is None:
@@ -372,7 +328,7 @@ class Checkpointer:
                 inc["frozen"] = None
         self._issued = path
         if self.async_ and self._hooks:  # nothing here waits for the other ranks
-            before = lambda group: self._clear_stale_in_background(path, group)  # noqa: E731
+            before = functools.partial(clear_stale, path)  # on the save thread, its group
             self._pending.append(
                 save_deferred(path, state, process_group=self.process_group, before=before, **inc)
             )
@@ -405,58 +361,15 @@ class Checkpointer:
         )
         if handle is not None:
             self._pending.append(handle)
-        self._pending.append(async_save.submit(lambda: self._upload(step, local, remote, group)))
-
-    def _upload(self, step: int, local: str, remote: str, group) -> None:
-        """Background: every rank uploads its own data file, then rank 0 the manifest."""
-        me = coll.rank(group)
-        error = None
-        if me == 0:  # debris of a crashed attempt at this step, before anyone writes
-            try:
-                if storage.exists(remote) and not storage.exists(
-                    storage.join(remote, MANIFEST_NAME)
-                ):
-                    steps.remove_step(remote)
-            except Exception as e:
-                error = f"rank 0: {e}"
-        error = coll.broadcast_json(error, group)
-        try:
-            if error is not None:
-                raise AnyshardError(error)
-            mine = storage.join(local, "data", f"rank-{me:05d}.safetensors")
-            if not storage.exists(storage.join(local, MANIFEST_NAME)) and me == 0:
-                raise AnyshardError(f"{local}: the local save of step {step} did not commit")
-            if storage.exists(mine):
-                storage.makedirs(storage.join(remote, "data"))
-                storage.upload(mine, storage.join(remote, "data", f"rank-{me:05d}.safetensors"))
-        except Exception as e:
-            error = f"rank {me}: {e}"
-        errors = coll.gather_json(error, group)
-        outcome: dict[str, Any] = {"ok": True}
-        if me == 0:
-            assert errors is not None  # rank 0 gathers every rank's
-            try:
-                failed = [e for e in errors if e]
-                if failed:
-                    raise AnyshardError(
-                        f"upload of step {step} to {remote} failed; the step stays on local "
-                        f"disk: {failed[0]}"
-                    )
-                data = storage.read_bytes(storage.join(local, MANIFEST_NAME))
-                storage.write_bytes_atomic(
-                    storage.join(remote, MANIFEST_NAME), data, exclusive=True
+        assert self.local_dir is not None  # tiered mode
+        uploaded = functools.partial(apply_local_retention, self.local_dir, step, self.keep_local)
+        self._pending.append(
+            async_save.submit(
+                lambda: upload(
+                    step, local, remote, group, committed=self._apply_retention, uploaded=uploaded
                 )
-                self._apply_retention()
-            except Exception as e:
-                outcome = {"ok": False, "error": str(e)}
-        outcome = coll.broadcast_json(outcome, group)
-        if not outcome["ok"]:
-            raise AnyshardError(outcome["error"])
-        # one rank per node cleans its local disk (LOCAL_RANK 0 under torchrun); the barrier
-        # makes wait() return everywhere only once that is done
-        if int(os.environ.get("LOCAL_RANK", me)) == 0:
-            self._apply_local_retention(step)
-        coll.broadcast_json(None, group)
+            )
+        )
 
     def wait(self, *, collective: bool = True) -> None:
         """Wait for the background work in flight (save, upload, retention); raise its error
@@ -489,85 +402,20 @@ class Checkpointer:
             self._base, self._issued = self._issued, None
 
     def _clear_stale(self, path: str) -> None:
-        # A crashed earlier attempt at this same step may have left files (perhaps from another
-        # world size); this run owns the step now, so rank 0 clears them before anyone writes.
-        # A committed step is left for anyshard.save to refuse.
-        problem = None
-        if coll.rank(self.process_group) == 0:
-            try:
-                problem = self._clear_stale_here(path)
-            except (AnyshardError, OSError) as e:
-                problem = f"{path}: could not clear the files of an earlier attempt ({e})"
-        problem = coll.broadcast_json(problem, self.process_group)  # nobody writes before it
-        if problem:
-            raise AnyshardError(problem)
-
-    @staticmethod
-    def _clear_stale_here(path: str) -> str | None:
-        """Rank 0's part of `_clear_stale`: why the step directory cannot be reused, or None."""
-        if storage.exists(path) and not storage.exists(storage.join(path, MANIFEST_NAME)):
-            if steps.remove_steps([path]):
-                return (
-                    f"{path}: holds data files that committed steps of {storage.parent(path)} "
-                    "reference (it was an incremental base, since deleted); saving this step "
-                    "again would overwrite them. Save under another step number"
-                )
-        return None
-
-    @staticmethod
-    def _clear_stale_in_background(path: str, group) -> BaseException | None:
-        """`_clear_stale` on the save thread, over the background group: every rank learns
-        whether rank 0 could clear (an error stops the save on every rank)."""
-        problem = None
-        if coll.rank(group) == 0:
-            try:
-                problem = Checkpointer._clear_stale_here(path)
-            except (AnyshardError, OSError) as e:
-                problem = f"{path}: could not clear the files of an earlier attempt ({e})"
-        problem = coll.broadcast_json(problem, group)  # nobody writes before the clear
-        return AnyshardError(problem) if problem else None
+        """Collective: rank 0 clears what an earlier attempt at this step left before anyone
+        writes (`clear_stale`); every rank raises if it could not."""
+        error = clear_stale(path, self.process_group)
+        if error is not None:
+            raise error
 
     def _apply_retention(self) -> None:
-        # Housekeeping after a commit: a failure here must not fail the save that succeeded (and
-        # raising on rank 0 alone would leave the other ranks in a different place), so warn.
-        try:
-            listed = steps.list_steps(self.root)
-            committed = [s.step for s in listed if s.committed]
-            doomed = set(
-                _steps_to_delete(committed, keep_last=self.keep_last, keep_every=self.keep_every)
-            )
-            debris = steps.find_debris(listed, stale_after_s=self.stale_after_s)
-            steps.remove_steps(
-                [s.path for s in listed if s.step in doomed]
-                + [s.path for s in debris if s.path != self._issued]  # never the one in flight
-            )
-        except (AnyshardError, OSError) as e:
-            warnings.warn(
-                f"anyshard: retention under {self.root} failed ({e}); old steps remain, "
-                f"`anyshard gc {self.root}` removes debris",
-                stacklevel=3,
-            )
-
-    def _apply_local_retention(self, uploaded: int) -> None:
-        """Local step directories older than the newest ``keep_local`` uploaded ones go."""
-        local_dir = self.local_dir
-        assert local_dir is not None  # tiered mode
-        try:
-            names = storage.listdir(local_dir) if storage.exists(local_dir) else []
-            found = sorted(
-                int(n.rsplit("-", 1)[1])
-                for n in (os.path.basename(x.rstrip("/")) for x in names)
-                if n.startswith("step-") and n.rsplit("-", 1)[1].isdigit()
-            )
-            keep = {s for s in found if s <= uploaded}
-            keep = set(sorted(keep)[-self.keep_local :]) | {s for s in found if s > uploaded}
-            for s in found:
-                if s not in keep:
-                    steps.remove_step(self._local_step(s))
-        except OSError as e:
-            warnings.warn(
-                f"anyshard: local retention under {self.local_dir} failed ({e})", stacklevel=2
-            )
+        apply_retention(
+            self.root,
+            keep_last=self.keep_last,
+            keep_every=self.keep_every,
+            stale_after_s=self.stale_after_s,
+            in_flight=self._issued,
+        )
 
     def latest_step(self) -> int | None:
         """The newest committed step in ``root``, the same on every rank (rank 0 lists and
@@ -577,43 +425,6 @@ class Checkpointer:
             latest = steps.latest_committed(self.root)
             found = None if latest is None else latest.step
         return coll.broadcast_json(found, self.process_group)
-
-    def _local_complete(self, step: int) -> bool:
-        """Whether this rank finds ``step`` committed on its local disk with every data file."""
-        path = self._local_step(step)
-        try:
-            manifest = read_manifest(path)
-        except AnyshardError:
-            return False
-        return all(os.path.exists(os.path.join(path, f)) for f in manifest.files.values())
-
-    def _choose_step(self) -> tuple[int | None, bool]:
-        """The step to restore and whether this rank reads it from local disk."""
-        remote = None
-        local_steps: list[int] = []
-        if coll.rank(self.process_group) == 0:
-            latest = steps.latest_committed(self.root)
-            remote = None if latest is None else latest.step
-        if self.local_dir is not None and storage.exists(self.local_dir):
-            local_steps = [s.step for s in steps.list_steps(self.local_dir) if s.committed]
-        candidates = coll.broadcast_json(
-            {"remote": remote, "local": sorted(local_steps, reverse=True)}, self.process_group
-        )
-        remote = candidates["remote"]
-        ordered = [s for s in candidates["local"] if remote is None or s > remote]
-        ordered += [remote] if remote is not None else []
-        if self.local_dir is None:
-            return remote, False
-        mine = {s: self._local_complete(s) for s in ordered}
-        # a step every rank can read: locally complete here, or committed in root
-        ok = [s for s in ordered if mine[s] or s == remote]
-        agreed = coll.gather_json(ok, self.process_group)
-        choice = None
-        if coll.rank(self.process_group) == 0:
-            common = set.intersection(*(set(a) for a in agreed)) if agreed else set()
-            choice = max(common) if common else None
-        choice = coll.broadcast_json(choice, self.process_group)
-        return choice, choice is not None and mine.get(choice, False)
 
     def restore_latest(self, app_state: Mapping[str, Any], *, strict: bool = True) -> int | None:
         """Load the newest committed step into ``app_state``; return that step, or None if none.
@@ -632,35 +443,16 @@ class Checkpointer:
         >>> Checkpointer(root).restore_latest(app), app
         (3, {'step': 3, 'config': {'lr': 0.1, 'name': 'x'}})
         """
-        _check_app_state(app_state)
-        plain = sorted(n for n, obj in app_state.items() if _is_plain(obj))
-        if plain and not isinstance(app_state, MutableMapping):
-            raise TypeError(
-                f"app_state holds the JSON values {plain}, which a restore writes into app_state; "
-                f"pass a dict (got a {type(app_state).__name__})"
-            )
+        check_restorable(app_state)
         self.wait()
-        step, local = self._choose_step()
+        step, local = choose_step(self.root, self.local_dir, self.process_group)
         if step is None:
             return None
-        state = _state_dicts(app_state)
+        state = state_dicts(app_state)
         path = self._local_step(step) if local else self.step_path(step)
         self.restored_from = path
         load(path, state, process_group=self.process_group, strict=strict)
         if not local:
             self._base = path  # the next incremental save references what it holds
-        for name, obj in list(app_state.items()):
-            loaded = state[name]
-            if _is_stateful(obj):
-                obj.load_state_dict(loaded)
-            elif loaded is obj:  # filled in place
-                continue
-            elif isinstance(obj, dict) and isinstance(loaded, dict):  # loaded as one JSON value
-                obj.clear()
-                obj.update(loaded)
-            elif isinstance(obj, list) and isinstance(loaded, list):
-                obj[:] = loaded
-            else:
-                assert isinstance(app_state, MutableMapping)  # checked above
-                app_state[name] = loaded
+        write_back(app_state, state)
         return step

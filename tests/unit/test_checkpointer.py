@@ -294,7 +294,11 @@ def test_save_retention_restore_and_gc_on_s3(s3):
 
 @pytest.mark.parametrize(
     "module",
-    ["anyshard.format.steps", "anyshard.trainer_integration.checkpointer"],
+    [
+        "anyshard.format.steps",
+        "anyshard.trainer_integration.checkpointer",
+        "anyshard.trainer_integration.retention",
+    ],
 )
 def test_docstring_examples_of_steps_and_checkpointer_run(module):
     import doctest
