@@ -295,7 +295,7 @@ def memory(args, argv, cfg, poor: str, opts: list[str], records, load) -> int:
     before the model was built) against `costmodel.memory_per_rank`, and the median step time;
     then ``auto = online`` from ``poor`` under the budget: the layouts it ran and its ranks'
     largest RSS growth over the whole run."""
-    from anyshard.trainer_integration.gpt.train import MEMORY_STEPS
+    from anyshard.trainer_integration.gpt.relayout import MEMORY_STEPS
 
     budget = int(args.memory_gib * 2**30)
     fits = set(_layouts(cfg, args.world, memory_bytes=budget))

@@ -40,7 +40,7 @@ def cached_state_dicts(overrides: list[str], steps: int) -> int:
     import torch
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from anyshard.trainer_integration.gpt.train import TrainState, _loader, build_training
+    from anyshard.trainer_integration.gpt.state import TrainState, _loader, build_training
 
     cfg = load_config(TINY_CONFIG, overrides)
     par, model, optimizer, step_fn = build_training(cfg)
@@ -111,7 +111,7 @@ def primed_state_trains_as_fresh(overrides: list[str], steps: int) -> list[float
     state's dict still the one remembered before training. Returns the primed run's losses."""
     import torch
 
-    from anyshard.trainer_integration.gpt.train import TrainState, _loader, build_training
+    from anyshard.trainer_integration.gpt.state import TrainState, _loader, build_training
 
     cfg = load_config(TINY_CONFIG, overrides)
     states, step_fns = [], []
@@ -157,7 +157,7 @@ def save_after_another_hierarchy(root: str) -> list[str]:
 
     import anyshard
     from anyshard.trainer_integration.checkpointer import Checkpointer
-    from anyshard.trainer_integration.gpt.train import TrainState, _loader, build_training
+    from anyshard.trainer_integration.gpt.state import TrainState, _loader, build_training
 
     for overrides in (
         ["--parallel.tp", "2", "--parallel.cp", "2"],

@@ -343,15 +343,15 @@ def test_a_straggler_sleeps_inside_each_blocks_forward_and_backward(monkeypatch)
 
     import torch
 
-    from anyshard.trainer_integration.gpt import train
     from anyshard.trainer_integration.gpt.config import load_config
+    from anyshard.trainer_integration.gpt.layout_chooser import straggler
     from anyshard.trainer_integration.gpt.model import GPT, TransformerBlock
 
     sleeps: list[float] = []
-    monkeypatch.setattr(train.time, "sleep", sleeps.append)
+    monkeypatch.setattr(straggler.time, "sleep", sleeps.append)
     cfg = load_config(None, ["--model.dim", "64", "--model.ffn_dim", "256"], environ={})
     model, x = GPT(cfg.model), torch.randint(0, 256, (4, 64))
-    s = train._Straggler(3.0, from_step=5, cuda=False)
+    s = straggler.Straggler(3.0, from_step=5, cuda=False)
     s.arm(model, 4)  # before slow_from: no sleep
     model(x).sum().backward()
     assert sleeps == [] and s.slept == 0.0
