@@ -211,6 +211,83 @@ def _last_step(run_dir: str) -> int:
     return 0
 
 
+def _faults_by_group(faults: Sequence[str], replicas: int) -> dict[int, list[str]]:
+    """``faults`` (REPLICA:RANK:STEP[:MODE]) as each group's RANK:STEP[:MODE] list."""
+    per_group: dict[int, list[str]] = {}
+    for f in faults:
+        head, _, rest = f.partition(":")
+        if not head.isdigit() or not rest or not 0 <= int(head) < replicas:
+            raise ValueError(
+                f"--fault {f!r}: expected REPLICA:RANK:STEP[:MODE], REPLICA < {replicas}"
+            )
+        per_group.setdefault(int(head), []).append(rest)
+    return per_group
+
+
+class _Groups:
+    """The replica groups of a job, each an elastic agent (``commands[g]``) in a session of its
+    own, so that a lost node's agent and ranks are killed at once; ``faults[g]`` are the faults
+    of group g, the k-th striking in its k-th attempt."""
+
+    def __init__(self, commands: Mapping[int, list[str]], faults: Mapping[int, list[str]]):
+        self.commands, self.faults = commands, faults
+        self.procs = {g: self.start(g) for g in commands}
+
+    def start(self, g: int) -> subprocess.Popen:
+        """Launch group ``g`` (again)."""
+        env = dict(os.environ)
+        env.pop("ANYSHARD_FAULT", None)
+        env.pop("ANYSHARD_FAULTS", None)
+        if g in self.faults:  # the k-th fault of a group strikes in its k-th attempt
+            env["ANYSHARD_FAULTS"] = ",".join(self.faults[g])
+        return subprocess.Popen(
+            self.commands[g], env=env, start_new_session=True, preexec_fn=_die_with_parent
+        )
+
+    def lose(self, g: int, step: int, run_dir: str) -> bool:
+        """Lose group ``g``'s node at ``step``: SIGKILL its agent and ranks, and log the fault
+        in its ``fault.json``. False where the group had already ended."""
+        proc = self.procs[g]
+        if proc.poll() is not None:
+            return False
+        os.killpg(proc.pid, signal.SIGKILL)  # the node is lost: its agent and ranks at once
+        proc.wait()
+        event = {"time": time.time(), "step": step, "rank": None, "mode": "node lost"}
+        with open(os.path.join(run_dir, f"replica-{g}", "fault.json"), "a") as f:
+            f.write(json.dumps(event) + "\n")
+        print(f"launch: replica group {g} lost at step {step}", file=sys.stderr, flush=True)
+        return True
+
+    def kill(self) -> None:
+        """SIGKILL the groups still running."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+def _supervise(
+    groups: _Groups, run_dir: str, lose: Sequence[tuple[int, int, float | None]]
+) -> dict[int, int]:
+    """Wait for every group to end, losing groups and bringing them back as ``lose`` says
+    (`launch_replicas`); returns each group's exit code."""
+    procs = groups.procs
+    pending = sorted(lose, key=lambda x: x[1])
+    returns: list[tuple[float, int]] = []
+    while any(p.poll() is None for p in procs.values()) or returns:
+        step = max((_last_step(os.path.join(run_dir, f"replica-{g}")) for g in procs), default=0)
+        while pending and step >= pending[0][1]:
+            g, _, back = pending.pop(0)
+            if groups.lose(g, step, run_dir) and back is not None:
+                returns.append((time.time() + back, g))
+        for when, g in list(returns):
+            if time.time() >= when:
+                returns.remove((when, g))
+                procs[g] = groups.start(g)
+                print(f"launch: replica group {g} back", file=sys.stderr, flush=True)
+        time.sleep(0.1)
+    return {g: p.returncode for g, p in procs.items()}
+
+
 def launch_replicas(
     replicas: int,
     nproc: int,
@@ -238,72 +315,31 @@ def launch_replicas(
         raise ValueError(
             f"--group-args: a REPLICA below {replicas} expected, got {sorted(group_args)}"
         )
-    per_group: dict[int, list[str]] = {}
-    for f in faults:
-        head, _, rest = f.partition(":")
-        if not head.isdigit() or not rest or not 0 <= int(head) < replicas:
-            raise ValueError(
-                f"--fault {f!r}: expected REPLICA:RANK:STEP[:MODE], REPLICA < {replicas}"
-            )
-        per_group.setdefault(int(head), []).append(rest)
+    per_group = _faults_by_group(faults, replicas)
     lighthouse, address = start_lighthouse(
         heartbeat_ms=heartbeat_ms, join_ms=join_ms, min_replicas=min_replicas
     )
     run_dir = _run_dir(trainer_args)
-
-    def start(g: int) -> subprocess.Popen:
-        env = dict(os.environ)
-        env.pop("ANYSHARD_FAULT", None)
-        env.pop("ANYSHARD_FAULTS", None)
-        if g in per_group:  # the k-th fault of a group strikes in its k-th attempt
-            env["ANYSHARD_FAULTS"] = ",".join(per_group[g])
-        cmd = [sys.executable, "-m", "anyshard.trainer_integration.gpt.launch"]
-        cmd += ["--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts)]
-        cmd += [*trainer_args, *group_args.get(g, ())]
-        cmd += ["--ft.replicas", str(replicas), "--ft.replica", str(g)]
-        cmd += ["--ft.lighthouse", address, "--ft.min_replicas", str(min_replicas)]
-        return subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
-
-    procs = {g: start(g) for g in range(replicas)}
-    pending = sorted(lose, key=lambda x: x[1])
-    returns: list[tuple[float, int]] = []
+    head = [sys.executable, "-m", "anyshard.trainer_integration.gpt.launch"]
+    head += ["--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts)]
+    tail = ["--ft.lighthouse", address, "--ft.min_replicas", str(min_replicas)]
+    commands = {
+        g: [*head, *trainer_args, *group_args.get(g, ())]
+        + ["--ft.replicas", str(replicas), "--ft.replica", str(g), *tail]
+        for g in range(replicas)
+    }
+    groups = _Groups(commands, per_group)
     try:
-        while any(p.poll() is None for p in procs.values()) or returns:
-            step = max(
-                (_last_step(os.path.join(run_dir, f"replica-{g}")) for g in procs), default=0
-            )
-            while pending and step >= pending[0][1]:
-                g, _, back = pending.pop(0)
-                if procs[g].poll() is None:  # the node is lost: its agent and ranks at once
-                    os.killpg(procs[g].pid, signal.SIGKILL)
-                    procs[g].wait()
-                    event = {"time": time.time(), "step": step, "rank": None, "mode": "node lost"}
-                    with open(os.path.join(run_dir, f"replica-{g}", "fault.json"), "a") as f:
-                        f.write(json.dumps(event) + "\n")
-                    print(
-                        f"launch: replica group {g} lost at step {step}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                    if back is not None:
-                        returns.append((time.time() + back, g))
-            for when, g in list(returns):
-                if time.time() >= when:
-                    returns.remove((when, g))
-                    procs[g] = start(g)
-                    print(f"launch: replica group {g} back", file=sys.stderr, flush=True)
-            time.sleep(0.1)
-        codes = {g: p.returncode for g, p in procs.items()}
+        codes = _supervise(groups, run_dir, lose)
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+        groups.kill()
         lighthouse.kill()
         lighthouse.wait()
     return 0 if all(c == 0 for c in codes.values()) else 1
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The launcher's options (every other word goes to the trainer)."""
     p = argparse.ArgumentParser(
         prog="python -m anyshard.trainer_integration.gpt.launch",
         description="Run the reference trainer on local ranks under torch's elastic agent, "
@@ -321,6 +357,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=1,
         help="FT-HSDP: replica groups of --nproc-per-node ranks, each restarted alone (torchft)",
     )
+    _replica_options(p)
+    return p
+
+
+def _replica_options(p: argparse.ArgumentParser) -> None:
+    """The options of an FT-HSDP job (``--replicas``)."""
     p.add_argument(
         "--fault",
         action="append",
@@ -364,47 +406,51 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="with --replicas: trainer options for group REPLICA alone, after the shared ones, "
         "e.g. '1:--parallel.relayout_at 20:tp=2' (that group switches layout at step 20)",
     )
-    args, trainer_args = p.parse_known_args(argv)
-    if args.nproc_per_node < 1:
-        p.error("--nproc-per-node must be at least 1")
-    if args.replicas < 1:
-        p.error("--replicas must be at least 1")
-    if args.replicas > 1:
-        try:
-            lose = []
-            for item in args.lose_group:
-                parts = item.split(":")
-                if len(parts) not in (2, 3) or not 0 <= int(parts[0]) < args.replicas:
-                    raise ValueError(
-                        f"--lose-group {item!r}: expected REPLICA:STEP[:BACK_S], REPLICA < "
-                        f"{args.replicas}"
-                    )
-                back = float(parts[2]) if len(parts) == 3 else None
-                lose.append((int(parts[0]), int(parts[1]), back))
-            per_group: dict[int, list[str]] = {}
-            for item in args.group_args:
-                head, _, rest = item.partition(":")
-                if not head.isdigit() or not rest.strip():
-                    raise ValueError(f"--group-args {item!r}: expected REPLICA:OPTIONS")
-                per_group.setdefault(int(head), []).extend(shlex.split(rest))
-            return launch_replicas(
-                args.replicas,
-                args.nproc_per_node,
-                trainer_args,
-                max_restarts=args.max_restarts,
-                faults=args.fault,
-                heartbeat_ms=args.heartbeat_ms,
-                lose=lose,
-                min_replicas=args.min_replicas,
-                join_ms=args.join_ms,
-                group_args=per_group,
+
+
+def _lost_groups(items: Sequence[str], replicas: int) -> list[tuple[int, int, float | None]]:
+    """``--lose-group`` REPLICA:STEP[:BACK_S] items as `launch_replicas`'s ``lose``."""
+    lose = []
+    for item in items:
+        parts = item.split(":")
+        if len(parts) not in (2, 3) or not 0 <= int(parts[0]) < replicas:
+            raise ValueError(
+                f"--lose-group {item!r}: expected REPLICA:STEP[:BACK_S], REPLICA < {replicas}"
             )
-        except (ValueError, FileNotFoundError, RuntimeError) as e:
-            p.error(str(e))
-    if args.fault:
-        p.error("--fault needs --replicas; set ANYSHARD_FAULT=RANK:STEP for a single group")
-    if args.group_args:
-        p.error("--group-args needs --replicas; give a single group's options as they are")
+        back = float(parts[2]) if len(parts) == 3 else None
+        lose.append((int(parts[0]), int(parts[1]), back))
+    return lose
+
+
+def _options_by_group(items: Sequence[str]) -> dict[int, list[str]]:
+    """``--group-args`` REPLICA:OPTIONS items as each group's trainer options."""
+    per_group: dict[int, list[str]] = {}
+    for item in items:
+        head, _, rest = item.partition(":")
+        if not head.isdigit() or not rest.strip():
+            raise ValueError(f"--group-args {item!r}: expected REPLICA:OPTIONS")
+        per_group.setdefault(int(head), []).extend(shlex.split(rest))
+    return per_group
+
+
+def _main_replicas(args: argparse.Namespace, trainer_args: list[str]) -> int:
+    """An FT-HSDP job of ``args.replicas`` groups (`launch_replicas`)."""
+    return launch_replicas(
+        args.replicas,
+        args.nproc_per_node,
+        trainer_args,
+        max_restarts=args.max_restarts,
+        faults=args.fault,
+        heartbeat_ms=args.heartbeat_ms,
+        lose=_lost_groups(args.lose_group, args.replicas),
+        min_replicas=args.min_replicas,
+        join_ms=args.join_ms,
+        group_args=_options_by_group(args.group_args),
+    )
+
+
+def _main_group(args: argparse.Namespace, trainer_args: list[str]) -> int:
+    """A job of one group (`launch`): 1 where it still fails after its restarts."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
@@ -418,6 +464,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"launch: the trainer failed: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = _parser()
+    args, trainer_args = p.parse_known_args(argv)
+    if args.nproc_per_node < 1:
+        p.error("--nproc-per-node must be at least 1")
+    if args.replicas < 1:
+        p.error("--replicas must be at least 1")
+    if args.replicas > 1:
+        try:
+            return _main_replicas(args, trainer_args)
+        except (ValueError, FileNotFoundError, RuntimeError) as e:
+            p.error(str(e))
+    if args.fault:
+        p.error("--fault needs --replicas; set ANYSHARD_FAULT=RANK:STEP for a single group")
+    if args.group_args:
+        p.error("--group-args needs --replicas; give a single group's options as they are")
+    return _main_group(args, trainer_args)
 
 
 if __name__ == "__main__":
