@@ -292,7 +292,7 @@ def memory(args, argv, cfg, poor: str, opts: list[str], records, load) -> int:
     """The memory budget: each layout (fitting or not) run fixed for `MEMORY_RUN_STEPS`, with
     the ranks' allocator lean (what the trainer runs under a budget, `gpt.malloc`) and as it
     is, alternating: its ranks' RSS growth (peak over the memory event's steps less the RSS
-    before the model was built) against `costmodel.memory_per_rank`, and the median step time;
+    before the model was built) against `memory.memory_per_rank`, and the median step time;
     then ``auto = online`` from ``poor`` under the budget: the layouts it ran and its ranks'
     largest RSS growth over the whole run."""
     from anyshard.trainer_integration.gpt.relayout import MEMORY_STEPS

@@ -47,7 +47,7 @@ def relayout(cfg: Config, state: TrainState, parallel) -> tuple[Config, TrainSta
 
 class Layouts:
     """The layout changes of a run: the configured switch (``parallel.relayout_at``) and the
-    scheduler's answers (``parallel.auto``, `autolayout.Scheduler`), each carried out through
+    scheduler's answers (``parallel.auto``, `scheduler.Scheduler`), each carried out through
     `relayout`; the process groups of a layout the job leaves are destroyed as it leaves it."""
 
     def __init__(
@@ -188,10 +188,10 @@ def memory_budget(cfg: Config) -> int | None:
 
 
 def starting_layout(cfg: Config, rank: int) -> tuple[Config, Any, Any]:
-    """The config to start under, the `layouts.Choice` that changed its layout (None when
+    """The config to start under, the `candidates.Choice` that changed its layout (None when
     kept) and the scheduler's measured rates (None unless ``parallel.auto`` is on for a job of
     one replica group). On a world its degrees do not fit, ``auto`` chooses: the model's
-    fastest layout, or `layouts.choose_layout`'s rules for replica groups. Collective."""
+    fastest layout, or `candidates.choose_layout`'s rules for replica groups. Collective."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     rates = chosen = None
     if cfg.parallel.auto != "off" and cfg.ft.replicas == 1:

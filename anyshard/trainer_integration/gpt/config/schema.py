@@ -60,7 +60,7 @@ class ParallelConfig:
     relayout_at: str | None = None
     # "off": train under these degrees (on another number of ranks, an elastic job's, refuse);
     # "start": measure, trial the layouts the cost model predicts faster, switch to the fastest
-    # if it pays (`autolayout.Scheduler`), also when the job runs on another number of ranks
+    # if it pays (`layout_chooser.scheduler.Scheduler`), also when the job runs on another number of ranks
     # than these degrees multiply to (it then starts from the model's best); "online": that,
     # then re-plan when step times drift and give a slow data rank a smaller share.
     # true and false (older configs) read as "start" and "off".

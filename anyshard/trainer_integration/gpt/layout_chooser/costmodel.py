@@ -262,7 +262,7 @@ def rank_layouts(
     memory_bytes: int | None = None,
     scales: tuple[float, float, float] = (1.0, 1.0, 1.0),
 ) -> Table:
-    """Predict every valid layout of ``world`` ranks (`layouts.candidate_layouts`, whose memory
+    """Predict every valid layout of ``world`` ranks (`candidates.candidate_layouts`, whose memory
     filter here counts activations too) and rank them, fastest first."""
     budget = memory_bytes if memory_bytes is not None else default_budget()
     fits, rejected = candidate_layouts(cfg, world, budget, memory=memory_per_rank)
