@@ -4,6 +4,7 @@ the relayout and the continued loss show in its output, with the summary table a
 Run: python -m pytest tests/e2e/test_demo.py -q
 """
 
+import doctest
 import json
 import os
 import subprocess
@@ -176,3 +177,38 @@ def test_a_missing_config_is_a_usage_error_before_any_launch(tmp_path, capsys):
     assert e.value.code == 2
     assert "missing.toml: no such file" in capsys.readouterr().err
     assert not run_dir.exists()  # nothing emptied or launched
+
+
+def test_the_demo_modules_examples_run():
+    """The scenarios' driver (one on screen at a time, the next launched once the one before
+    has trained), the plots' helpers and the FT summary's arithmetic, by their examples."""
+    from anyshard.trainer_integration.demos import figures, follow, ft_demo
+
+    for module in (follow, figures, ft_demo):
+        assert doctest.testmod(module, raise_on_error=True).attempted > 0
+
+
+def test_a_failed_scenario_stops_the_one_launched_after_it():
+    """The next scenario is launched once the one on screen has trained; where that one then
+    fails, the next is stopped (its launches with it) and its lines never show."""
+    from anyshard.trainer_integration.demos.follow import TRAINED, run_in_turn
+
+    stopped = []
+
+    def failing(log):
+        log("first")
+        yield TRAINED
+        return None
+
+    def launched_after(log):
+        try:
+            log("second")
+            while True:
+                yield None
+        finally:
+            stopped.append(True)
+
+    shown: list[str] = []
+    runs = list(run_in_turn([failing, launched_after], shown.append, poll_s=0))
+    assert [summary for summary, _ in runs] == [None]
+    assert shown == ["first"] and stopped == [True]

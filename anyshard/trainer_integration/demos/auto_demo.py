@@ -12,19 +12,14 @@ the run with the trials, switches, straggler and rebalance marked.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 from typing import Any
 
+from anyshard.trainer_integration.demos import figures
+from anyshard.trainer_integration.demos.follow import records as _records
+
 __all__ = ["print_summary", "plot", "summarize"]
-
-
-def _records(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def _median(xs: list[float]) -> float | None:
@@ -97,14 +92,9 @@ def print_summary(summary: dict[str, Any], log) -> None:
 def plot(run_dir: str, summary: dict[str, Any]) -> str | None:
     """``RUN_DIR/step_time.png``: the step time, with trials, switches, straggler and
     rebalance marked; None without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    ax = figures.new_axes()
+    if ax is None:
         return None
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
     by_layout: dict[str, list[dict]] = {}
     for s in summary["step_times"]:
         by_layout.setdefault(s["layout"], []).append(s)
@@ -123,12 +113,10 @@ def plot(run_dir: str, summary: dict[str, Any]) -> str | None:
         linestyle="--",
         label=f"rank 1 slows {summary['straggler']['factor']:g}x",
     )
-    ax.set_xlabel("step")
-    ax.set_ylabel("step time (ms)")
-    ax.set_title("anyshard demo: the job chooses its layout and rebalances a straggler")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = os.path.join(run_dir, "step_time.png")
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return figures.save(
+        ax,
+        os.path.join(run_dir, "step_time.png"),
+        ylabel="step time (ms)",
+        title="anyshard demo: the job chooses its layout and rebalances a straggler",
+        legend_fontsize=7,
+    )

@@ -15,25 +15,26 @@ stalls over the healthy groups' training time.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
-import subprocess
 import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["plot", "print_summary", "run_ft_hsdp", "summarize"]
+from anyshard.trainer_integration.demos import figures
+from anyshard.trainer_integration.demos.follow import Launch, Scenario, drive, last_step
+from anyshard.trainer_integration.demos.follow import records as _records
+
+__all__ = [
+    "follow_ft_hsdp",
+    "ft_hsdp_command",
+    "plot",
+    "print_summary",
+    "run_ft_hsdp",
+    "summarize",
+]
 
 LAUNCH = "anyshard.trainer_integration.gpt.launch"
-
-
-def _records(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def _stretches(losses: list[dict]) -> list[list[dict]]:
@@ -71,6 +72,22 @@ def run_ft_hsdp(
     """Run the scenario into ``run_dir``: rank 1 of group 1 killed at ``kill_step`` (ft-hsdp),
     or group 1's node lost at step ``lose[0]`` and back ``lose[1]`` seconds later (elastic);
     returns the launcher's exit code."""
+    cmd = ft_hsdp_command(
+        run_dir, steps=steps, kill_step=kill_step, heal_layout=heal_layout, lose=lose, extra=extra
+    )
+    return drive(follow_ft_hsdp(run_dir, cmd, steps, log))
+
+
+def ft_hsdp_command(
+    run_dir: str,
+    *,
+    steps: int,
+    kill_step: int | None,
+    heal_layout: str | None,
+    lose: tuple[int, float] | None,
+    extra: Sequence[str],
+) -> list[str]:
+    """The launcher's command line for `run_ft_hsdp`'s arguments."""
     cmd = [sys.executable, "-m", LAUNCH, "--replicas", "2", "--nproc-per-node", "2"]
     cmd += ["--max-restarts", "1"]
     if kill_step is not None:
@@ -85,21 +102,25 @@ def run_ft_hsdp(
     cmd += ["--ft.wait_all_s", "60", *extra]
     if heal_layout:
         cmd += ["--ft.heal_layout", heal_layout]
+    return cmd
+
+
+def follow_ft_hsdp(
+    run_dir: str, cmd: list[str], steps: int, log: Callable[[str], None] = print
+) -> Scenario:
+    """Launch ``cmd`` (`ft_hsdp_command`) as a scenario of
+    `anyshard.trainer_integration.demos.follow`: it yields while the groups train (``TRAINED``
+    once both have logged step ``steps``) and returns the launcher's exit code."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     env.pop("ANYSHARD_FAULT", None)
     shown: dict[int, int] = {}
-    with open(os.path.join(run_dir, "launch.log"), "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-        try:
-            while proc.poll() is None:
-                time.sleep(0.5)
-                _progress(run_dir, shown, log)
-        finally:  # interrupted (Ctrl-C, a caller's deadline): its groups die with the launcher
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        _progress(run_dir, shown, log)
-    return proc.returncode
+
+    def trained() -> bool:
+        groups = [os.path.join(run_dir, f"replica-{r}") for r in _replicas(run_dir)]
+        return len(groups) == 2 and all(last_step(g) >= steps for g in groups)
+
+    launch = Launch(cmd, env, os.path.join(run_dir, "launch.log"))
+    return (yield from launch.follow(lambda: _progress(run_dir, shown, log), trained))
 
 
 def _progress(run_dir: str, shown: dict[int, int], log) -> None:
@@ -114,12 +135,8 @@ def _progress(run_dir: str, shown: dict[int, int], log) -> None:
         events = _records(os.path.join(run_dir, f"replica-{r}", "events.jsonl"))
         key = -1 - r
         for e in events[shown.get(key, 0) :]:
-            if e["event"] == "heal" and e["attempt"] > 0:
-                log(
-                    f"  group {r} healed from {e['source']} at step {e['step']} into "
-                    f"{e['layout']}: {e['received_bytes'] / 2**20:.1f} MiB in {e['heal_s']:.2f} s"
-                )
-            elif e["event"] == "heal" and shown.get(key, 0) > 0:
+            # a heal after a restart, or one after the group's first events (a returning node)
+            if e["event"] == "heal" and (e["attempt"] > 0 or shown.get(key, 0) > 0):
                 log(
                     f"  group {r} healed from {e['source']} at step {e['step']} into "
                     f"{e['layout']}: {e['received_bytes'] / 2**20:.1f} MiB in {e['heal_s']:.2f} s"
@@ -163,96 +180,113 @@ def summarize(run_dir: str, scenario: str = "ft-hsdp") -> dict[str, Any]:
         }
         for r in _replicas(run_dir)
     }
-    phases = []
-    for r, g in groups.items():
-        for e in g["events"]:
-            if e["event"] != "start":
-                continue
-            mine = [x for x in g["losses"] if x["attempt"] == e["attempt"]]
-            if "time" in e:  # this launch's steps only (a lost group is launched anew)
-                began = e["time"] - e["startup_to_first_step_s"]
-                later = [
-                    x["time"] - x["startup_to_first_step_s"]
-                    for x in g["events"]
-                    if x["event"] == "start" and x.get("time", 0) > e["time"]
-                ]
-                end = min(later, default=float("inf"))
-                mine = [x for x in g["losses"] if began <= x["time"] < end]
-            # a group that changed layout in the run: a phase per layout
-            for run in _stretches(sorted(mine, key=lambda x: x["step"])) or [[]]:
-                phases.append(
-                    {
-                        "replica": r,
-                        "attempt": e["attempt"],
-                        "layout": run[0]["layout"] if run else e["layout"],
-                        "world_size": e["world_size"],
-                        "first_step": run[0]["step"] if run else None,
-                        "last_step": run[-1]["step"] if run else None,
-                    }
-                )
     failed = {r for r, g in groups.items() if g["faults"]}
     healthy = [r for r in groups if r not in failed]
     if scenario == "elastic" and healthy:
         phases = _world_phases(groups[healthy[0]]["losses"], groups[healthy[0]]["events"])
-    faults = []
-    for r in sorted(failed):
-        g = groups[r]
-        kills = [x for x in g["faults"] if not x.get("recovered")]
-        for f in kills:  # what followed each fault: the group's next start and heal
-            restart = next(
-                (e for e in g["events"] if e["event"] == "start" and e.get("time", 0) > f["time"]),
-                None,
-            )
-            heal = next(
-                (e for e in g["events"] if e["event"] == "heal" and e.get("time", 0) > f["time"]),
-                None,
-            )
-            stalls = []
-            for h in healthy:
-                times = {x["step"]: x["time"] for x in groups[h]["losses"]}
-                parts = [_excess(times, f["step"])]
-                if heal is not None:
-                    parts.append(_excess(times, heal["step"]))
-                if all(x is not None for x in parts):
-                    stalls.append(sum(parts))
-            faults.append(
-                {
-                    "step": f["step"],
-                    "replica": r,
-                    "rank": f["rank"],
-                    "mode": f.get("mode", "sigkill"),
-                    "recovery_s": restart.get("recovery_s") if restart else None,
-                    "healthy_stall_s": max(stalls) if stalls else None,
-                    "heal_source": "peer" if heal else "storage",
-                    "heal_layout": restart["layout"] if restart else None,
-                    "heal_step": heal["step"] if heal else None,
-                    "heal_s": heal["heal_s"] if heal else None,
-                    "heal_bytes": heal["received_bytes"] if heal else None,
-                    "heal_bit_identical": _heal_matches(groups, heal) if heal else None,
-                }
-            )
+    else:
+        phases = [p for r, g in groups.items() for p in _launch_phases(r, g)]
+    faults = [f for r in sorted(failed) for f in _faults(groups, r, healthy)]
     healthy_restarts = sum(  # every start of a healthy group after its first
         max(0, sum(1 for e in groups[r]["events"] if e["event"] == "start") - 1) for r in healthy
     )
     # a step that did not commit is lost unless the next quorum saved it ("rescued")
     rescued = sum(1 for r in healthy for e in groups[r]["events"] if e["event"] == "rescued")
-    failed = sum(1 for r in healthy for e in groups[r]["events"] if e["event"] == "uncommitted")
-    lost = failed - rescued
-    goodput = None
-    if healthy:  # the share of the healthy groups' training time not lost to the faults
-        times = sorted(x["time"] for x in groups[healthy[0]]["losses"])
-        lost_s = sum(f["healthy_stall_s"] or 0.0 for f in faults)
-        if len(times) > 1 and times[-1] > times[0]:
-            goodput = max(0.0, 1.0 - lost_s / (times[-1] - times[0]))
+    uncommitted = sum(
+        1 for r in healthy for e in groups[r]["events"] if e["event"] == "uncommitted"
+    )
     return {
         "scenario": scenario,
         "phases": phases,
         "faults": faults,
         "healthy_restarts": healthy_restarts,
-        "lost_steps": lost,
+        "lost_steps": uncommitted - rescued,
         "rescued_steps": rescued,
-        "goodput": goodput,
+        "goodput": _goodput(groups, healthy, faults),
     }
+
+
+def _launch_phases(r: int, g: dict) -> list[dict]:
+    """Group ``r``'s phases: a phase per launch (a start event), split where the group changed
+    layout in the run."""
+    phases = []
+    for e in g["events"]:
+        if e["event"] != "start":
+            continue
+        mine = [x for x in g["losses"] if x["attempt"] == e["attempt"]]
+        if "time" in e:  # this launch's steps only (a lost group is launched anew)
+            began = e["time"] - e["startup_to_first_step_s"]
+            later = [
+                x["time"] - x["startup_to_first_step_s"]
+                for x in g["events"]
+                if x["event"] == "start" and x.get("time", 0) > e["time"]
+            ]
+            end = min(later, default=float("inf"))
+            mine = [x for x in g["losses"] if began <= x["time"] < end]
+        # a group that changed layout in the run: a phase per layout
+        for run in _stretches(sorted(mine, key=lambda x: x["step"])) or [[]]:
+            phases.append(
+                {
+                    "replica": r,
+                    "attempt": e["attempt"],
+                    "layout": run[0]["layout"] if run else e["layout"],
+                    "world_size": e["world_size"],
+                    "first_step": run[0]["step"] if run else None,
+                    "last_step": run[-1]["step"] if run else None,
+                }
+            )
+    return phases
+
+
+def _faults(groups: dict, r: int, healthy: list[int]) -> list[dict]:
+    """Group ``r``'s faults, each with what followed it: the group's next start and heal, and
+    the healthy groups' stall."""
+    g, out = groups[r], []
+    for f in [x for x in g["faults"] if not x.get("recovered")]:
+        restart = next(
+            (e for e in g["events"] if e["event"] == "start" and e.get("time", 0) > f["time"]),
+            None,
+        )
+        heal = next(
+            (e for e in g["events"] if e["event"] == "heal" and e.get("time", 0) > f["time"]),
+            None,
+        )
+        stalls = []
+        for h in healthy:
+            times = {x["step"]: x["time"] for x in groups[h]["losses"]}
+            parts = [_excess(times, f["step"])]
+            if heal is not None:
+                parts.append(_excess(times, heal["step"]))
+            if all(x is not None for x in parts):
+                stalls.append(sum(parts))
+        out.append(
+            {
+                "step": f["step"],
+                "replica": r,
+                "rank": f["rank"],
+                "mode": f.get("mode", "sigkill"),
+                "recovery_s": restart.get("recovery_s") if restart else None,
+                "healthy_stall_s": max(stalls) if stalls else None,
+                "heal_source": "peer" if heal else "storage",
+                "heal_layout": restart["layout"] if restart else None,
+                "heal_step": heal["step"] if heal else None,
+                "heal_s": heal["heal_s"] if heal else None,
+                "heal_bytes": heal["received_bytes"] if heal else None,
+                "heal_bit_identical": _heal_matches(groups, heal) if heal else None,
+            }
+        )
+    return out
+
+
+def _goodput(groups: dict, healthy: list[int], faults: list[dict]) -> float | None:
+    """The share of the healthy groups' training time not lost to the faults."""
+    if not healthy:
+        return None
+    times = sorted(x["time"] for x in groups[healthy[0]]["losses"])
+    lost_s = sum(f["healthy_stall_s"] or 0.0 for f in faults)
+    if len(times) > 1 and times[-1] > times[0]:
+        return max(0.0, 1.0 - lost_s / (times[-1] - times[0]))
+    return None
 
 
 def _world_phases(losses: list[dict], events: list[dict]) -> list[dict]:
@@ -332,14 +366,9 @@ def print_summary(summary: dict[str, Any], log: Callable[[str], None] = print) -
 
 def plot(run_dir: str, summary: dict[str, Any]) -> str | None:
     """``RUN_DIR/loss.png``: each group's loss, the fault and the heal marked."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    ax = figures.new_axes()
+    if ax is None:
         return None
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
     for r in _replicas(run_dir):
         # a line per stretch of consecutive steps of one layout
         runs = _stretches(_records(os.path.join(run_dir, f"replica-{r}", "losses.jsonl")))
@@ -373,16 +402,11 @@ def plot(run_dir: str, summary: dict[str, Any]) -> str | None:
                 linestyle=":",
                 label=f"healed from a peer into {f['heal_layout']}",
             )
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (each group's own batch)")
-    ax.set_title(
-        "anyshard demo: elastic, a node leaves and returns (4 -> 2 -> 4 ranks)"
+    return figures.save(
+        ax,
+        os.path.join(run_dir, "loss.png"),
+        ylabel="training loss (each group's own batch)",
+        title="anyshard demo: elastic, a node leaves and returns (4 -> 2 -> 4 ranks)"
         if summary["scenario"] == "elastic"
-        else "anyshard demo: FT-HSDP, one replica group fails and heals alone"
+        else "anyshard demo: FT-HSDP, one replica group fails and heals alone",
     )
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = os.path.join(run_dir, "loss.png")
-    fig.savefig(path)
-    plt.close(fig)
-    return path

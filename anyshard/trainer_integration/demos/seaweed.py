@@ -105,19 +105,28 @@ class SeaweedServer:
             cwd=cwd,
         )
 
+    def _args(self, service: str, *more: str) -> list[str]:
+        """The command line of weed's ``service``: on loopback, on its two ports, then
+        ``more``."""
+        p = self.ports
+        return [
+            service,
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            f"-port={p[service]}",
+            f"-port.grpc={p[service + '_grpc']}",
+            *more,
+        ]
+
     def _volume_args(self) -> list[str]:
         p = self.ports
         os.makedirs(os.path.join(self.data_dir, "volume"), exist_ok=True)
-        return [
+        return self._args(
             "volume",
-            "-ip=127.0.0.1",
-            "-ip.bind=127.0.0.1",
-            f"-port={p['volume']}",
-            f"-port.grpc={p['volume_grpc']}",
             f"-dir={os.path.join(self.data_dir, 'volume')}",
             "-max=1000",  # volumes are sparse files: a bound, not a reservation
             f"-master=127.0.0.1:{p['master']}.{p['master_grpc']}",
-        ]
+        )
 
     def start(self) -> None:
         weed = weed_binary()
@@ -131,54 +140,26 @@ class SeaweedServer:
         names.append("s3_grpc")
         self.ports = dict(zip(names, _free_ports(len(names)), strict=True))
         p = self.ports
-        master = f"127.0.0.1:{p['master']}.{p['master_grpc']}"
-        os.makedirs(os.path.join(self.data_dir, "master"), exist_ok=True)
-        os.makedirs(os.path.join(self.data_dir, "filer"), exist_ok=True)
+        mdir, filer_dir = (os.path.join(self.data_dir, d) for d in ("master", "filer"))
+        os.makedirs(mdir, exist_ok=True)
+        os.makedirs(filer_dir, exist_ok=True)
         # one volume per new bucket (SeaweedFS grows 7 by default, and a run that creates many
         # buckets, as a test suite does, would exhaust the volume server): read from the
         # master's working directory
-        with open(os.path.join(self.data_dir, "master", "master.toml"), "w") as f:
+        with open(os.path.join(mdir, "master.toml"), "w") as f:
             f.write("[master.volume_growth]\ncopy_1 = 1\ncopy_2 = 2\ncopy_3 = 3\ncopy_other = 1\n")
+        master = f"127.0.0.1:{p['master']}.{p['master_grpc']}"
         self._spawn(
             "master",
-            [
-                "master",
-                "-ip=127.0.0.1",
-                "-ip.bind=127.0.0.1",
-                f"-port={p['master']}",
-                f"-port.grpc={p['master_grpc']}",
-                f"-mdir={os.path.join(self.data_dir, 'master')}",
-                "-volumeSizeLimitMB=256",
-                "-telemetry=false",
-            ],
-            cwd=os.path.join(self.data_dir, "master"),
+            self._args("master", f"-mdir={mdir}", "-volumeSizeLimitMB=256", "-telemetry=false"),
+            cwd=mdir,
         )
         self._spawn("volume", self._volume_args())
         self._spawn(
-            "filer",
-            [
-                "filer",
-                "-ip=127.0.0.1",
-                "-ip.bind=127.0.0.1",
-                f"-port={p['filer']}",
-                f"-port.grpc={p['filer_grpc']}",
-                f"-master={master}",
-                f"-defaultStoreDir={os.path.join(self.data_dir, 'filer')}",
-            ],
+            "filer", self._args("filer", f"-master={master}", f"-defaultStoreDir={filer_dir}")
         )
-        self._spawn(
-            "s3",
-            [
-                "s3",
-                "-ip=127.0.0.1",
-                "-ip.bind=127.0.0.1",
-                f"-port={p['s3']}",
-                f"-port.grpc={p['s3_grpc']}",
-                f"-filer=127.0.0.1:{p['filer']}.{p['filer_grpc']}",
-                "-port.iceberg=0",
-                "-port.lance=0",
-            ],
-        )
+        filer = f"-filer=127.0.0.1:{p['filer']}.{p['filer_grpc']}"
+        self._spawn("s3", self._args("s3", filer, "-port.iceberg=0", "-port.lance=0"))
         try:
             self._wait_until_up()
         except BaseException:
