@@ -206,3 +206,24 @@ def test_every_benchmark_in_tools_has_a_section_naming_it():
         if not any(c[0] == "python" and c[1] == f"tools/{name}" for c in DOC_COMMANDS)
     ]
     assert not without_command, f"no command in docs/benchmarks.md runs {without_command}"
+
+
+def _slug(title: str) -> str:
+    """The anchor a markdown renderer gives a heading (GitHub's rule)."""
+    return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+
+
+def test_the_summary_opens_the_document_and_links_every_benchmark_with_its_commit():
+    with open(DOC) as f:
+        text = f.read()
+    titles = re.findall(r"^## (.+)$", text, re.MULTILINE)
+    assert titles[0] == "Summary", "docs/benchmarks.md opens with the summary table"
+    summary = text.split("## Summary", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in summary.splitlines() if line.startswith("| [")]
+    linked = {re.search(r"\]\(#([^)]+)\)", row).group(1) for row in rows}
+    unlinked = [t for t in titles[1:] if _slug(t) not in linked]
+    assert not unlinked, f"benchmarks missing from the summary table: {unlinked}"
+    anchors = {_slug(t) for t in titles}
+    assert linked <= anchors, f"summary links to no section: {sorted(linked - anchors)}"
+    no_commit = [row for row in rows if not re.search(r"\| [0-9a-f]{7,40} \|$", row)]
+    assert not no_commit, f"summary rows without the commit measured at: {no_commit}"
