@@ -158,24 +158,24 @@ def _parser() -> argparse.ArgumentParser:
         help="which to run (default all: each into RUN_DIR/<scenario>)",
     )
     p.add_argument("--storage", choices=("local", "s3"), default="local")
-    p.add_argument("--steps-a", type=int, default=20, help="restart: steps of phase A (4 ranks)")
+    p.add_argument("--steps-a", type=int, default=12, help="restart: steps of phase A (4 ranks)")
     p.add_argument(
-        "--steps-b", type=int, default=40, help="restart: total steps after phase B (2 ranks)"
+        "--steps-b", type=int, default=20, help="restart: total steps after phase B (2 ranks)"
     )
-    p.add_argument("--kill-step", type=int, default=10, help="restart: step rank 3 is killed at")
-    p.add_argument("--ft-steps", type=int, default=40, help="ft-hsdp and elastic: steps of the run")
+    p.add_argument("--kill-step", type=int, default=6, help="restart: step rank 3 is killed at")
+    p.add_argument("--ft-steps", type=int, default=20, help="ft-hsdp and elastic: steps of the run")
     p.add_argument(
         "--ft-kill-step",
         type=int,
-        default=10,
+        default=5,
         help="ft-hsdp: step group 1 loses a rank at; elastic: step node 1 is lost at",
     )
     p.add_argument(
-        "--back-s", type=float, default=5.0, help="elastic: seconds until the lost node returns"
+        "--back-s", type=float, default=3.0, help="elastic: seconds until the lost node returns"
     )
-    p.add_argument("--auto-steps", type=int, default=40, help="autolayout: steps of the run")
+    p.add_argument("--auto-steps", type=int, default=36, help="autolayout: steps of the run")
     p.add_argument(
-        "--slow-step", type=int, default=24, help="autolayout: step rank 1 becomes a straggler at"
+        "--slow-step", type=int, default=20, help="autolayout: step rank 1 becomes a straggler at"
     )
     p.add_argument(
         "--slow-factor", type=float, default=2.0, help="autolayout: how much slower rank 1 gets"
