@@ -42,7 +42,8 @@ def _dims(layout: str) -> list[str]:
 
 def _layouts(cfg, world: int, rates=None, **kw) -> dict:
     """The cost model's table of the valid layouts (``tp=2,dp_shard=2``: its row), fastest first."""
-    from anyshard.trainer_integration.gpt.layout_chooser.costmodel import Rates, rank_layouts
+    from anyshard.trainer_integration.gpt.layout_chooser.costmodel import rank_layouts
+    from anyshard.trainer_integration.planning.step_cost import Rates
 
     rows = rank_layouts(cfg, world, rates or Rates.nominal(), **kw).rows
     return {r.layout.replace(" x ", ","): r for r in rows}
@@ -223,7 +224,7 @@ def accuracy(cfg, world: int, calibrated: dict, runs: Runs):
     """The step times the cost model predicts from ``calibrated``'s start-up rates, against the
     median steps of the layouts run fixed: predicted and measured (s, by layout), the layouts in
     both, Spearman's rho and the mean absolute percentage error."""
-    from anyshard.trainer_integration.gpt.layout_chooser.costmodel import Rates
+    from anyshard.trainer_integration.planning.step_cost import Rates
 
     rates = Rates.from_json(calibrated["rates"])
     predicted = {c: r.step_s for c, r in _layouts(cfg, world, rates).items()}
@@ -246,7 +247,8 @@ def accuracy_only(args, argv, cfg, runs: Runs, trainer: str, load) -> int:
     """The cost model's accuracy alone: every valid layout run fixed, the first calibrating at its
     start (``auto = start`` with no trial keeps the layout); its calibration predicts all of
     them, against the measured median steps. A layout whose run fails is reported, not counted."""
-    from anyshard.trainer_integration.gpt.layout_chooser.costmodel import Rates, Refiner, predict
+    from anyshard.trainer_integration.gpt.layout_chooser.costmodel import Refiner, predict
+    from anyshard.trainer_integration.planning.step_cost import Rates
 
     calibrating = ["--parallel.auto", "start", "--parallel.auto_trials", "0"]
     candidates = list(_layouts(cfg, args.world))

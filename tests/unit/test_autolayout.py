@@ -8,13 +8,9 @@ import pytest
 
 from anyshard.trainer_integration.gpt.config import Config, ParallelConfig
 from anyshard.trainer_integration.gpt.layout_chooser.candidates import layout_text
-from anyshard.trainer_integration.gpt.layout_chooser.costmodel import (
-    Collective,
-    Rates,
-    rank_layouts,
-    rates_from_timings,
-)
+from anyshard.trainer_integration.gpt.layout_chooser.costmodel import rank_layouts
 from anyshard.trainer_integration.gpt.layout_chooser.scheduler import Policy, Scheduler, shares_for
+from anyshard.trainer_integration.planning.step_cost import Collective, Rates, rates_from_timings
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send")
 
@@ -211,7 +207,7 @@ def test_a_straggler_in_a_pipeline_moves_the_job_where_shares_can_move():
 def test_a_memory_budget_that_rules_out_replication_keeps_the_scheduler_off_it():
     # the nominal model's favourite from tp=2 is dp_replicate=2 (the first test); a budget
     # between its count and the sharded layouts' leaves it out of every trial and switch
-    from anyshard.trainer_integration.gpt.layout_chooser.costmodel import memory_per_rank
+    from anyshard.trainer_integration.gpt.layout_chooser.memory import memory_per_rank
 
     cfg = dataclasses.replace(Config(), parallel=ParallelConfig(tp=2))
     need = {
@@ -379,9 +375,9 @@ def test_no_trial_or_switch_where_both_layouts_state_would_not_fit_at_once():
     import os
 
     from anyshard.trainer_integration.gpt import config as config_module
-    from anyshard.trainer_integration.gpt.layout_chooser.costmodel import (
+    from anyshard.trainer_integration.gpt.layout_chooser.costmodel import predict
+    from anyshard.trainer_integration.gpt.layout_chooser.memory import (
         memory_per_rank,
-        predict,
         switch_memory,
     )
 

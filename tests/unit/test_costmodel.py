@@ -5,13 +5,13 @@ import dataclasses
 
 from anyshard.trainer_integration.gpt.config import Config
 from anyshard.trainer_integration.gpt.layout_chooser.costmodel import (
-    Rates,
     block_model_s,
     calibrate,
     predict,
     rank_layouts,
     workload,
 )
+from anyshard.trainer_integration.planning.step_cost import Rates
 
 
 def test_more_bytes_moved_never_predicts_a_faster_step():
@@ -82,10 +82,7 @@ def test_calibration_times_one_block_against_its_counted_time():
 
 
 def test_the_wait_for_peers_is_added_to_every_collective_of_its_group_size():
-    from anyshard.trainer_integration.gpt.layout_chooser.costmodel import (
-        Collective,
-        rates_from_timings,
-    )
+    from anyshard.trainer_integration.planning.step_cost import Collective, rates_from_timings
 
     timings = {f"{k}/{g}": [(1 << 10, 1e-4 * g), (1 << 20, 1e-3 * g)]
                for k in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send")

@@ -154,7 +154,7 @@ class Layouts:
     def _log_memory(self) -> None:
         """The ``memory`` event: each rank's RSS before the model was built and its peak over
         the first steps, beside what the cost model counts for the layout (collective)."""
-        from anyshard.trainer_integration.gpt.layout_chooser.costmodel import memory_per_rank
+        from anyshard.trainer_integration.gpt.layout_chooser.memory import memory_per_rank
 
         mine = torch.tensor([self.rss0, status_bytes("VmHWM"), status_bytes("VmRSS")])
         rows = _every_rank(mine)

@@ -56,7 +56,6 @@ from anyshard.trainer_integration.gpt.layout_chooser.memory import (
     memory_per_rank,
     parameter_count,
     root_params,
-    switch_memory,
 )
 from anyshard.trainer_integration.planning import step_cost
 from anyshard.trainer_integration.planning.step_cost import (
@@ -70,21 +69,7 @@ from anyshard.trainer_integration.planning.step_cost import (
     rates_from_timings,
 )
 
-__all__ = [
-    "Collective",
-    "Prediction",
-    "Rates",
-    "Refiner",
-    "Table",
-    "Workload",
-    "block_model_s",
-    "calibrate",
-    "predict",
-    "rank_layouts",
-    "rates_from_timings",
-    "switch_memory",
-    "workload",
-]
+__all__ = ["Refiner", "block_model_s", "calibrate", "predict", "rank_layouts", "workload"]
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ The plan, with ``parallel.auto`` = ``start`` or ``online``:
 Every decision is identical on every rank: the inputs are the same gathered figures.
 
     >>> from anyshard.trainer_integration.gpt.config import Config, ParallelConfig
-    >>> from anyshard.trainer_integration.gpt.layout_chooser.costmodel import Rates
+    >>> from anyshard.trainer_integration.planning.step_cost import Rates
     >>> cfg = Config()
     >>> s = Scheduler(cfg, ParallelConfig(tp=2), Rates.nominal(), total_steps=100, start_step=0)
     >>> s.decide(0).action
@@ -43,13 +43,7 @@ from dataclasses import dataclass, field
 
 from anyshard.trainer_integration.gpt.config import Config, ParallelConfig
 from anyshard.trainer_integration.gpt.layout_chooser.candidates import Choice, layout_text
-from anyshard.trainer_integration.gpt.layout_chooser.costmodel import (
-    Rates,
-    Refiner,
-    Table,
-    predict,
-    rank_layouts,
-)
+from anyshard.trainer_integration.gpt.layout_chooser.costmodel import Refiner, predict, rank_layouts
 from anyshard.trainer_integration.gpt.layout_chooser.memory import switch_memory
 from anyshard.trainer_integration.gpt.layout_chooser.shares import (
     halfway,
@@ -57,6 +51,7 @@ from anyshard.trainer_integration.gpt.layout_chooser.shares import (
     shares_for,
     shares_move,
 )
+from anyshard.trainer_integration.planning.step_cost import Rates, Table
 
 __all__ = ["Decision", "Policy", "Scheduler", "first_layout", "shares_for"]
 
@@ -251,7 +246,7 @@ class Scheduler:
         """How much longer ``p``'s step gets under the straggler seen (1 without one).
 
         >>> from anyshard.trainer_integration.gpt.config import Config, ParallelConfig
-        >>> from anyshard.trainer_integration.gpt.layout_chooser.costmodel import Rates
+        >>> from anyshard.trainer_integration.planning.step_cost import Rates
         >>> s = Scheduler(Config(), ParallelConfig(pp=2), Rates.nominal(), total_steps=9,
         ...               start_step=0)
         >>> s.slow = 2.0
