@@ -88,6 +88,17 @@ class UCLSemanticError(UCLError):
     """A UCL text parses but means nothing valid: an unknown name, a wrong argument, a layout
     that does not fit."""
 
+    @classmethod
+    def at(cls, node, message: str, *, text: str, expected: str) -> UCLSemanticError:
+        """The error at a syntax node's position (line and column 1 where it has none)."""
+        return cls(
+            message,
+            text=text,
+            line=max(getattr(node, "line", 1), 1),
+            column=max(getattr(node, "column", 1), 1),
+            expected=expected,
+        )
+
 
 class MappingSyntaxError(MappingError, UCLSyntaxError):
     """A mapping expression could not be parsed; carries ``line``, ``column`` and an excerpt."""

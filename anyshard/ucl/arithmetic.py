@@ -34,13 +34,7 @@ class Evaluator:
         self.coords = coords
 
     def error(self, node, message: str, expected: str) -> UCLSemanticError:
-        return UCLSemanticError(
-            message,
-            text=self.text,
-            line=max(getattr(node, "line", 1), 1),
-            column=max(getattr(node, "column", 1), 1),
-            expected=expected,
-        )
+        return UCLSemanticError.at(node, message, text=self.text, expected=expected)
 
     def expr(self, e, env: Mapping[str, int]) -> int:
         if isinstance(e, Num):

@@ -95,13 +95,7 @@ class _Checker:
         self.mesh: tuple[str, ...] = ()
 
     def error(self, node, message: str, expected: str) -> UCLSemanticError:
-        return UCLSemanticError(
-            message,
-            text=self.text,
-            line=max(getattr(node, "line", 1), 1),
-            column=max(getattr(node, "column", 1), 1),
-            expected=expected,
-        )
+        return UCLSemanticError.at(node, message, text=self.text, expected=expected)
 
     def run(self) -> None:
         meshes = [s for s in self.spec.statements if isinstance(s, MeshDecl)]
