@@ -82,7 +82,6 @@ def _scheduler(steps, current=None, online=False, policy=None):
         current,
         Rates.nominal(),
         total_steps=steps,
-        start_step=0,
         online=online,
         policy=policy or Policy(trials=2, trial_steps=3),
     )
@@ -217,7 +216,7 @@ def test_a_memory_budget_that_rules_out_replication_keeps_the_scheduler_off_it()
     assert need["dp_shard=2"] < need["dp_replicate=2"]
     budget = (need["dp_shard=2"] + need["dp_replicate=2"]) // 2
     s = Scheduler(
-        cfg, cfg.parallel, Rates.nominal(), total_steps=200, start_step=0,
+        cfg, cfg.parallel, Rates.nominal(), total_steps=200,
         policy=Policy(trials=4, trial_steps=3), memory_bytes=budget,
     )  # fmt: skip
     job = _Job(s, lambda name, step: 0.05 if name == "dp_replicate=2" else 0.2)
@@ -225,7 +224,7 @@ def test_a_memory_budget_that_rules_out_replication_keeps_the_scheduler_off_it()
     ran = {layout for _, layout in job.trace} | {job.layout}
     assert "dp_replicate=2" not in ran and "dp_shard=2" in ran, job.trace
     unbounded = Scheduler(
-        cfg, cfg.parallel, Rates.nominal(), total_steps=200, start_step=0,
+        cfg, cfg.parallel, Rates.nominal(), total_steps=200,
         policy=Policy(trials=4, trial_steps=3), memory_bytes=1 << 40,
     )  # fmt: skip
     job = _Job(unbounded, lambda name, step: 0.05 if name == "dp_replicate=2" else 0.2)
@@ -391,7 +390,7 @@ def test_no_trial_or_switch_where_both_layouts_state_would_not_fit_at_once():
     by_name = {layout_text(p): predict(cfg, p, rates).step_s for p in layouts}
     for budget, switches in ((steady, False), (moving * 4, True)):
         s = Scheduler(
-            cfg, start, rates, total_steps=200, start_step=0,
+            cfg, start, rates, total_steps=200,
             policy=Policy(trials=2, trial_steps=3), memory_bytes=budget,
         )  # fmt: skip
         job = _Job(s, lambda name, step: by_name.get(name, 10.0))  # steps as predicted

@@ -86,7 +86,6 @@ class Layouts:
                 p,
                 rates,
                 total_steps=end,
-                start_step=step,
                 online=p.auto == "online",
                 policy=policy,
                 memory_bytes=memory_budget(cfg),

@@ -236,7 +236,6 @@ class Refiner(step_cost.Refiner):
 
     def __init__(self, cfg: Config, rates: Rates) -> None:
         super().__init__(functools.partial(terms, cfg, rates=rates), layout_text)
-        self.cfg, self.rates = cfg, rates
 
 
 def rank_layouts(

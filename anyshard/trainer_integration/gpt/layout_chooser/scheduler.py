@@ -29,7 +29,7 @@ Every decision is identical on every rank: the inputs are the same gathered figu
     >>> from anyshard.trainer_integration.gpt.config import Config, ParallelConfig
     >>> from anyshard.trainer_integration.planning.step_cost import Rates
     >>> cfg = Config()
-    >>> s = Scheduler(cfg, ParallelConfig(tp=2), Rates.nominal(), total_steps=100, start_step=0)
+    >>> s = Scheduler(cfg, ParallelConfig(tp=2), Rates.nominal(), total_steps=100)
     >>> s.decide(0).action
     'keep'
 """
@@ -182,7 +182,6 @@ class Scheduler:
         rates: Rates,
         *,
         total_steps: int,
-        start_step: int,
         online: bool = False,
         policy: Policy | None = None,
         memory_bytes: int | None = None,
@@ -192,10 +191,8 @@ class Scheduler:
         self.policy = policy or Policy()
         self.online = online
         self.total_steps = total_steps
-        self.memory_bytes = memory_bytes
-        self.world = current.world_size
-        self.table: Table = rank_layouts(cfg, self.world, rates, memory_bytes=memory_bytes)
-        self.initial_table = self.table
+        world = current.world_size
+        self.table: Table = rank_layouts(cfg, world, rates, memory_bytes=memory_bytes)
         self.current = self._plain(current)
         self.measured = _Measured(Refiner(cfg, rates))
         self.phase = _Phase()
@@ -247,8 +244,7 @@ class Scheduler:
 
         >>> from anyshard.trainer_integration.gpt.config import Config, ParallelConfig
         >>> from anyshard.trainer_integration.planning.step_cost import Rates
-        >>> s = Scheduler(Config(), ParallelConfig(pp=2), Rates.nominal(), total_steps=9,
-        ...               start_step=0)
+        >>> s = Scheduler(Config(), ParallelConfig(pp=2), Rates.nominal(), total_steps=9)
         >>> s.slow = 2.0
         >>> s.straggler_factor(ParallelConfig(pp=2)), s.straggler_factor(ParallelConfig(dp_shard=2))
         (2.0, 1.3333333333333333)
