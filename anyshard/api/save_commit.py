@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Any
+from typing import Any, NoReturn
 
 from anyshard.api import collectives as coll
 from anyshard.api.save_plan import LocalPlan, error_text
@@ -92,7 +92,7 @@ def _commit(path: str, report: SaveReport, group) -> dict[str, Any]:
     return coll.broadcast_json(outcome, group)
 
 
-def _fail(path: str, begun: str | None, new_dir: bool, error: BaseException, group) -> None:
+def _fail(path: str, begun: str | None, new_dir: bool, error: BaseException, group) -> NoReturn:
     """Remove the failed save's files (collective), then raise ``error``, naming what could not
     be removed."""
     left = _remove_failed(path, begun, new_dir, group)
