@@ -37,6 +37,7 @@ class Hardware:
     intra_node_latency_s: float
     inter_node_latency_s: float
     oversubscription: float = 1.0
+    pod_nodes: int = 32  # nodes on one full-rate fabric; traffic between pods is oversubscribed
     sources: dict[str, str] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
@@ -50,6 +51,9 @@ class Hardware:
         dpn = self.devices_per_node
         if isinstance(dpn, bool) or not isinstance(dpn, int) or dpn < 1:
             problems.append(f"devices_per_node = {dpn!r} (expected an int >= 1)")
+        pod = self.pod_nodes
+        if isinstance(pod, bool) or not isinstance(pod, int) or pod < 1:
+            problems.append(f"pod_nodes = {pod!r} (expected an int >= 1)")
         over = self.oversubscription
         if isinstance(over, bool) or not isinstance(over, int | float) or over < 1:
             problems.append(f"oversubscription = {over!r} (expected a number >= 1)")
@@ -76,7 +80,7 @@ class Hardware:
         if not isinstance(data, Mapping):
             raise ValueError(f"{where}: expected a JSON object, found {type(data).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
-        optional = {"oversubscription", "sources"}
+        optional = {"oversubscription", "pod_nodes", "sources"}
         problems = []
         if unknown := sorted(set(data) - names):
             problems.append(
@@ -109,6 +113,11 @@ _NCCL_LATENCY = (
     "ring step at 3.4 us on NVLink and 9.6 us on the network; typical, not measured here"
 )
 
+_POD = (
+    "NVIDIA DGX SuperPOD reference architecture: a scalable unit of 32 DGX nodes on one "
+    "non-blocking leaf/spine fabric"
+)
+
 PRESETS: dict[str, Hardware] = {
     "a100-80gb": Hardware(
         name="a100-80gb",
@@ -133,6 +142,7 @@ PRESETS: dict[str, Hardware] = {
             "intra_node_latency_s": _NCCL_LATENCY,
             "inter_node_latency_s": _NCCL_LATENCY,
             "oversubscription": "assumption: a full fat tree (Selene's is non-blocking)",
+            "pod_nodes": _POD,
         },
     ),
     "h100-sxm": Hardware(
@@ -157,6 +167,7 @@ PRESETS: dict[str, Hardware] = {
             "intra_node_latency_s": _NCCL_LATENCY,
             "inter_node_latency_s": _NCCL_LATENCY,
             "oversubscription": "assumption: a full fat tree",
+            "pod_nodes": _POD,
         },
     ),
 }
@@ -164,7 +175,7 @@ PRESETS: dict[str, Hardware] = {
 
 def load_hardware(name_or_path: str) -> Hardware:
     """The preset of that name, or the `Hardware` in the JSON file at that path (the fields of
-    `Hardware`; ``oversubscription`` and ``sources`` may be left out).
+    `Hardware`; ``oversubscription``, ``pod_nodes`` and ``sources`` may be left out).
 
     >>> load_hardware("b200")
     Traceback (most recent call last):
