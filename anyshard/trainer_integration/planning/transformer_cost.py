@@ -193,6 +193,7 @@ class Estimate:
     model_tflops_per_gpu: float
     mfu: float
     microbatches: int
+    state_bytes: float  # what a checkpoint saves of this GPU's replica: fp32 weights and Adam
 
     @property
     def fits(self) -> bool:
@@ -207,6 +208,7 @@ class Estimate:
             "mfu": self.mfu,
             "memory_gib_per_gpu": self.memory_bytes / 2**30,
             "microbatches": self.microbatches,
+            "state_gib_per_gpu": self.state_bytes / 2**30,
             "breakdown": dict(self.breakdown),
         }
 
@@ -447,6 +449,9 @@ def estimate(
     elif lay.zero:
         opt_params /= lay.dp_replicate * lay.cp
     optimizer = pr.stream(30 * opt_params, 8)
+    replica_params = layers * (dense_p + expert_p) + embed_p
+    if lay.dp_shard > 1:
+        replica_params /= lay.dp_shard * lay.cp
     step = m * t_mb + bubble + sum(dp_once.values()) + optimizer
     breakdown = {
         "compute": m * compute_mb,
@@ -474,4 +479,5 @@ def estimate(
         model_tflops_per_gpu=tflops,
         mfu=tflops * 1e12 / hw.peak_flops,
         microbatches=m,
+        state_bytes=12 * replica_params,
     )
