@@ -151,6 +151,7 @@ class Params:
     network_efficiency: float  # of a link's bandwidth, collectives and sends
     overlap: float  # of the communication the schedule can hide, the share hidden
     kernel_s: float  # fixed cost of one kernel (launch, tail), seconds
+    step_overhead_s: float  # fixed cost of a step (data, loss and norm reductions, host work)
 
     FIELDS = (
         "gemm_efficiency",
@@ -159,6 +160,7 @@ class Params:
         "network_efficiency",
         "overlap",
         "kernel_s",
+        "step_overhead_s",
     )
 
     def vector(self) -> list[float]:
@@ -265,7 +267,7 @@ class _Pricer:
 
     def gemm(self, m: float, k: float, n: float, count: float = 1.0) -> float:
         """``count`` multiplies of (m x k) by (k x n) in bf16."""
-        t = max(2 * m * k * n / self.flops, BF16 * (m * k + k * n + m * n) / self.hbm)
+        t = 2 * m * k * n / self.flops + BF16 * (m * k + k * n + m * n) / self.hbm
         return count * (t + self.kernel_s)
 
     def stream(self, nbytes: float, kernels: float) -> float:
@@ -295,7 +297,7 @@ def _params_per_gpu(shape: ModelShape, lay: Layout) -> tuple[float, float, float
 
 
 def _layer_forward_s(shape: ModelShape, lay: Layout, seq: int, pr: _Pricer, flash: bool):
-    """One layer's forward on one micro-batch: (matrix multiplies and element-wise, attention)."""
+    """One layer's forward on one micro-batch: (matrix multiplies, element-wise, attention)."""
     t, h = lay.tp, shape.hidden
     tokens = lay.micro_batch * seq / lay.cp
     q, kv = shape.q_dim / t, shape.kv_dim / t
@@ -318,7 +320,7 @@ def _layer_forward_s(shape: ModelShape, lay: Layout, seq: int, pr: _Pricer, flas
     # element-wise: norms, residual adds, dropout on h-wide rows (each rank's share under
     # sequence parallelism, all of them without), the activation on the MLP's width
     rows = tokens / t if lay.sequence_parallel else tokens
-    s += pr.stream(BF16 * (16 * rows * h + (mats + 1) * tokens * width), 10)
+    elementwise = pr.stream(BF16 * (16 * rows * h + (mats + 1) * tokens * width), 10)
     heads, d = shape.num_heads / t, shape.q_dim / shape.num_heads
     kv_len = seq  # each context-parallel rank attends its queries to the whole sequence
     if flash:
@@ -328,11 +330,13 @@ def _layer_forward_s(shape: ModelShape, lay: Layout, seq: int, pr: _Pricer, flas
         per_seq = lay.micro_batch * heads
         attn = pr.gemm(seq / lay.cp, d, kv_len, 2 * per_seq)
         attn += pr.stream(9 * (seq / lay.cp) * kv_len * per_seq, 3)
-    return s, attn
+    return s, elementwise, attn
 
 
 def _comm(shape, batch, lay, pr, layers, dense_p, expert_p):
-    """Per micro-batch: {dim: (exposed-only seconds, hideable seconds)}; and once per step."""
+    """Per micro-batch: {dim: (exposed-only seconds, hideable seconds)}; and once per step:
+    {dim: (the gradients' reduction, hideable behind a backward pass; the weights' gather of a
+    sharded optimizer, hideable behind the next step's first forward pass)}."""
     dpn, h = pr.dpn, shape.hidden
     tokens = lay.micro_batch * batch.seq / lay.cp
     passes = {"none": 3, "selective": 3, "full": 4}[lay.recompute]  # fwd, 2 bwd (+ recompute)
@@ -354,7 +358,7 @@ def _comm(shape, batch, lay, pr, layers, dense_p, expert_p):
         act = BF16 * tokens * h / lay.tp  # scatter/gather over the tensor-parallel ranks
         per_mb["pp"] = (0.0, 2 * lay.vpp * pr.coll("send", span, act))
     shard = lay.cp * lay.dp_shard
-    once: dict[str, float] = {}
+    once: dict[str, tuple[float, float]] = {}
     weights = layers * (dense_p + expert_p)
     if lay.dp_shard > 1:
         span = span_at(shard, lay.tp, dpn)
@@ -365,11 +369,12 @@ def _comm(shape, batch, lay, pr, layers, dense_p, expert_p):
         group = lay.dp_replicate * (1 if lay.dp_shard > 1 else lay.cp)
         span = span_at(group, lay.tp * (shard if lay.dp_shard > 1 else 1), dpn)
         if lay.zero:
-            once["dp_replicate"] = pr.coll("reduce_scatter", span, FP32 * weights) + pr.coll(
-                "all_gather", span, BF16 * weights
+            once["dp_replicate"] = (
+                pr.coll("reduce_scatter", span, FP32 * weights),
+                pr.coll("all_gather", span, BF16 * weights),
             )
         else:
-            once["dp_replicate"] = pr.coll("all_reduce", span, FP32 * weights)
+            once["dp_replicate"] = (pr.coll("all_reduce", span, FP32 * weights), 0.0)
     return per_mb, once
 
 
@@ -388,24 +393,28 @@ def _memory(shape, batch, lay, layers, dense_p, expert_p, embed_p, m, flash) -> 
     width = (
         shape.moe_ffn * (shape.top_k + shape.num_shared_experts) if shape.num_experts else shape.ffn
     )
-    sharded = 4 * shape.q_dim + 4 * shape.kv_dim + 2 * mats * width
-    replicated = 10 * h
+    if lay.recompute == "selective":  # the attention core and element-wise ops recomputed:
+        # kept are the norms' inputs, q, k, v and the multiplies' outputs of the MLP
+        sharded = 2 * shape.q_dim + 4 * shape.kv_dim + 2 * (mats - 1) * width
+        replicated = 4 * h
+    else:  # Korthikanti et al. 2022, Eq. 2, with the attention and MLP widths of this shape
+        sharded = 4 * shape.q_dim + 4 * shape.kv_dim + 2 * mats * width
+        replicated = 10 * h
     scores = 0 if flash or lay.recompute != "none" else 5 * shape.num_heads * s
     if lay.sequence_parallel:
         per_token = (replicated + sharded + scores) / t
     else:
         per_token = replicated + (sharded + scores) / t
-    if lay.recompute == "full":
-        held = BF16 * h / (t if lay.sequence_parallel else 1) * tokens
-        layer_act = tokens * per_token
-        act = held * layers + layer_act
-    else:
-        act = tokens * per_token * layers
     in_flight = float(min(m, lay.pp))  # 1F1B: pp micro-batches on the first stage
     if lay.vpp > 1:
         in_flight *= 1 + (lay.pp - 1) / (lay.pp * lay.vpp)
+    if lay.recompute == "full":  # each layer's input held; one layer's in full while recomputed
+        held = BF16 * h / (t if lay.sequence_parallel else 1) * tokens
+        act = held * layers * in_flight + tokens * per_token
+    else:
+        act = tokens * per_token * layers * in_flight
     logits = 6 * tokens * shape.vocab / t  # bf16 logits and fp32 loss inputs, last stage
-    return state + act * max(1.0, in_flight) + logits
+    return state + act + logits
 
 
 def estimate(
@@ -424,12 +433,16 @@ def estimate(
     layers = _stage_layers(shape, lay)
     dense_p, expert_p, embed_p = _params_per_gpu(shape, lay)
     m = batch.global_batch // (lay.dp * lay.micro_batch)
-    gemm_s, attn_s = _layer_forward_s(shape, lay, batch.seq, pr, flash_attention)
+    gemm_s, elementwise_s, attn_s = _layer_forward_s(shape, lay, batch.seq, pr, flash_attention)
+    gemm_s += elementwise_s
     tokens = lay.micro_batch * batch.seq / lay.cp
     head = pr.gemm(tokens, shape.hidden, shape.vocab / lay.tp, 3)
-    head += pr.stream(3 * FP32 * tokens * shape.vocab / lay.tp, 4)  # softmax, loss, its grad
-    layer = 3 * (gemm_s + attn_s)
-    extra = {"none": 0.0, "selective": attn_s, "full": gemm_s + attn_s}[lay.recompute]
+    # the loss in fp32 over the logits: cast, max, exp-sum, softmax and its gradient
+    head += pr.stream(24 * tokens * shape.vocab / lay.tp, 6)
+    layer = 3 * gemm_s + 3.5 * attn_s  # backward: two multiplies per multiply; attention 2.5
+    extra = {"none": 0.0, "selective": attn_s + elementwise_s, "full": gemm_s + attn_s}[
+        lay.recompute
+    ]
     compute_mb = layers * layer + head
     recompute_mb = layers * extra
     per_mb, once = _comm(shape, batch, lay, pr, layers, dense_p, expert_p)
@@ -441,8 +454,11 @@ def estimate(
     t_mb = busy + sum(exposed_mb.values())
     bubble = t_mb * (lay.pp - 1) / lay.vpp
     # once per step: the data-parallel reduction, behind the last micro-batch's backward
-    window = (layer * 2 / 3) * layers
-    dp_once = {d: max(v * (1 - k.overlap), v - window) for d, v in once.items()}
+    fwd, bwd = (gemm_s + attn_s) * layers, (2 * gemm_s + 2.5 * attn_s) * layers
+    dp_once = {
+        d: max(b * (1 - k.overlap), b - bwd) + max(f * (1 - k.overlap), f - fwd)
+        for d, (b, f) in once.items()
+    }
     opt_params = layers * (dense_p + expert_p) + embed_p
     if lay.dp_shard > 1:
         opt_params /= lay.dp_shard * lay.cp
@@ -452,19 +468,21 @@ def estimate(
     replica_params = layers * (dense_p + expert_p) + embed_p
     if lay.dp_shard > 1:
         replica_params /= lay.dp_shard * lay.cp
-    step = m * t_mb + bubble + sum(dp_once.values()) + optimizer
+    step = m * t_mb + bubble + sum(dp_once.values()) + optimizer + k.step_overhead_s
     breakdown = {
         "compute": m * compute_mb,
         "recompute": m * recompute_mb,
         "bubble": bubble,
         "optimizer": optimizer,
+        "overhead": k.step_overhead_s,
     }
     for d, v in exposed_mb.items():
         breakdown[d] = m * v
         breakdown[f"{d}_overlapped"] = m * (per_mb[d][0] + per_mb[d][1]) - m * v
     for d, v in dp_once.items():
         breakdown[d] = breakdown.get(d, 0.0) + v
-        breakdown[f"{d}_overlapped"] = breakdown.get(f"{d}_overlapped", 0.0) + once[d] - v
+        total = sum(once[d])
+        breakdown[f"{d}_overlapped"] = breakdown.get(f"{d}_overlapped", 0.0) + total - v
     gpus = lay.gpus
     model_flops = model_flops_per_token(shape, batch.seq) * batch.tokens
     tflops = model_flops / (step * gpus) / 1e12
