@@ -72,6 +72,7 @@ class Layouts:
         self.scheduler = None
         self.decision = None
         if rates is not None:
+            from anyshard.trainer_integration.gpt.layout_chooser.cluster import job_topology
             from anyshard.trainer_integration.gpt.layout_chooser.scheduler import Policy, Scheduler
 
             if rank == 0:  # for `anyshard layouts --rates`
@@ -89,6 +90,7 @@ class Layouts:
                 online=p.auto == "online",
                 policy=policy,
                 memory_bytes=memory_budget(cfg),
+                topology=job_topology(),  # collective: every rank builds its scheduler here
             )
 
     def target(self, state: TrainState):
@@ -196,7 +198,7 @@ def starting_layout(cfg: Config, rank: int) -> tuple[Config, Any, Any]:
     if cfg.parallel.auto != "off" and cfg.ft.replicas == 1:
         from anyshard.trainer_integration.gpt.layout_chooser.costmodel import calibrate
 
-        rates = calibrate(cfg=cfg)
+        rates = calibrate(cfg=cfg)  # on the job's nodes, read from its process group
     if cfg.parallel.auto != "off" and cfg.parallel.world_size != world:
         from anyshard.trainer_integration.gpt.layout_chooser.candidates import (
             choose_layout,
@@ -208,7 +210,9 @@ def starting_layout(cfg: Config, rank: int) -> tuple[Config, Any, Any]:
         chosen = (
             choose_layout(cfg, world, memory_bytes=budget)
             if rates is None
-            else first_layout(cfg, world, rates, memory_bytes=budget)
+            else first_layout(
+                cfg, world, rates, memory_bytes=budget, topology=rates.measured_topology
+            )
         )
         cfg = dataclasses.replace(cfg, parallel=chosen.parallel)
         if rank == 0:

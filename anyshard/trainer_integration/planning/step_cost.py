@@ -25,6 +25,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from anyshard.trainer_integration.planning.topology import Span, Topology
+
 __all__ = [
     "RING",
     "Collective",
@@ -45,13 +47,19 @@ RING = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0, "all_reduce
 @dataclass(frozen=True)
 class Collective:
     """``count`` collectives of ``kind`` per step over groups of ``group`` ranks, each on a
-    ``bytes`` message (the whole gathered or reduced tensor); ``dim`` names the mesh dim."""
+    ``bytes`` message (the whole gathered or reduced tensor); ``dim`` names the mesh dim;
+    ``span`` where the group sits on the job's nodes (`topology.placement`; None: one node)."""
 
     dim: str
     kind: str  # all_gather, reduce_scatter, all_reduce, all_to_all, send
     group: int
     bytes: int
     count: int
+    span: Span | None = None
+
+    @property
+    def crosses_nodes(self) -> bool:
+        return self.span is not None and self.span.nodes > 1
 
 
 @dataclass(frozen=True)
@@ -77,7 +85,11 @@ class Rates:
 
     ``gemm``: (flops of one square multiply, flops per second) with every rank multiplying at
     once, by size; ``collectives``: per (kind, group size), (latency s, seconds per byte moved
-    per rank); the rest per rank with every rank busy. ``contention``: how much longer the
+    per rank) over consecutive ranks (inside a node, where the group fits one);
+    ``crossing``: the same per (kind, group size, members per node) over groups whose members
+    sit on several nodes, measured where the job ran on more than one (``topology``: its
+    devices per node and nodes, as read from its process groups, ``topology_source`` says
+    how); the rest per rank with every rank busy. ``contention``: how much longer the
     largest multiply takes with every rank multiplying than with one rank alone (1 where each
     rank has its own device or core; about ranks / cores where ranks share cores).
     ``block_scale``: one of the model's blocks, forward and backward at a data-parallel rank's
@@ -97,6 +109,9 @@ class Rates:
     contention: float = 1.0
     block_scale: float = 1.0
     peer_wait: dict[str, float] = field(default_factory=dict)  # group size -> s per collective
+    crossing: dict[str, tuple[float, float]] = field(default_factory=dict)  # "kind/group/per_node"
+    topology: tuple[int, int] | None = None  # (devices per node, nodes) measured on
+    topology_source: str = ""
 
     @classmethod
     def nominal(cls) -> Rates:
@@ -106,6 +121,11 @@ class Rates:
         }
         gemm = ((1e5, 5e9), (1e7, 2e10), (1e9, 4e10))
         return cls(gemm, 5e9, 5e-6, 5e-5, coll, source="nominal")
+
+    @property
+    def measured_topology(self) -> Topology | None:
+        """The nodes the rates were measured on (None: not recorded)."""
+        return None if self.topology is None else Topology(*self.topology)
 
     def gemm_rate(self, flops: float) -> float:
         """Flops per second of one multiply of ``flops``: interpolated in log size."""
@@ -119,27 +139,70 @@ class Rates:
         return pts[-1][1]
 
     def collective_s(self, c: Collective) -> float:
-        """Seconds for one collective, from the nearest measured group size at or above."""
-        key = f"{c.kind}/{c.group}"
-        if key not in self.collectives:
-            sizes = sorted(int(k.split("/")[1]) for k in self.collectives if k.startswith(c.kind))
-            if not sizes:
-                raise KeyError(f"no measured rate for {c.kind}; calibrate with this kind")
-            bigger = [g for g in sizes if g >= c.group]
-            key = f"{c.kind}/{bigger[0] if bigger else sizes[-1]}"
-        alpha, beta = self.collectives[key]
+        """Seconds for one collective: a group that crosses nodes (``c.span``) at the rate
+        measured across nodes nearest its span (`crossing_rate`); any other at the in-node rate
+        of the nearest measured group size at or above, and so is a group that crosses nodes
+        where no rate across nodes was measured (rates of one node: `missing_crossing` names
+        the kinds, and the table says so)."""
+        rate = self.crossing_rate(c.kind, c.span) if c.crosses_nodes else None
+        alpha, beta = rate if rate is not None else self.in_node_rate(c.kind, c.group)
         moved = c.bytes if c.kind == "send" else RING[c.kind] * c.bytes * (c.group - 1) / c.group
         return alpha + beta * moved
+
+    def in_node_rate(self, kind: str, group: int) -> tuple[float, float]:
+        """(latency, seconds per byte moved) of ``kind`` over consecutive ranks: the measured
+        group size ``group``, else the nearest at or above, else the largest."""
+        key = f"{kind}/{group}"
+        if key not in self.collectives:
+            sizes = sorted(int(k.split("/")[1]) for k in self.collectives if k.startswith(kind))
+            if not sizes:
+                raise KeyError(f"no measured rate for {kind}; calibrate with this kind")
+            bigger = [g for g in sizes if g >= group]
+            key = f"{kind}/{bigger[0] if bigger else sizes[-1]}"
+        return self.collectives[key]
+
+    def crossing_rate(self, kind: str, span: Span | None) -> tuple[float, float] | None:
+        """(latency, seconds per byte moved) of ``kind`` over a group placed as ``span``, from
+        the measurement across nodes nearest it: the same number of nodes first, then the same
+        members per node, then the nearest group size (at or above before below). None where
+        no rate of ``kind`` across nodes was measured."""
+        if span is None:
+            return None
+        found = [(int(g), int(q)) for k, g, q in (x.split("/") for x in self.crossing) if k == kind]
+        if not found:
+            return None
+
+        def distance(gq: tuple[int, int]) -> tuple[float, bool, bool, float]:
+            g, q = gq
+            nodes = max(1, g // max(1, q))
+            return (
+                abs(math.log(nodes / span.nodes)),
+                q != span.per_node,
+                g < span.size,
+                abs(math.log(g / span.size)),
+            )
+
+        g, q = min(found, key=distance)
+        return self.crossing[f"{kind}/{g}/{q}"]
+
+    def missing_crossing(self, kinds: Sequence[str]) -> list[str]:
+        """Those of ``kinds`` with no rate measured across nodes."""
+        have = {k.split("/")[0] for k in self.crossing}
+        return [k for k in dict.fromkeys(kinds) if k not in have]
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> Rates:
+        """The rates of `to_json` (files written before rates across nodes load too)."""
         d = json.loads(text)
         d["gemm"] = tuple(tuple(x) for x in d["gemm"])
         d["collectives"] = {k: tuple(v) for k, v in d["collectives"].items()}
+        d["crossing"] = {k: tuple(v) for k, v in d.get("crossing", {}).items()}
         d.setdefault("peer_wait", {})
+        if d.get("topology") is not None:
+            d["topology"] = tuple(d["topology"])
         return cls(**d)
 
 
@@ -155,6 +218,7 @@ class Prediction:
     dispatch_s: float
     by_dim: dict[str, float]
     memory_bytes: int
+    crossing: tuple[str, ...] = ()  # the mesh dims whose groups cross nodes
 
     @property
     def dominant(self) -> str:
@@ -189,7 +253,10 @@ def predict_workload(
     dispatch *= scales[2] * busy * rates.block_scale
     comm = sum(by_dim.values())
     step = compute + dispatch + comm
-    return Prediction(layout, parallel, step, compute, comm, dispatch, by_dim, w.memory_bytes)
+    crossing = tuple(dict.fromkeys(c.dim for c in w.collectives if c.crosses_nodes))
+    return Prediction(
+        layout, parallel, step, compute, comm, dispatch, by_dim, w.memory_bytes, crossing
+    )
 
 
 def local_s(w: Workload, rates: Rates) -> tuple[float, float]:
@@ -247,25 +314,46 @@ class Refiner:
 
 @dataclass(frozen=True)
 class Table:
-    """Every layout of a world ranked by predicted step time, and those rejected, with why."""
+    """Every layout of a world ranked by predicted step time, and those rejected, with why;
+    the nodes it was predicted on (None: one node, not shown) and how they were found, and
+    notes on the rates (what they lack for the topology)."""
 
     world: int
     rows: tuple[Prediction, ...]
     rejected: tuple[tuple[str, str], ...]
     budget_bytes: int
     rates_source: str
+    topology: Topology | None = None
+    topology_source: str = ""
+    notes: tuple[str, ...] = ()
+
+    def topology_text(self) -> str:
+        """``2 nodes x 2 ranks (from the process group)``; "" without a topology."""
+        t = self.topology
+        if t is None:
+            return ""
+        nodes = f"{t.nodes} node{'s' if t.nodes != 1 else ''}"
+        src = f" ({self.topology_source})" if self.topology_source else ""
+        return f"{nodes} x {t.devices_per_node} ranks{src}"
 
     def text(self) -> str:
+        across = self.topology is not None
         lines = [
             f"{len(self.rows)} layouts of {self.world} ranks fit (budget "
             f"{self.budget_bytes / 2**20:.0f} MiB per rank; rates: {self.rates_source})",
-            f"{'#':>3}  {'layout':<28} {'step ms':>9} {'memory MiB':>11}  dominated by",
+            *([f"topology: {self.topology_text()}"] if across else []),
+            *[f"note: {n}" for n in self.notes],
+            f"{'#':>3}  {'layout':<28} {'step ms':>9} {'memory MiB':>11}  "
+            + (f"{'across nodes':<16} " if across else "")
+            + "dominated by",
         ]
         best = self.rows[0].step_s if self.rows else 1.0
         for i, r in enumerate(self.rows, 1):
             lines.append(
                 f"{i:>3}  {r.layout:<28} {r.step_s * 1e3:>9.1f} "
-                f"{r.memory_bytes / 2**20:>11.1f}  {r.dominant}"
+                f"{r.memory_bytes / 2**20:>11.1f}  "
+                + (f"{', '.join(r.crossing) or '-':<16} " if across else "")
+                + r.dominant
                 + ("" if i == 1 else f"; {r.step_s / best:.2f}x the best")
             )
         if self.rejected:
@@ -282,21 +370,18 @@ def rates_from_timings(
     collectives: Mapping[str, Sequence[tuple[int, float]]],
     contention: float = 1.0,
     peer_wait: dict[str, float] | None = None,
+    crossing: Mapping[str, Sequence[tuple[int, float]]] | None = None,
 ) -> Rates:
     """The rates of measured timings: ``gemm`` (n, seconds of an n x n multiply), ``stream``
     (bytes, seconds), an op's and a DTensor op's seconds, and per "kind/group" the seconds of a
     collective at two or more message sizes (bytes, seconds): its latency and seconds per byte
     moved are the line through the smallest and the largest; ``contention`` as `Rates` has it
     (below 1 is noise: 1); ``peer_wait`` (per group size, seconds) is added to the latency of
-    every collective of that group size."""
-    coll: dict[str, tuple[float, float]] = {}
+    every collective of that group size; ``crossing``: as ``collectives``, per
+    "kind/group/per_node", over groups across nodes."""
     wait = dict(peer_wait or {})
-    for key, points in collectives.items():
-        kind, g = key.split("/")[0], int(key.split("/")[1])
-        (b0, t0), (b1, t1) = min(points), max(points)
-        ring = 1.0 if kind == "send" else RING[kind] * (g - 1) / g
-        beta = max(0.0, (t1 - t0) / (ring * (b1 - b0)))
-        coll[key] = (max(0.0, t0 - beta * ring * b0) + wait.get(str(g), 0.0), beta)
+    coll = {key: _line(key, points, wait) for key, points in collectives.items()}
+    across = {key: _line(key, points, wait) for key, points in (crossing or {}).items()}
     rates = tuple((2.0 * n**3, 2.0 * n**3 / t) for n, t in gemm)
     return Rates(
         rates,
@@ -306,4 +391,18 @@ def rates_from_timings(
         coll,
         contention=max(1.0, contention),
         peer_wait=wait,
+        crossing=across,
     )
+
+
+def _line(
+    key: str, points: Sequence[tuple[int, float]], wait: Mapping[str, float]
+) -> tuple[float, float]:
+    """(latency, seconds per byte moved) of a "kind/group[/per_node]" collective's timings at
+    two or more message sizes: the line through the smallest and the largest, the wait for
+    peers of its group size added to the latency."""
+    kind, g = key.split("/")[0], int(key.split("/")[1])
+    (b0, t0), (b1, t1) = min(points), max(points)
+    ring = 1.0 if kind == "send" else RING[kind] * (g - 1) / g
+    beta = max(0.0, (t1 - t0) / (ring * (b1 - b0)))
+    return (max(0.0, t0 - beta * ring * b0) + wait.get(str(g), 0.0), beta)

@@ -1,7 +1,8 @@
 """Timings on the job's own ranks, the steps of `costmodel.calibrate`: square multiplies with
 every rank busy, streaming adds, an op's and a DTensor op's dispatch, each collective over
-subgroups of the live process group (and what it costs more among ranks busy computing), one
-of the model's blocks forward and backward. Call each on every rank at once.
+subgroups of the live process group (and what it costs more among ranks busy computing), the
+same over subgroups across nodes, one of the model's blocks forward and backward. Call each on
+every rank at once.
 """
 
 from __future__ import annotations
@@ -13,15 +14,18 @@ from typing import Any
 from anyshard.trainer_integration.gpt.config import Config
 from anyshard.trainer_integration.gpt.layout_chooser.memory import FLOAT
 from anyshard.trainer_integration.planning.step_cost import RING
+from anyshard.trainer_integration.planning.topology import span_at
 
 __all__ = [
     "block_s",
     "collective_s",
+    "crossing_strides",
     "peer_wait_s",
     "slowest",
     "time_busy",
     "time_calls",
     "time_collectives",
+    "time_crossing",
     "time_gemms",
     "time_local",
 ]
@@ -141,15 +145,81 @@ def time_collectives(
     for g in sizes:
         groups = [dist.new_group(list(range(i, i + g))) for i in range(0, world, g)]
         mine = groups[rank // g]
-        for kind in (*RING, "send"):
-            coll[f"{kind}/{g}"] = [
-                (nbytes, collective_s(kind, max(g, nbytes // FLOAT // g * g), g, rank % g, mine))
-                for nbytes in message_bytes
-            ]
+        for kind, points in _time_kinds(g, rank % g, mine, message_bytes).items():
+            coll[f"{kind}/{g}"] = points
         # what a collective costs among busy ranks beyond its time among idle ones
         idle = min(coll[f"all_reduce/{g}"])[1]
         wait[str(g)] = max(0.0, peer_wait_s(burst, mine) - idle)
     return coll, wait
+
+
+def _time_kinds(
+    g: int, me: int, group, message_bytes: Sequence[int]
+) -> dict[str, list[tuple[int, float]]]:
+    """Per kind, a collective's seconds at each of ``message_bytes`` in ``group`` of ``g``
+    ranks, this rank its ``me``-th member."""
+    return {
+        kind: [
+            (nbytes, collective_s(kind, max(g, nbytes // FLOAT // g * g), g, me, group))
+            for nbytes in message_bytes
+        ]
+        for kind in (*RING, "send")
+    }
+
+
+def crossing_strides(
+    sizes: Sequence[int], world: int, devices_per_node: int
+) -> dict[tuple[int, int], int]:
+    """Per placement across nodes (group size, members per node) that subgroups of ``sizes``
+    members evenly spaced over ``world`` ranks form on nodes of ``devices_per_node`` ranks, the
+    smallest spacing (stride) that forms it: the groups `time_crossing` measures.
+
+    >>> crossing_strides([2, 4], 4, 2)  # pairs one node apart; the whole world
+    {(2, 1): 2, (4, 2): 1}
+    """
+    out: dict[tuple[int, int], int] = {}
+    for g in sizes:
+        for stride in range(1, world // g + 1):
+            if world % (g * stride):
+                continue
+            span = span_at(g, stride, devices_per_node)
+            if span.nodes > 1:
+                out.setdefault((g, span.per_node), stride)
+    return out
+
+
+def time_crossing(
+    sizes: Sequence[int],
+    message_bytes: Sequence[int],
+    coll: dict[str, list[tuple[int, float]]],
+    world: int,
+    rank: int,
+    devices_per_node: int,
+) -> dict[str, list[tuple[int, float]]]:
+    """Per "kind/group/per_node", a collective's seconds at each of ``message_bytes`` over
+    subgroups whose members sit on several nodes of ``devices_per_node`` ranks, one per
+    placement `crossing_strides` finds (members ``stride`` ranks apart; the timings ``coll``
+    of consecutive ranks where those cross nodes already). Empty on one node."""
+    import torch.distributed as dist
+
+    out: dict[str, list[tuple[int, float]]] = {}
+    if world <= devices_per_node:
+        return out
+    for (g, q), stride in crossing_strides(sizes, world, devices_per_node).items():
+        if stride == 1:  # consecutive ranks, measured already
+            out.update({f"{k}/{g}/{q}": coll[f"{k}/{g}"] for k in (*RING, "send")})
+            continue
+        block = g * stride
+        members = [
+            [b + off + k * stride for k in range(g)]
+            for b in range(0, world, block)
+            for off in range(stride)
+        ]
+        groups = [dist.new_group(m) for m in members]  # every rank creates every group
+        i = next(i for i, m in enumerate(members) if rank in m)
+        timed = _time_kinds(g, members[i].index(rank), groups[i], message_bytes)
+        out.update({f"{k}/{g}/{q}": points for k, points in timed.items()})
+    return out
 
 
 def slowest(

@@ -52,16 +52,23 @@ from anyshard.trainer_integration.gpt.layout_chooser.shares import (
     shares_move,
 )
 from anyshard.trainer_integration.planning.step_cost import Rates, Table
+from anyshard.trainer_integration.planning.topology import Topology
 
 __all__ = ["Decision", "Policy", "Scheduler", "first_layout", "shares_for"]
 
 
 def first_layout(
-    cfg: Config, world: int, rates: Rates, *, memory_bytes: int | None = None
+    cfg: Config,
+    world: int,
+    rates: Rates,
+    *,
+    memory_bytes: int | None = None,
+    topology: Topology | None = None,
 ) -> Choice:
     """The layout a job starts under on ``world`` ranks when its configured degrees do not
-    multiply to it: the one the cost model predicts fastest (trials follow)."""
-    table = rank_layouts(cfg, world, rates, memory_bytes=memory_bytes)
+    multiply to it: the one the cost model predicts fastest on ``topology``'s nodes (trials
+    follow)."""
+    table = rank_layouts(cfg, world, rates, memory_bytes=memory_bytes, topology=topology)
     if not table.rows:
         raise ValueError(
             f"no layout of {world} ranks fits the model and batch:\n  "
@@ -185,16 +192,27 @@ class Scheduler:
         online: bool = False,
         policy: Policy | None = None,
         memory_bytes: int | None = None,
+        topology: tuple[Topology, str] | None = None,
     ):
+        """``topology``: the job's nodes and how they were found (`cluster.job_topology`, read
+        once from the process groups at start-up); None: one node."""
         self.cfg = cfg
         self.rates = rates
+        self.topology, source = topology or (None, "")
         self.policy = policy or Policy()
         self.online = online
         self.total_steps = total_steps
         world = current.world_size
-        self.table: Table = rank_layouts(cfg, world, rates, memory_bytes=memory_bytes)
+        self.table: Table = rank_layouts(
+            cfg,
+            world,
+            rates,
+            memory_bytes=memory_bytes,
+            topology=self.topology,
+            topology_source=source,
+        )
         self.current = self._plain(current)
-        self.measured = _Measured(Refiner(cfg, rates))
+        self.measured = _Measured(Refiner(cfg, rates, self.topology))
         self.phase = _Phase()
         self.window = _Window()  # online
         self.share = _Shares()
@@ -229,14 +247,15 @@ class Scheduler:
         if self.measured.switch_costs:
             return statistics.median(self.measured.switch_costs)
         scales = self.measured.refiner.scales()
-        return 2 * predict(self.cfg, self.current, self.rates, scales).step_s
+        return 2 * predict(self.cfg, self.current, self.rates, scales, self.topology).step_s
 
     def predicted(self, p: ParallelConfig) -> float:
         """``p``'s step, refined by the steps measured so far, under the straggler seen (if
         any): a layout whose data shares can move spreads the slow rank's lost speed over all
         data ranks, any other runs at the slow rank's pace."""
         known = self.measured.known.get(layout_text(p))  # measured before the straggler appeared
-        step = known or predict(self.cfg, p, self.rates, self.measured.refiner.scales()).step_s
+        scales = self.measured.refiner.scales()
+        step = known or predict(self.cfg, p, self.rates, scales, self.topology).step_s
         return step * self.straggler_factor(p)
 
     def straggler_factor(self, p: ParallelConfig) -> float:
@@ -476,7 +495,7 @@ class Scheduler:
             m.slow = m.slow * slow
             why = f"rank skew grew {slow:.2f}x"
         else:  # the whole machine changed: refine from what the current layout measures now
-            m.refiner = Refiner(self.cfg, self.rates)
+            m.refiner = Refiner(self.cfg, self.rates, self.topology)
             m.refiner.add(self.current, recent)
             m.slow, m.known, why = 1.0, {}, "no one rank"
         self.phase = _Phase(name="trial")
