@@ -198,15 +198,21 @@ def _from_unit(u) -> Params:
 
 def fit(table: list[Row]) -> Params:
     """The parameters of least mean absolute step-time error over ``table`` (Nelder-Mead within
-    the bounds, from `START`: deterministic)."""
+    the bounds from `START`, restarted where it moved: deterministic)."""
     from scipy.optimize import minimize
 
     def loss(u) -> float:
         return statistics.fmean(abs(e) for e in errors(_from_unit(u), table))
 
-    res = minimize(loss, _to_unit(START), method="Nelder-Mead", bounds=[(0.0, 1.0)] * len(Params.FIELDS),
-                   options={"maxfev": 1500, "xatol": 1e-4, "fatol": 1e-6})  # fmt: skip
-    return _rounded(_from_unit(res.x))
+    x, best = _to_unit(START), math.inf
+    for _ in range(4):  # restarts: a fresh simplex around the last optimum, until it settles
+        res = minimize(loss, x, method="Nelder-Mead", bounds=[(0.0, 1.0)] * len(Params.FIELDS),
+                       options={"maxfev": 1500, "xatol": 1e-4, "fatol": 1e-6})  # fmt: skip
+        x, settled = res.x, best - res.fun < 1e-4
+        best = min(best, res.fun)
+        if settled:
+            break
+    return _rounded(_from_unit(x))
 
 
 def _rounded(p: Params) -> Params:

@@ -111,14 +111,14 @@ def best_options(
 ) -> Estimate | None:
     """The fastest `Estimate` of ``dims`` over the options not pinned, among those that fit in
     memory (None when none fits or the pins cannot hold). Unpinned, sequence parallelism is on
-    where tp > 1 and ZeRO-1 on where weights are replicated (neither is ever slower in the
+    where tp > 1 and ZeRO-1 on where weights are replicated, not sharded (neither is ever slower in the
     model, both save memory); recomputation is the least that fits."""
     tp, pp, dp = dims["tp"], dims["pp"], dims["dp_shard"] * dims["dp_replicate"]
     per_dp = batch.global_batch // dp
     mbs = _choices("micro_batch", pins, [b for b in _MICRO_BATCHES if per_dp % b == 0])
     vpps = _choices("vpp", pins, [v for v in _VPP if pp > 1 or v == 1])
     sp = pins.get("sequence_parallel", tp > 1)
-    zero = pins.get("zero", 1 if dims["dp_replicate"] > 1 else 0)
+    zero = pins.get("zero", 1 if dims["dp_replicate"] > 1 and dims["dp_shard"] == 1 else 0)
     recomputes = _choices("recompute", pins, list(RECOMPUTE))
     best: Estimate | None = None
     for mb in mbs:

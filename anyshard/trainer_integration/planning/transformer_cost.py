@@ -243,6 +243,8 @@ def layout_problems(shape: ModelShape, batch: Batch, lay: Layout, gpus: int) -> 
         p.append("vpp > 1 needs pp > 1")
     if lay.zero and lay.dp_replicate == 1:
         p.append("zero=1 shards the optimizer over dp_replicate, which is 1")
+    if lay.zero and lay.dp_shard > 1:
+        p.append("zero=1 with dp_shard > 1: FSDP shards the optimizer already")
     return p
 
 
