@@ -32,6 +32,7 @@ into when nodes are lost (``anyshard plan --model``, in `plan_cli`).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -47,6 +48,7 @@ from anyshard.trainer_integration.planning.recovery_costs import Cluster, Costs,
 from anyshard.trainer_integration.planning.transformer_cost import Batch, Estimate, Layout
 
 __all__ = [
+    "COMPARE",
     "LOSSES",
     "MAX_TRIES",
     "Planner",
@@ -85,7 +87,9 @@ class Planner:
         key = (gpus, tuple(sorted(pins.items())))
         if key not in self._found:
             found = None
-            if next(iter(dim_candidates(self.shape, self.hw, self.batch, gpus, pins)), None):
+            if self._may_tile(gpus, pins) and next(
+                iter(dim_candidates(self.shape, self.hw, self.batch, gpus, pins)), None
+            ):
                 try:
                     found = search(self.shape, self.hw, self.batch, gpus, pins,
                                    flash_attention=self.flash_attention)  # fmt: skip
@@ -93,6 +97,13 @@ class Planner:
                     found = None
             self._found[key] = found
         return self._found[key]
+
+    def _may_tile(self, gpus: int, pins: Mapping[str, Any]) -> bool:
+        """Whether ``gpus`` can be tp x cp x pp x dp at all (a quick necessary test): dp
+        divides the global batch, tp and cp are powers of two (or pinned), so what is left
+        of ``gpus`` must divide pp, which is at most the layers."""
+        cover = self.batch.global_batch * 2**20 * pins.get("tp", 1) * pins.get("cp", 1)
+        return gpus // math.gcd(gpus, cover) <= pins.get("pp", self.shape.num_layers)
 
     def counts(self, gpus: int, pins: Mapping[str, Any], want: int) -> list[tuple[int, Any]]:
         """The first ``want`` GPU counts from ``gpus`` down, a node fewer each (at most

@@ -23,6 +23,8 @@ from typing import Any
 from anyshard.trainer_integration.planning.failures import fmt_pct, plan
 from anyshard.trainer_integration.planning.hardware import load_hardware
 from anyshard.trainer_integration.planning.joint_plan import (
+    COMPARE,
+    MAX_TRIES,
     Planner,
     layout_json,
     plan_layouts,
@@ -48,7 +50,7 @@ _MODEL_ONLY = {"global_batch": "--global-batch", "seq": "--seq", "micro_batch": 
                "sequence_parallel": "--sequence-parallel", "attention": "--attention",
                "top": "--top"}  # fmt: skip
 
-_DESCRIPTION = """\
+_DESCRIPTION = f"""\
 Simulate a training job's failures and recoveries in every mode and
 recommend one: the recovery mode, checkpoint interval (against the Young/Daly
 optimum), tier and spare nodes, with each alternative's expected effective training
@@ -63,7 +65,8 @@ With --model CONFIG.json (a Hugging Face config) the job is planned whole:
   --sequence-parallel pin what they state, the search choosing the rest (every dim
   pinned: that one layout predicted). --global-batch counts sequences of --seq tokens.
   Where no layout uses exactly --gpus GPUs (the data-parallel ranks must split the
-  global batch), the largest count below it, in whole nodes, is planned; the rest idle.
+  global batch, pp absorb an odd factor), the fastest of the first {COMPARE} counts below it
+  that have one (in whole nodes, at most {MAX_TRIES} nodes fewer) is planned; the rest idle.
 - plans: each of those layouts, and the ZeRO-0 variant of a ZeRO-1 one, simulated in
   every recovery mode at its best checkpoint interval (the failure options below
   apply; the layout's own step time and checkpoint state replace --step-s and
@@ -74,7 +77,9 @@ With --model CONFIG.json (a Hugging Face config) the job is planned whole:
   every_steps is the local tier's interval.
 - replan: for 1, 2, 4 and 8 nodes lost, the layout to reshard into (global batch
   kept, --recompute and --sequence-parallel kept, the rest chosen anew) and its
-  throughput; GPUs no layout can use sit idle.
+  throughput (tokens/s, total and per GPU used): the fastest of the first {COMPARE} GPU
+  counts, from the healthy GPUs down in whole nodes, that have a layout (fewer GPUs
+  can be faster than an odd count's long pipeline); GPUs left out sit idle.
 Fewer simulated seeds and days than without --model keep 100,000 GPUs within a
 minute; raise --seeds and --days for tighter intervals."""
 
@@ -100,12 +105,24 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="anyshard plan", description=_DESCRIPTION,
                                 epilog=_EPILOG, formatter_class=_HelpFormatter)  # fmt: skip
     p.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
-    p.add_argument("--state-gib", type=float, help=f"checkpoint GiB per GPU ({d.state_gib:g})")
+    p.add_argument(
+        "--state-gib",
+        type=float,
+        help=f"checkpoint GiB per GPU (default: {d.state_gib:g}; --model: each layout's)",
+    )
     p.add_argument("--mtbf-hours", type=float, default=d.mtbf_gpu_h, help="MTBF of one GPU (h)")
     p.add_argument("--profile", help="a profile JSON written by tools/goodput_profile.py")
-    p.add_argument("--step-s", type=float, help=f"a fault-free step (s) ({d.step_s:g})")
-    p.add_argument("--replicas", type=int, help="replica groups (default: 12, or 1 per node)")
-    help = f"GPUs per node ({d.gpus_per_node}; with --model the hardware's)"
+    p.add_argument(
+        "--step-s",
+        type=float,
+        help=f"a fault-free step, s (default: {d.step_s:g}; --model: each layout's)",
+    )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        help="replica groups (default: 12, or 1 per node; --model: each layout's)",
+    )
+    help = f"GPUs per node (default: {d.gpus_per_node}; --model: the hardware's)"
     p.add_argument("--gpus-per-node", type=int, help=help)
     help = "spare nodes (default: every node in repair covered 99%% of the time)"
     p.add_argument("--spares", type=int, help=help)
@@ -118,9 +135,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--group-launch-s", type=float, default=d.group_launch_s, help="FT: relaunch")
     p.add_argument("--storage-gib-s", type=float, default=d.storage_gib_s, help="object store")
     p.add_argument("--network-gib-s", type=float, default=d.network_gib_s, help="per GPU")
-    help = "simulated wall time per seed (30; --model: 10)"
+    help = "simulated wall time per seed (default: 30; --model: 10)"
     p.add_argument("--days", type=float, help=help)
-    p.add_argument("--seeds", type=int, help="runs per mode and interval (8; --model: 2)")
+    p.add_argument("--seeds", type=int, help="runs per mode and interval (default: 8; --model: 2)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     _model_options(p.add_argument_group("the job planned whole (--model)"))
     return p
@@ -128,7 +145,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _model_options(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--model", metavar="CONFIG.json", help="a Hugging Face config.json")
-    help = "a100-80gb, h100-sxm or a hardware JSON file (h100-sxm)"
+    help = "a100-80gb, h100-sxm or a hardware JSON file (default: h100-sxm)"
     g.add_argument("--hardware", metavar="NAME|FILE", help=help)
     g.add_argument("--global-batch", type=int, help="sequences per step (required)")
     g.add_argument("--seq", type=int, help="tokens per sequence (required)")
@@ -137,8 +154,12 @@ def _model_options(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--layout", help=help)
     g.add_argument("--recompute", choices=RECOMPUTE, help="pin activation recomputation")
     g.add_argument("--sequence-parallel", action="store_true", help="pin sequence parallelism")
-    g.add_argument("--attention", choices=("flash", "unfused"), help="attention kernel (flash)")
-    g.add_argument("--top", type=int, help=f"layouts ranked and simulated ({TOP}, at most {TOP})")
+    g.add_argument(
+        "--attention", choices=("flash", "unfused"), help="attention kernel (default: flash)"
+    )
+    g.add_argument(
+        "--top", type=int, help=f"layouts ranked and simulated (default and at most: {TOP})"
+    )
 
 
 def _failure_options(a: argparse.Namespace) -> dict[str, Any]:
