@@ -175,7 +175,7 @@ def _failure_options(a: argparse.Namespace) -> dict[str, Any]:
 def _cluster(a: argparse.Namespace) -> Cluster:
     """The cluster the options state (12 replica groups, or one per node where fewer)."""
     d = Cluster()
-    per_node = a.gpus_per_node or d.gpus_per_node
+    per_node = d.gpus_per_node if a.gpus_per_node is None else a.gpus_per_node
     nodes = max(1, a.gpus // per_node)
     return Cluster(
         gpus=a.gpus, replicas=a.replicas or min(12, nodes), gpus_per_node=per_node,
