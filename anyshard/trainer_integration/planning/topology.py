@@ -10,7 +10,7 @@ it) has ``per_node`` members on each node it touches.
 
     >>> spans = placement((("tp", 8), ("dp", 4)), devices_per_node=8)
     >>> spans["tp"], spans["dp"]
-    (Span(size=8, per_node=8), Span(size=4, per_node=1))
+    (Span(size=8, per_node=8, extent=1), Span(size=4, per_node=1, extent=4))
     >>> placement((("tp", 2), ("dp", 8)), devices_per_node=8)["dp"].nodes
     2
 """
@@ -29,14 +29,17 @@ RING_FACTOR = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0, "all
 
 @dataclass(frozen=True, slots=True)
 class Span:
-    """A group of ``size`` members, ``per_node`` of them on each node it touches."""
+    """A group of ``size`` members, ``per_node`` of them on each node it touches (the last
+    node may hold fewer); ``extent``: the nodes from its first member's to its last's (0: as
+    many as it touches), which decides whether it leaves a pod."""
 
     size: int
     per_node: int
+    extent: int = 0
 
     @property
     def nodes(self) -> int:
-        return max(1, self.size // max(1, self.per_node))
+        return max(1, -(-self.size // max(1, self.per_node)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,8 +56,13 @@ class Topology:
 
 
 def span_at(size: int, stride: int, devices_per_node: int) -> Span:
-    """The `Span` of a group of ``size`` members ``stride`` ranks apart."""
-    return Span(size, min(size, max(1, devices_per_node // stride)) if size > 1 else 1)
+    """The `Span` of a group of ``size`` members ``stride`` ranks apart (the first at the
+    start of a node)."""
+    if size <= 1:
+        return Span(1, 1, 1)
+    per_node = min(size, max(1, devices_per_node // stride))
+    extent = -(-(stride * (size - 1) + 1) // devices_per_node)
+    return Span(size, per_node, extent)
 
 
 def placement(dims: Sequence[tuple[str, int]], devices_per_node: int) -> dict[str, Span]:
@@ -103,7 +111,7 @@ def collective_s(kind: str, span: Span, nbytes: float, links: Links) -> float:
         return 0.0
     nodes = span.nodes
     inter = links.inter_bytes_per_s
-    if nodes > links.pod_nodes:
+    if max(nodes, span.extent) > links.pod_nodes:
         inter /= links.oversubscription
     if kind == "send":
         if nodes > 1:

@@ -295,7 +295,9 @@ def _params_per_gpu(shape: ModelShape, lay: Layout) -> tuple[float, float, float
         expert = mats * h * shape.moe_ffn * shape.num_experts / (lay.ep * lay.tp)
     else:
         dense, expert = attn + mats * h * shape.ffn / lay.tp, 0.0
-    return dense + 2 * h, expert, shape.vocab * h / lay.tp
+    # the busiest stage holds the embedding or the output layer; a single stage both, unless tied
+    tables = 2 if lay.pp == 1 and not shape.tied_embeddings else 1
+    return dense + 2 * h, expert, tables * shape.vocab * h / lay.tp
 
 
 def _layer_forward_s(shape: ModelShape, lay: Layout, seq: int, pr: _Pricer, flash: bool):
@@ -335,13 +337,15 @@ def _layer_forward_s(shape: ModelShape, lay: Layout, seq: int, pr: _Pricer, flas
     return s, elementwise, attn
 
 
-def _comm(shape, batch, lay, pr, layers, dense_p, expert_p):
+def _comm(shape, batch, lay, pr, layers, dense_p, expert_p, embed_p):
     """Per micro-batch: {dim: (exposed-only seconds, hideable seconds)}; and once per step:
     {dim: (the gradients' reduction, hideable behind a backward pass; the weights' gather of a
     sharded optimizer, hideable behind the next step's first forward pass)}."""
     dpn, h = pr.dpn, shape.hidden
     tokens = lay.micro_batch * batch.seq / lay.cp
-    passes = {"none": 3, "selective": 3, "full": 4}[lay.recompute]  # fwd, 2 bwd (+ recompute)
+    # forward and backward (+ the recomputed forward): tensor parallelism's two all-reduces
+    # (or gather and reduce-scatter pairs) and expert parallelism's two all-to-alls each
+    passes = {"none": 2, "selective": 2, "full": 3}[lay.recompute]
     per_mb: dict[str, tuple[float, float]] = {}
     if lay.tp > 1:
         sp = lay.sequence_parallel
@@ -350,18 +354,20 @@ def _comm(shape, batch, lay, pr, layers, dense_p, expert_p):
     if lay.cp > 1:
         kv = BF16 * 2 * tokens * shape.kv_dim / lay.tp
         span = span_at(2, lay.tp, dpn)
-        per_mb["cp"] = (0.0, passes * layers * (lay.cp - 1) * pr.coll("send", span, kv))
+        ring = (passes + 1) * layers * (lay.cp - 1)  # the backward passes keys and values back
+        per_mb["cp"] = (0.0, ring * pr.coll("send", span, kv))
     if shape.num_experts and lay.ep > 1:
         msg = BF16 * tokens * shape.top_k * h
         a2a = pr.coll("all_to_all", span_at(lay.ep, lay.tp, dpn), msg)
         per_mb["ep"] = (2 * passes * layers * a2a, 0.0)
     if lay.pp > 1:
-        span = span_at(2, lay.tp * lay.cp * lay.dp, dpn)
+        stages = span_at(lay.pp, lay.tp * lay.cp * lay.dp, dpn)
+        span = Span(2, 1 if stages.nodes > 1 else 2)  # the slowest hop: across nodes if any is
         act = BF16 * tokens * h / lay.tp  # scatter/gather over the tensor-parallel ranks
         per_mb["pp"] = (0.0, 2 * lay.vpp * pr.coll("send", span, act))
     shard = lay.cp * lay.dp_shard
     once: dict[str, tuple[float, float]] = {}
-    weights = layers * (dense_p + expert_p)
+    weights = layers * (dense_p + expert_p) + embed_p
     if lay.dp_shard > 1:
         span = span_at(shard, lay.tp, dpn)
         gathers = 2 * pr.coll("all_gather", span, BF16 * weights)
@@ -447,7 +453,7 @@ def estimate(
     ]
     compute_mb = layers * layer + head
     recompute_mb = layers * extra
-    per_mb, once = _comm(shape, batch, lay, pr, layers, dense_p, expert_p)
+    per_mb, once = _comm(shape, batch, lay, pr, layers, dense_p, expert_p, embed_p)
     busy = compute_mb + recompute_mb
     hideable = sum(v[1] for v in per_mb.values())
     hidden = min(k.overlap * hideable, busy)
