@@ -36,40 +36,43 @@ def close(x: float) -> pytest.approx:
 
 def test_tp_of_8_fills_a_node_of_8_and_dp_above_it_has_one_member_per_node():
     spans = placement((("tp", 8), ("dp", 4)), devices_per_node=8)
-    assert spans["tp"] == Span(size=8, per_node=8)
+    assert spans["tp"] == Span(size=8, per_node=8, extent=1)  # ranks 0-7: node 0
     assert spans["tp"].nodes == 1
-    assert spans["dp"] == Span(size=4, per_node=1)  # stride 8: ranks 0, 8, 16, 24
+    # stride 8: ranks 0, 8, 16, 24 on nodes 0 to 3
+    assert spans["dp"] == Span(size=4, per_node=1, extent=4)
     assert spans["dp"].nodes == 4
 
 
 def test_a_dim_of_stride_4_on_nodes_of_8_has_2_members_per_node():
-    # ranks 0, 4 | 8, 12: two per node, two nodes
-    assert span_at(4, 4, 8) == Span(4, 2)
+    # ranks 0, 4 | 8, 12: two per node, two nodes (0 and 1)
+    assert span_at(4, 4, 8) == Span(4, 2, 2)
     assert span_at(4, 4, 8).nodes == 2
     spans = placement((("tp", 4), ("dp", 4)), devices_per_node=8)
-    assert spans["tp"] == Span(4, 4) and spans["tp"].nodes == 1
-    assert spans["dp"] == Span(4, 2) and spans["dp"].nodes == 2
+    assert spans["tp"] == Span(4, 4, 1) and spans["tp"].nodes == 1  # ranks 0-3
+    assert spans["dp"] == Span(4, 2, 2) and spans["dp"].nodes == 2
 
 
 def test_strides_accumulate_innermost_first():
     spans = placement((("tp", 2), ("cp", 2), ("dp", 2), ("pp", 4)), devices_per_node=8)
-    assert spans["tp"] == Span(2, 2)  # stride 1
-    assert spans["cp"] == Span(2, 2)  # stride 2
-    assert spans["dp"] == Span(2, 2)  # stride 4: ranks 0 and 4 share node 0
-    assert spans["pp"] == Span(4, 1)  # stride 8: one stage per node
+    assert spans["tp"] == Span(2, 2, 1)  # stride 1: ranks 0 and 1
+    assert spans["cp"] == Span(2, 2, 1)  # stride 2: ranks 0 and 2
+    assert spans["dp"] == Span(2, 2, 1)  # stride 4: ranks 0 and 4 share node 0
+    assert spans["pp"] == Span(4, 1, 4)  # stride 8: ranks 0, 8, 16, 24, one stage per node
     assert spans["pp"].nodes == 4
 
 
 def test_a_consecutive_group_larger_than_a_node_fills_its_nodes():
-    assert span_at(16, 1, 8) == Span(16, 8)
+    assert span_at(16, 1, 8) == Span(16, 8, 2)  # ranks 0-15: nodes 0 and 1
     assert span_at(16, 1, 8).nodes == 2
-    assert span_at(2, 16, 8) == Span(2, 1)  # stride beyond a node: one member per node
+    # stride beyond a node: one member per node; ranks 0 and 16 touch nodes 0 and 2, and the
+    # group reaches from node 0 to node 2 (3 nodes) past node 1, which holds none of it
+    assert span_at(2, 16, 8) == Span(2, 1, 3)
     assert span_at(2, 16, 8).nodes == 2
 
 
 def test_a_group_of_one_is_one_member_on_one_node():
-    assert span_at(1, 1, 8) == Span(1, 1)
-    assert span_at(1, 64, 8) == Span(1, 1)
+    assert span_at(1, 1, 8) == Span(1, 1, 1)
+    assert span_at(1, 64, 8) == Span(1, 1, 1)
     assert span_at(1, 64, 8).nodes == 1
 
 
@@ -78,11 +81,6 @@ def test_topology_world():
     assert Topology(4).world == 4
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Span.nodes floors size / per_node: 12 consecutive ranks on nodes of 8 (ranks 0-7 "
-    "and 8-11) are counted as one node, so their collectives are priced on NVLink alone",
-)
 def test_a_group_that_does_not_fill_its_last_node_still_reaches_it():
     span = span_at(12, 1, 8)
     assert span.nodes == 2
