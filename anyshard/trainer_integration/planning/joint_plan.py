@@ -187,13 +187,16 @@ def layout_json(e: Estimate) -> dict[str, Any]:
 
 def _mode_costs(e: Estimate, base: Cluster, profile: Profile, dpn: int) -> dict[str, Costs]:
     """Each mode's event costs for ``e``: its own step time and checkpoint state, the restart
-    modes saving once over its whole-node replica groups, the FT modes in `ft_replicas`."""
+    modes saving once over its whole-node replica groups, the FT modes in `ft_replicas` (none
+    where that is one group: FT-HSDP heals a group from another)."""
     cluster = dataclasses.replace(
         base, gpus=e.layout.gpus, gpus_per_node=dpn, step_s=e.step_s,
         state_gib=e.state_bytes / 2**30, replicas=whole_node_groups(e.layout, dpn),
     )  # fmt: skip
     restart = costs(profile, cluster)
     ft_groups = ft_replicas(e.layout, dpn)
+    if ft_groups == 1:  # no peer group to heal from: a failure restarts the job, as above
+        return {m: restart for m in MODES if not m.startswith("ft")}
     ft = restart
     if ft_groups != cluster.replicas:
         ft = costs(profile, dataclasses.replace(cluster, replicas=ft_groups))
