@@ -29,7 +29,7 @@ from benchkit.trainer_runs import median_step, read_jsonl
 from anyshard.trainer_integration.planning import failures as gp
 
 HEADING = "## Goodput at scale: the failure simulator (`tools/goodput_profile.py`)"
-INTRO = """The simulator of docs/goodput.md with its costs measured here: per-rank rates from 1 GiB
+INTRO = """The simulator of docs/planning.md with its costs measured here: per-rank rates from 1 GiB
 saves, loads and heals; fixed costs from the calibration runs of the trainer (2 x 2 and 4 ranks,
 one fault). Held-out runs (two faults, another checkpoint interval, the elastic mode) are
 predicted from that profile and the calibration's step time alone. Goodput as
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                                    args))]  # fmt: skip
     rows, curves, slowest = scale(profile, args.seeds)
     head = ["GPUs", "mode", "interval (steps)", "ETT", "goodput", "stall per failure", "failures"]
-    blocks += [f"The default cluster (docs/goodput.md), 30 days, mean +- 95% over {args.seeds} "
+    blocks += [f"The default cluster (docs/planning.md), 30 days, mean +- 95% over {args.seeds} "
                "seeds:", (head, rows),
                f"One 100k-GPU, 30-day run: at most {slowest:.3f} CPU s (one core)."]  # fmt: skip
     head = ["parameter at 100k GPUs", "low", "ETT: best restart / ft-hsdp (goodput)", "high",

@@ -8,7 +8,8 @@ Layout families (by where the data-parallel ranks go and whether the model is pi
 pipeline; ``FSDP+PP``: the same, pipelined; ``3D (ZeRO-1)``: Megatron's tp x pp x dp with the
 optimizer sharded over replicas (dp_shard = 1, pp > 1); ``TP+DP (ZeRO-1)``: the same without a
 pipeline. The failure simulation is ``anyshard plan``'s (`planning.joint_plan`), at its defaults
-(Llama 3's failure rate, 30-day runs shortened to ``--days``), for the best layout of each size.
+(Llama 3's failure rate, 30-day runs shortened to ``--days``), for the fastest layouts of each
+size and each family's best (and their ZeRO-0 variants): per recovery mode, the best of them.
 
     python tools/plan_scaling.py --write-docs          # tables into docs/planning.md, the plot
 """
@@ -16,6 +17,7 @@ pipeline. The failure simulation is ``anyshard plan``'s (`planning.joint_plan`),
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -32,7 +34,11 @@ from anyshard.trainer_integration.planning.hardware import load_hardware  # noqa
 from anyshard.trainer_integration.planning.joint_plan import Planner, plan_layouts  # noqa: E402
 from anyshard.trainer_integration.planning.model_shape import model_shape_from_hf  # noqa: E402
 from anyshard.trainer_integration.planning.recovery_costs import Cluster, Profile  # noqa: E402
-from anyshard.trainer_integration.planning.transformer_cost import Batch, Estimate  # noqa: E402
+from anyshard.trainer_integration.planning.transformer_cost import (  # noqa: E402
+    Batch,
+    Estimate,
+    Layout,
+)
 
 ROOT = os.path.dirname(HERE)
 DOC = os.path.join(ROOT, "docs", "planning.md")
@@ -44,6 +50,7 @@ MODELS = {  # name: (config, global batch in sequences, sequence length): 16M to
 }
 GPUS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 98304)
 FAMILIES = ("FSDP", "FSDP+PP", "3D (ZeRO-1)", "TP+DP (ZeRO-1)")
+TOP = 5  # the fastest layouts planned through the failure simulator, with each family's best
 
 
 def family(e: Estimate) -> str:
@@ -54,7 +61,11 @@ def family(e: Estimate) -> str:
 
 
 def short(e: Estimate) -> str:
-    lay = e.layout
+    return short_layout(dataclasses.asdict(e.layout))
+
+
+def short_layout(d: dict[str, Any]) -> str:
+    lay = Layout(**d)
     dims = [f"{d}{getattr(lay, d)}" for d in ("tp", "cp", "ep", "pp", "vpp") if getattr(lay, d) > 1]
     if lay.dp_shard > 1:
         dims.append(f"fsdp{lay.dp_shard}")
@@ -81,10 +92,11 @@ def study(name: str, days: float, seeds: int) -> list[dict[str, Any]]:
         best_of = {}
         for e in found:  # fastest first
             best_of.setdefault(family(e), e)
-        plans = plan_layouts(planner, found[:1], {}, Profile.load(None), Cluster(gpus=gpus),
+        cands = list({id(e): e for e in [*found[:TOP], *best_of.values()]}.values())
+        plans = plan_layouts(planner, cands, {}, Profile.load(None), Cluster(gpus=gpus),
                              days=days, seeds=seeds)  # fmt: skip
         by_mode: dict[str, dict] = {}
-        for p in plans:  # best first: each mode's best (of the layout and its ZeRO-0 variant)
+        for p in plans:  # best first: each mode's best layout (or ZeRO-0 variant)
             by_mode.setdefault(p["mode"], p)
         out.append({"gpus": gpus, "best": found[0], "families": best_of, "modes": by_mode,
                     "seconds": time.perf_counter() - t0})  # fmt: skip
@@ -114,18 +126,19 @@ def effective_mfu(e: Estimate, plan: dict[str, Any]) -> float:
 def markdown(name: str, rows: list[dict[str, Any]]) -> list[str]:
     modes = ("restart-sync", "restart-async", "restart-local", "ft-hsdp", "ft-elastic")
     head = ["GPUs", "best layout", "family", "MFU", "step s",
-            *[f"{m} eff. MFU" for m in modes]]  # fmt: skip
+            *[f"{m} eff. MFU" for m in modes], "best after failures"]  # fmt: skip
     lines = [f"### {name}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if r["best"] is None:
-            lines.append(f"| {r['gpus']:,} | none fits | | | |" + " |" * len(modes))
+            lines.append(f"| {r['gpus']:,} | none fits | | | |" + " |" * (len(modes) + 1))
             continue
         e = r["best"]
         eff = []
         for m in modes:
             p = r["modes"].get(m)
-            note = " (no ZeRO)" if p and p["zero0_variant"] else ""
-            eff.append(f"{effective_mfu(e, p):.1%}{note}" if p else "-")
+            eff.append(f"{effective_mfu(e, p):.1%}" if p else "-")
+        top = max(r["modes"].values(), key=lambda p: p["effective_tokens_per_s"])
+        eff.append(f"{top['mode']}, `{short_layout(top['layout'])}`")
         lines.append(f"| {r['gpus']:,} | `{short(e)}` | {family(e)} | {e.mfu:.1%} | "
                      f"{e.step_s:.2f} | " + " | ".join(eff) + " |")  # fmt: skip
     fams = ["| GPUs | " + " | ".join(FAMILIES) + " |", "|" + "---|" * (len(FAMILIES) + 1)]
@@ -154,13 +167,13 @@ def plot(results: dict[str, list[dict[str, Any]]], path: str) -> None:
                 continue
             xs = [g for g, _ in pts]
             axes[0][col].plot(xs, [100 * e.mfu for _, e in pts], marker="o", label=fam)
-        for mode in ("restart-async", "ft-hsdp", "ft-elastic"):
+        for mode in ("restart-sync", "restart-async", "ft-hsdp", "ft-elastic"):
             pts = [(r["gpus"], effective_mfu(r["best"], r["modes"][mode])) for r in rows
                    if r["best"] is not None and mode in r["modes"]]  # fmt: skip
             axes[1][col].plot([g for g, _ in pts], [100 * y for _, y in pts], marker="s",
-                              label=f"best layout, {mode}")  # fmt: skip
+                              label=mode)  # fmt: skip
         axes[0][col].set_title(f"{name}: predicted MFU, best layout per family")
-        axes[1][col].set_title(f"{name}: MFU x goodput after failures")
+        axes[1][col].set_title(f"{name}: MFU x goodput after failures, best plan per mode")
         for ax in (axes[0][col], axes[1][col]):
             ax.set_xscale("log", base=2)
             ax.set_xlabel("H100 GPUs")

@@ -56,7 +56,7 @@ recommend one: the recovery mode, checkpoint interval (against the Young/Daly
 optimum), tier and spare nodes, with each alternative's expected effective training
 time (ETT) and goodput. Costs per rank come from a profile measured by the project's
 benchmarks (--profile; default: the one measured on its own machine); the cluster's
-from the options, whose defaults and sources docs/goodput.md lists.
+from the options, whose defaults and sources docs/planning.md lists.
 
 With --model CONFIG.json (a Hugging Face config) the job is planned whole:
 - layouts: every layout of --gpus (tp, pp, vpp, cp, ep, dp_shard, dp_replicate, ZeRO-1,

@@ -72,7 +72,7 @@ class Profile:
 
 @dataclass(frozen=True)
 class Cluster:
-    """The job and its cluster, stated (docs/goodput.md gives each default's source). A cost
+    """The job and its cluster, stated (docs/planning.md gives each default's source). A cost
     left None is the profile's own, as measured (a bandwidth left None limits nothing)."""
 
     gpus: int = 100_000
