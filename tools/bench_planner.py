@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--reps", type=int, default=3, help="runs of the 100k-GPU plan")
-    ap.add_argument("--gpus", type=int, default=98304, help="GPUs of the timed plan")
+    ap.add_argument("--gpus", type=int, default=100000, help="GPUs of the timed plan")
     ap.add_argument("--write-docs", nargs="?", const=DOC, default=None, metavar="PATH")
     a = ap.parse_args(argv)
     head = ["source", "model", "GPUs", "TP/PP", "TFLOP/s per GPU", "published step s",
@@ -133,7 +133,9 @@ def _write(a, md: str, mae: dict, walls: list[float], cpus: list[float], out: di
         "",
         f"`anyshard plan --model examples/models/llama3-405b.json --gpus {a.gpus} "
         f"{' '.join(PLAN)}`, {a.reps} runs: wall {_spread(walls)} s, CPU {_spread(cpus)} s "
-        f"(target: under 60 s); {out.get('layouts_considered', '?')} layouts fit, the fastest "
+        f"(target: under 60 s); it planned {out.get('gpus_used', a.gpus):,} of them "
+        f"({out.get('idle_gpus', 0):,} idle: no mesh of a 2,048-sequence batch tiles more); "
+        f"{out.get('layouts_considered', '?')} layouts fit, the fastest "
         f"`{lay}` at {best['step_s']:.2f} s a step, MFU {best['mfu']:.1%}.",
     ]
     write_section(a.write_docs, "bench_planner", lines)
