@@ -67,22 +67,26 @@ def test_a_tp_group_across_nodes_is_predicted_slower_than_inside_one():
     assert across.by_dim["tp"] == pytest.approx(10 * inside.by_dim["tp"])
     # the same layout with tp over all 4 ranks: across 2 nodes of 2 vs inside one node of 4
     tp4 = ParallelConfig(tp=4)
-    assert predict(cfg, tp4, rates, topology=two_by_two).step_s > predict(
-        cfg, tp4, rates, topology=Topology(4, 1)
-    ).step_s
-    # on 2 nodes of 2, the layouts whose tp stays in the node rank ahead of their mirror images
+    assert (
+        predict(cfg, tp4, rates, topology=two_by_two).step_s
+        > predict(cfg, tp4, rates, topology=Topology(4, 1)).step_s
+    )
+    # tp is the innermost dim: no layout of 4 ranks on 2 nodes of 2 puts it across nodes
     table = rank_layouts(cfg, 4, rates, memory_bytes=BIG, topology=two_by_two)
-    assert not any("tp" in r.crossing for r in table.rows)  # tp is the innermost dim
+    assert not any("tp" in r.crossing for r in table.rows)
 
 
 def test_the_spans_follow_the_trainers_mesh_order():
-    spans = dim_spans(ParallelConfig(pp=2, dp_shard=2, tp=2), devices_per_node=2)
-    assert spans["tp"] == Span(2, 2)
-    assert spans["dp_shard"] == Span(2, 1) and spans["fsdp"] == Span(2, 1)
-    assert spans["pp"] == Span(2, 1)  # neighbouring stages are 4 ranks apart
-    assert spans["world"] == Span(8, 2)
-    spans = dim_spans(ParallelConfig(pp=2, tp=2), devices_per_node=4)
-    assert spans["pp"] == Span(2, 2) and spans["tp"].nodes == 1  # one node holds both stages
+    def at(spans: dict[str, Span]) -> dict[str, tuple[int, int]]:
+        return {d: (s.size, s.per_node) for d, s in spans.items()}
+
+    spans = at(dim_spans(ParallelConfig(pp=2, dp_shard=2, tp=2), devices_per_node=2))
+    assert spans["tp"] == (2, 2)
+    assert spans["dp_shard"] == (2, 1) and spans["fsdp"] == (2, 1)
+    assert spans["pp"] == (2, 1)  # neighbouring stages are 4 ranks apart
+    assert spans["world"] == (8, 2)
+    spans = at(dim_spans(ParallelConfig(pp=2, tp=2), devices_per_node=4))
+    assert spans["pp"] == (2, 2) and spans["tp"] == (2, 2)  # one node holds both stages
 
 
 def test_a_collective_across_nodes_without_a_measured_rate_uses_the_in_node_rate_and_says_so():

@@ -1,8 +1,8 @@
 """Predict the reference trainer's step time under every layout of a world, from measured rates.
 
 A layout's step is counted, not guessed: `workload` lists what one rank does in one step under a
-layout (every matrix multiply with its shape, the bytes element-wise kernels stream, the ops it
-dispatches, and each collective with its group size and bytes: FSDP's all-gathers and
+layout (every matrix multiply with its shape, the bytes element-wise kernels and AdamW's step
+stream, the ops it dispatches, and each collective with its group size and bytes: FSDP's all-gathers and
 reduce-scatters, the replicate all-reduce, tensor and context parallel activations, pipeline
 sends, expert all-to-alls), then `predict` divides each by a `Rates` measured on the job's own
 ranks (`calibrate`; the model itself, which needs no trainer, is
@@ -129,7 +129,7 @@ class _Sizes:
 
 
 def workload(
-    cfg: Config, p: ParallelConfig, topology: Topology | None = None, *, optimizer: bool = False
+    cfg: Config, p: ParallelConfig, topology: Topology | None = None, *, optimizer: bool = True
 ) -> Workload:
     """Count one rank's step under layout ``p`` (the trainer's model, batch and schedule): its
     collectives placed on ``topology``'s nodes where given (`cluster.dim_spans`), the optimizer's
