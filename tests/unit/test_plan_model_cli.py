@@ -187,3 +187,22 @@ def test_whole_node_groups():
 
 def test_doctests():
     assert doctest.testmod(joint_plan).failed == 0
+
+
+def test_a_pinned_layout_over_memory_is_predicted_with_a_warning(tmp_path, capsys):
+    """A layout the user pins whole is predicted even where the model says it needs more
+    memory than the GPU has (its leanest options, ``fits`` false, a warning); unpinned, the
+    same job is refused, naming the GPUs."""
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps({**GPT, "hidden_size": 12288, "num_hidden_layers": 96,
+                                "num_attention_heads": 96, "intermediate_size": 49152}))  # fmt: skip
+    job = ["--model", str(path), "--hardware", "a100-80gb", "--gpus", "8",
+           "--global-batch", "8", "--seq", "2048", *FAST]  # fmt: skip
+    rc, out, err = _run(capsys, [*job, "--layout", "tp=8,pp=1,cp=1,dp_shard=1", "--json"])
+    assert rc == 0, err
+    (entry,) = json.loads(out)["layouts"]
+    assert entry["fits"] is False and entry["memory_gib_per_gpu"] > 80
+    assert entry["layout"]["recompute"] == "full" and entry["layout"]["micro_batch"] == 1
+    assert "warning" in err and "predicted anyway" in err
+    rc, _, err = _run(capsys, [*job, "--json"])
+    assert rc == 2 and "no layout of 8 GPUs" in err

@@ -108,11 +108,13 @@ def best_options(
     params: Params | None = None,
     *,
     flash_attention: bool = True,
+    require_fit: bool = True,
 ) -> Estimate | None:
     """The fastest `Estimate` of ``dims`` over the options not pinned, among those that fit in
     memory (None when none fits or the pins cannot hold). Unpinned, sequence parallelism is on
-    where tp > 1 and ZeRO-1 on where weights are replicated, not sharded (neither is ever slower in the
-    model, both save memory); recomputation is the least that fits."""
+    where tp > 1 and ZeRO-1 on where weights are replicated, not sharded (neither is ever
+    slower in the model, both save memory); recomputation is the least that fits. Without
+    ``require_fit``, where none fits: the one that needs the least memory (``fits`` False)."""
     tp, pp, dp = dims["tp"], dims["pp"], dims["dp_shard"] * dims["dp_replicate"]
     per_dp = batch.global_batch // dp
     mbs = _choices("micro_batch", pins, [b for b in _MICRO_BATCHES if per_dp % b == 0])
@@ -121,6 +123,7 @@ def best_options(
     zero = pins.get("zero", 1 if dims["dp_replicate"] > 1 and dims["dp_shard"] == 1 else 0)
     recomputes = _choices("recompute", pins, list(RECOMPUTE))
     best: Estimate | None = None
+    leanest: Estimate | None = None
     for mb in mbs:
         for vpp in vpps:
             if pp * vpp > shape.num_layers:
@@ -137,7 +140,9 @@ def best_options(
                     if best is None or e.step_s < best.step_s:
                         best = e
                     break  # more recomputation is only slower
-    return best
+                if leanest is None or e.memory_bytes < leanest.memory_bytes:
+                    leanest = e
+    return best if best is not None or require_fit else leanest
 
 
 def search(
@@ -150,16 +155,25 @@ def search(
     *,
     top: int | None = None,
     flash_attention: bool = True,
+    require_fit: bool = True,
 ) -> list[Estimate]:
     """Every layout of ``gpus`` that the pins allow and that fits, fastest first (the first
-    ``top``). Raises ValueError, saying why, where none does."""
+    ``top``). Raises ValueError, saying why, where none does. Without ``require_fit``, where
+    none fits: each layout at the options that need the least memory, the leanest first, each
+    with ``fits`` False (a layout the user pinned, predicted though the model says it does not
+    fit)."""
     found: list[Estimate] = []
+    over: list[Estimate] = []
     tried = 0
     for dims in dim_candidates(shape, hw, batch, gpus, pins):
         tried += 1
-        e = best_options(shape, hw, batch, dims, pins, params, flash_attention=flash_attention)
+        e = best_options(shape, hw, batch, dims, pins, params, flash_attention=flash_attention,
+                         require_fit=require_fit)  # fmt: skip
         if e is not None:
-            found.append(e)
+            (found if e.fits else over).append(e)
+    if not found and over:
+        over.sort(key=lambda e: e.memory_bytes)
+        return over[:top] if top else over
     if not found:
         pinned = ", ".join(f"{k}={v}" for k, v in pins.items()) or "nothing pinned"
         raise ValueError(

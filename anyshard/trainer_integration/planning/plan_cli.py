@@ -30,6 +30,7 @@ from anyshard.trainer_integration.planning.joint_plan import (
     plan_layouts,
     replan,
 )
+from anyshard.trainer_integration.planning.layout_search import search
 from anyshard.trainer_integration.planning.model_shape import (
     ModelShape,
     model_shape_from_hf,
@@ -286,7 +287,7 @@ def _plan_model(a: argparse.Namespace) -> dict[str, Any]:
     seeds = 2 if a.seeds is None else a.seeds
     batch = Batch(a.global_batch, a.seq)
     planner = Planner(shape, hw, batch, flash_attention=(a.attention or "flash") == "flash")
-    used, found, compared = planner.fit(a.gpus, pins)
+    used, found, compared = _fit(a, planner, pins)
     shown = found[: 1 if a.layout else a.top or TOP]
     base = Cluster(gpus=used, replicas=1, gpus_per_node=dpn, **_failure_options(a))
     plans = plan_layouts(planner, shown, pins, Profile.load(a.profile), base,
@@ -304,6 +305,26 @@ def _plan_model(a: argparse.Namespace) -> dict[str, Any]:
         "simulation": {"days": days, "seeds": seeds, "mtbf_hours": a.mtbf_hours,
                        "layouts": len({json.dumps(p["layout"]) for p in plans})},
     }  # fmt: skip
+
+
+def _fit(a: argparse.Namespace, planner: Planner, pins: dict[str, Any]) -> tuple:
+    """`Planner.fit`; with ``--layout``, where the model says nothing fits in memory, the
+    layout at its leanest options all the same, ``fits`` false, with a warning."""
+    try:
+        return planner.fit(a.gpus, pins)
+    except ValueError as why:
+        if not a.layout:
+            raise
+        try:
+            found = search(planner.shape, planner.hw, planner.batch, a.gpus, pins,
+                           flash_attention=planner.flash_attention, require_fit=False)  # fmt: skip
+        except ValueError:
+            raise why from None
+    e = found[0]
+    print(f"anyshard plan: warning: {e.layout.name()} needs {e.memory_bytes / 2**30:.1f} GiB "
+          f"per GPU, over the {e.budget_bytes / 2**30:.1f} GiB the model allows; predicted "
+          "anyway (\"fits\": false)", file=sys.stderr)  # fmt: skip
+    return a.gpus, found, [{"gpus": a.gpus, "tokens_per_s": planner.batch.tokens / e.step_s}]
 
 
 def _width(names: list[str]) -> int:

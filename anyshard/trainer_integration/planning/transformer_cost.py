@@ -209,6 +209,7 @@ class Estimate:
             "model_tflops_per_gpu": self.model_tflops_per_gpu,
             "mfu": self.mfu,
             "memory_gib_per_gpu": self.memory_bytes / 2**30,
+            "fits": self.fits,
             "microbatches": self.microbatches,
             "state_gib_per_gpu": self.state_bytes / 2**30,
             "breakdown": dict(self.breakdown),
