@@ -30,7 +30,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from anyshard.trainer_integration.planning.hardware import load_hardware
-from anyshard.trainer_integration.planning.layout_search import search
+from anyshard.trainer_integration.planning.layout_search import (
+    MICRO_BATCHES,
+    VPPS,
+    best_options,
+    dim_candidates,
+)
 from anyshard.trainer_integration.planning.model_shape import (
     ModelShape,
     model_flops_per_token,
@@ -40,7 +45,9 @@ from anyshard.trainer_integration.planning.transformer_cost import (
     PARAMS_FILE,
     Batch,
     Estimate,
+    Layout,
     Params,
+    estimate,
     load_params,
 )
 
@@ -158,14 +165,43 @@ def _billions(shape: ModelShape) -> str:
 
 
 def predict(row: Row, params: Params) -> Estimate:
-    """The model's fastest layout of ``row`` with its pins."""
-    pins = dict(row.pins)
-    interleaved = pins.pop("interleaved", False)
-    found = search(row.shape, load_hardware(row.hardware), row.batch, row.gpus, pins, params,
-                   flash_attention=row.flash_attention)  # fmt: skip
-    if interleaved:
-        found = [e for e in found if e.layout.vpp > 1] or found
-    return found[0]
+    """The model's fastest layout of ``row`` with its pins: what ``layout_search.search``
+    returns, from the candidates that fit (`candidates`: which fit does not depend on the
+    parameters, so they are found once)."""
+    hw = load_hardware(row.hardware)
+    return min((estimate(row.shape, hw, row.batch, lay, params,
+                         flash_attention=row.flash_attention) for lay in candidates(row)),
+               key=lambda e: e.step_s)  # fmt: skip
+
+
+_CANDIDATES: dict[tuple[str, int], list[Layout]] = {}
+
+
+def candidates(row: Row) -> list[Layout]:
+    """Every layout the search weighs for ``row``: per mesh dims, micro-batch and virtual
+    stages, the least recomputation that fits (with the interleaved schedule stated: the
+    virtual stages above 1)."""
+    key = (row.source, row.gpus)
+    if key not in _CANDIDATES:
+        pins = dict(row.pins)
+        interleaved = pins.pop("interleaved", False)
+        hw = load_hardware(row.hardware)
+        found = []
+        for dims in dim_candidates(row.shape, hw, row.batch, row.gpus, pins):
+            per_dp = row.batch.global_batch // (dims["dp_shard"] * dims["dp_replicate"])
+            for mb in [b for b in MICRO_BATCHES if per_dp % b == 0]:
+                for vpp in [v for v in VPPS if dims["pp"] > 1 or v == 1]:
+                    if interleaved and vpp == 1:
+                        continue
+                    e = best_options(row.shape, hw, row.batch, dims,
+                                     {**pins, "micro_batch": mb, "vpp": vpp}, START,
+                                     flash_attention=row.flash_attention)  # fmt: skip
+                    if e is not None:
+                        found.append(e.layout)
+        if not found:
+            raise ValueError(f"{row.source}, {row.name} on {row.gpus} GPUs: no layout fits")
+        _CANDIDATES[key] = found
+    return _CANDIDATES[key]
 
 
 def errors(params: Params, table: list[Row]) -> list[float]:

@@ -33,11 +33,11 @@ from anyshard.trainer_integration.planning.transformer_cost import (
     layout_problems,
 )
 
-__all__ = ["OPTIONS", "best_options", "dim_candidates", "search"]
+__all__ = ["MICRO_BATCHES", "OPTIONS", "VPPS", "best_options", "dim_candidates", "search"]
 
 OPTIONS = ("micro_batch", "recompute", "sequence_parallel")
-_MICRO_BATCHES = (1, 2, 4, 8)
-_VPP = (1, 2, 3, 4, 6, 8)
+MICRO_BATCHES = (1, 2, 4, 8)
+VPPS = (1, 2, 3, 4, 6, 8)
 
 
 def _divisors(n: int) -> list[int]:
@@ -117,8 +117,8 @@ def best_options(
     ``require_fit``, where none fits: the one that needs the least memory (``fits`` False)."""
     tp, pp, dp = dims["tp"], dims["pp"], dims["dp_shard"] * dims["dp_replicate"]
     per_dp = batch.global_batch // dp
-    mbs = _choices("micro_batch", pins, [b for b in _MICRO_BATCHES if per_dp % b == 0])
-    vpps = _choices("vpp", pins, [v for v in _VPP if pp > 1 or v == 1])
+    mbs = _choices("micro_batch", pins, [b for b in MICRO_BATCHES if per_dp % b == 0])
+    vpps = _choices("vpp", pins, [v for v in VPPS if pp > 1 or v == 1])
     sp = pins.get("sequence_parallel", tp > 1)
     zero = pins.get("zero", 1 if dims["dp_replicate"] > 1 and dims["dp_shard"] == 1 else 0)
     recomputes = _choices("recompute", pins, list(RECOMPUTE))
