@@ -198,7 +198,8 @@ class Scheduler:
         once from the process groups at start-up); None: one node."""
         self.cfg = cfg
         self.rates = rates
-        self.topology, source = topology or (None, "")
+        self.topology: Topology | None = topology[0] if topology else None
+        source = topology[1] if topology else ""
         self.policy = policy or Policy()
         self.online = online
         self.total_steps = total_steps
@@ -485,7 +486,7 @@ class Scheduler:
         one rank slowed, the model refined so far still holds for the others; otherwise it is
         refined afresh from what the current layout measures now."""
         pol, m, w = self.policy, self.measured, self.window
-        was = w.reference
+        was = w.reference if w.reference is not None else recent  # set: `_drift` calls it
         slow = skew / (w.skew_ref or 1.0)
         again = _Layout(self.current, [recent] * pol.trial_steps, warm=True)
         before = {n: e.median for n, e in m.layouts.items() if len(e.steps) >= pol.trial_steps}
