@@ -344,7 +344,7 @@ class Table:
             *([f"topology: {self.topology_text()}"] if across else []),
             *[f"note: {n}" for n in self.notes],
             f"{'#':>3}  {'layout':<28} {'step ms':>9} {'memory MiB':>11}  "
-            + (f"{'across nodes':<16} " if across else "")
+            + (f"{'across nodes':<22} " if across else "")
             + "dominated by",
         ]
         best = self.rows[0].step_s if self.rows else 1.0
@@ -352,7 +352,7 @@ class Table:
             lines.append(
                 f"{i:>3}  {r.layout:<28} {r.step_s * 1e3:>9.1f} "
                 f"{r.memory_bytes / 2**20:>11.1f}  "
-                + (f"{', '.join(r.crossing) or '-':<16} " if across else "")
+                + (f"{', '.join(r.crossing) or '-':<22} " if across else "")
                 + r.dominant
                 + ("" if i == 1 else f"; {r.step_s / best:.2f}x the best")
             )
