@@ -7,9 +7,9 @@ passes, the optimizer step, and every collective of every mesh dim with the link
 (`topology.placement`: the mesh is laid out tp, cp, dp_shard, dp_replicate, pp, innermost
 first; ep borrows from cp x dp_shard). Each is priced on the `Hardware`:
 
-- a multiply takes the longer of its FLOPs at ``gemm_efficiency`` of the device's peak and its
-  bytes at ``hbm_efficiency`` of its memory bandwidth, plus ``kernel_s`` per kernel: a small or
-  thin multiply runs below peak because of its shape, not a per-model constant;
+- a multiply takes its FLOPs at ``gemm_efficiency`` of the device's peak plus its bytes at
+  ``hbm_efficiency`` of its memory bandwidth, plus ``kernel_s`` per kernel: a small or thin
+  multiply runs below peak because of its shape, not a per-model constant;
 - attention runs at ``attention_efficiency`` of peak (a fused kernel) or, unfused, as batched
   multiplies and a softmax streamed through memory;
 - a collective at ``network_efficiency`` of its links' bandwidth (`topology.collective_s`);
@@ -22,8 +22,9 @@ the slowest stage (the one with the output layer), then what the step does once.
 Korthikanti et al. 2022 (activations per layer, by recomputation and sequence parallelism), the
 first stage holding its pipeline's in-flight micro-batches.
 
-The fitted numbers (`Params`, at most eight) live in ``cost_params.json`` beside this module,
-written by ``tools/fit_cost_model.py`` from the two published tables it names.
+A step also pays ``step_overhead_s`` once. The fitted numbers (`Params`, seven; at most eight)
+live in ``cost_params.json`` beside this module, written by ``tools/fit_cost_model.py`` from
+the two published tables it names (docs/planning.md).
 
     >>> from anyshard.trainer_integration.planning.hardware import load_hardware
     >>> from anyshard.trainer_integration.planning.model_shape import ModelShape
