@@ -22,6 +22,8 @@ from collections.abc import Mapping, Sequence
 from anyshard.trainer_integration.gpt.config import MESH_ORDER, ParallelConfig
 from anyshard.trainer_integration.planning.topology import Span, Topology, placement, span_at
 
+HOST_BYTES = 255  # the longest host name (HOST_NAME_MAX on Linux)
+
 __all__ = [
     "DEVICES_PER_NODE_ENV",
     "INNERMOST_FIRST",
@@ -90,10 +92,15 @@ def job_topology() -> tuple[Topology, str]:
     """The job's `Topology` and how it was found, from the default process group: every rank's
     host name gathered (collective: call on every rank), as `topology_of_hosts` reads them.
     Without a process group: one node of one rank."""
+    import torch
     import torch.distributed as dist
 
     if not dist.is_initialized():
         return Topology(1, 1), "one rank, no process group"
-    hosts: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, socket.gethostname())
-    return topology_of_hosts([str(h) for h in hosts])
+    # host names as fixed-width UTF-8 in a tensor (no pickled objects on the wire)
+    name = socket.gethostname().encode()[:HOST_BYTES].ljust(HOST_BYTES, b"\0")
+    mine = torch.frombuffer(bytearray(name), dtype=torch.uint8)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    hosts = [bytes(t.tolist()).rstrip(b"\0").decode(errors="replace") for t in everyone]
+    return topology_of_hosts(hosts)
