@@ -17,7 +17,6 @@ hold it is not a candidate.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -33,9 +32,8 @@ from anyshard.trainer_integration.planning.transformer_cost import (
     layout_problems,
 )
 
-__all__ = ["MICRO_BATCHES", "OPTIONS", "VPPS", "best_options", "dim_candidates", "search"]
+__all__ = ["MICRO_BATCHES", "VPPS", "best_options", "dim_candidates", "search"]
 
-OPTIONS = ("micro_batch", "recompute", "sequence_parallel")
 MICRO_BATCHES = (1, 2, 4, 8)
 VPPS = (1, 2, 3, 4, 6, 8)
 
@@ -184,8 +182,3 @@ def search(
         )
     found.sort(key=lambda e: e.step_s)
     return found[:top] if top else found
-
-
-def replace(e: Estimate, **changes: Any) -> Layout:
-    """``e``'s layout with ``changes``."""
-    return dataclasses.replace(e.layout, **changes)

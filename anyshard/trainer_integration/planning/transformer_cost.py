@@ -469,15 +469,13 @@ def estimate(
         d: max(b * (1 - k.overlap), b - bwd) + max(f * (1 - k.overlap), f - fwd)
         for d, (b, f) in once.items()
     }
-    opt_params = layers * (dense_p + expert_p) + embed_p
-    if lay.dp_shard > 1:
-        opt_params /= lay.dp_shard * lay.cp
-    elif lay.zero:
-        opt_params /= lay.dp_replicate * lay.cp
-    optimizer = pr.stream(30 * opt_params, 8)
+    # a replica's share of the weights on this GPU (FSDP shards it); ZeRO-1 also shards the
+    # optimizer's share over the replicas
     replica_params = layers * (dense_p + expert_p) + embed_p
     if lay.dp_shard > 1:
         replica_params /= lay.dp_shard * lay.cp
+    opt_params = replica_params / (lay.dp_replicate * lay.cp) if lay.zero else replica_params
+    optimizer = pr.stream(30 * opt_params, 8)
     step = m * t_mb + bubble + sum(dp_once.values()) + optimizer + k.step_overhead_s
     breakdown = {
         "compute": m * compute_mb,
