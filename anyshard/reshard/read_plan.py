@@ -38,9 +38,12 @@ class Transfer:
     dst: Piece
     # Set when the read was widened to whole checksum blocks: ``src`` is then the run of whole
     # blocks read (a flat piece), staged, and ``window`` the needed piece within that run. Or,
-    # widened to whole tiles of a 2-d shard: ``src`` is the box of tiles read (staged in C
-    # order) and ``tiles`` = ``(band, width, crcs)``: the box cut into tiles of ``band`` rows
-    # (the last band possibly shorter) by ``width`` columns, the crc32c of each, row-major.
+    # widened to whole tiles: ``src`` is the box of tiles read, of the shard's 2-d array of rows
+    # (every dim but the last flattened; staged in C order), and ``tiles`` = ``(band, width,
+    # crcs)``: the box cut into tiles of ``band`` rows (the last band possibly shorter) by
+    # ``width`` columns, the crc32c of each, row-major. The window of a shard of 3 or more dims
+    # has the shard's dims, its last the staged columns, and a ``base`` that may be negative:
+    # where the shard's row 0 would lie, the staged rows beginning at the first tile's.
     window: Piece | None = None
     tiles: tuple[int, int, tuple[int, ...]] | None = None
 
@@ -61,7 +64,8 @@ class StoredShardInfo:
     crc32c: int = 0
     block: int | None = None
     crcs: tuple[int, ...] | None = None
-    # tiles: the last dim in ``tiles`` column blocks, the crc32c of each (block, column block)
+    # tiles: the last dim in ``tiles`` column blocks, the crc32c of each (block, column block);
+    # a shard of 3 or more dims tiled as the 2-d array of its rows
     tiles: int = 1
     tile_crcs: tuple[int, ...] = ()
 

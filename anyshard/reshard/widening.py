@@ -1,8 +1,10 @@
 """Reads widened so that every byte read is covered by a checksum the executor checks.
 
 A transfer that needs part of a checksum block reads the whole blocks it touches (staged, the
-needed piece a `Transfer.window` of them); one that needs some columns of a 2-d shard with
-checksum tiles reads only the rows of the tiles it touches, each tile checked (`Transfer.tiles`).
+needed piece a `Transfer.window` of them); one that needs some columns of a shard with checksum
+tiles reads only the rows of the tiles it touches, each tile checked (`Transfer.tiles`). A shard
+of 3 or more dims is tiled as the 2-d array of its rows (every dim but the last flattened): a
+transfer of it is cut into parts whose rows are consecutive there, each read as a 2-d one.
 Pure, as the planner is: no I/O.
 """
 
@@ -63,14 +65,90 @@ def whole_blocks(p: Piece, info: StoredShardInfo) -> bool:
     return start % info.block_bytes == 0 and (stop % info.block_bytes == 0 or stop == size)
 
 
+# a transfer of a shard of 3 or more dims is read by tiles only where it cuts into at most this
+# many parts (`_row_runs`); past it, by whole blocks
+MAX_ROW_RUNS = 4096
+
+
+def _rows_of(shape: Sequence[int], box) -> tuple[int, int] | None:
+    """Rows ``[f0, f1)`` of the 2-d array of rows of ``shape`` (every dim but the last
+    flattened) that ``box`` covers, when they are consecutive there; else None."""
+    lead, ext = shape[:-1], [hi - lo for lo, hi in box[:-1]]
+    partial = [d for d, n in enumerate(lead) if ext[d] != n]
+    if 0 in ext or (partial and any(e > 1 for e in ext[: partial[-1]])):
+        return None
+    first, last = _row_span(shape, box)
+    return first, last
+
+
+def _row_span(shape: Sequence[int], box) -> tuple[int, int]:
+    """Rows ``[first, last + 1)`` of the 2-d array of rows of ``shape`` from the first row
+    ``box`` touches to its last (``box`` not empty)."""
+    first = last = 0
+    stride = 1
+    for d in range(len(shape) - 2, -1, -1):
+        first += box[d][0] * stride
+        last += (box[d][1] - 1) * stride
+        stride *= shape[d]
+    return first, last + 1
+
+
+def _outer_dim(box) -> int:
+    """The first dim but the last where ``box`` has an extent over one (0 when none has)."""
+    return next((d for d, (lo, hi) in enumerate(box[:-1]) if hi - lo > 1), 0)
+
+
+def _cuts_along(shape: Sequence[int], box, band: int) -> bool:
+    """Whether a box of rows not consecutive is cut along `_outer_dim`, one index a part: where
+    an index of it spans whole bands, so that the parts read no band twice; else it is read as
+    one span of the bands from its first row to its last (its runs of rows under a band apart,
+    so that no band in between goes unused)."""
+    return _rows_of(shape, box) is None and math.prod(shape[_outer_dim(box) + 1 : -1]) % band == 0
+
+
+def _runs_needed(shape: Sequence[int], box, band: int) -> int:
+    """The parts `_row_runs` cuts a transfer of ``box`` into."""
+    if not _cuts_along(shape, box, band):
+        return 1
+    d = _outer_dim(box)
+    one = tuple((x[0], x[0] + 1) if k == d else x for k, x in enumerate(box))
+    return (box[d][1] - box[d][0]) * _runs_needed(shape, one, band)
+
+
+def _row_runs(t: Transfer, band: int) -> list[Transfer]:
+    """``t`` cut along its outer dims (`_cuts_along`) into parts that each read a span of whole
+    bands of the stored shard's 2-d array of rows, no band read by two parts."""
+    shape, box = t.src.array_shape, t.src.array_box
+    if not _cuts_along(shape, box, band):
+        return [t]
+    d = _outer_dim(box)
+    shift = t.src.logical_box[d][0] - box[d][0]
+    out = []
+    for i in range(*box[d]):
+        cut = tuple(
+            (i + shift, i + shift + 1) if k == d else lb for k, lb in enumerate(t.src.logical_box)
+        )
+        src, dst = t.src.restrict(cut), t.dst.restrict(cut)
+        assert src is not None and dst is not None
+        out += _row_runs(Transfer(t.fqn, t.target, t.rank, src, dst), band)
+    return out
+
+
+def _band(t: Transfer, info: StoredShardInfo) -> int:
+    """Rows of the 2-d array of rows of ``t``'s stored shard in a checksum block."""
+    return info.block_bytes // (t.src.array_shape[-1] * info.itemsize)
+
+
 def _tile_span(t: Transfer, info: StoredShardInfo) -> tuple[int, int, int, int, int, int]:
-    """The whole tiles that ``t`` (a box of a 2-d stored shard) touches: rows ``[r0, r1)`` in
-    whole checksum blocks, columns ``[c0, c1)`` in whole column blocks; and the rows of a block
-    and the columns of a column block."""
-    rows_total, cols = t.src.array_shape
-    band = info.block_bytes // (cols * info.itemsize)
+    """The whole tiles that ``t`` (a box of a stored shard, its rows those of the 2-d array of
+    rows, every dim but the last flattened) touches: rows ``[r0, r1)`` in whole checksum
+    blocks, from its first row to its last, columns ``[c0, c1)`` in whole column blocks; and
+    the rows of a block and the columns of a column block."""
+    shape = t.src.array_shape
+    rows_total, cols = math.prod(shape[:-1]), shape[-1]
+    band = _band(t, info)
     width = cols // info.tiles
-    (lo, hi), (clo, chi) = t.src.array_box
+    (lo, hi), (clo, chi) = _row_span(shape, t.src.array_box), t.src.array_box[-1]
     r0, r1 = lo // band * band, min(rows_total, -(-hi // band) * band)
     c0, c1 = clo // width * width, -(-chi // width) * width
     return r0, r1, c0, c1, band, width
@@ -79,8 +157,9 @@ def _tile_span(t: Transfer, info: StoredShardInfo) -> tuple[int, int, int, int, 
 def tiled_shards(
     transfers: Sequence[Transfer], shard_info, fully, skip: int
 ) -> set[tuple[int, str]]:
-    """Stored shards to read by tiles: 2-d, tiled, not read whole, and read only by boxes whose
-    tiles leave out some columns, at least ``skip`` bytes, of each row."""
+    """Stored shards to read by tiles: tiled, not read whole, and read only by boxes whose
+    tiles leave out some columns, at least ``skip`` bytes, of each row (of a shard of 3 or more
+    dims, by boxes that cut into at most `MAX_ROW_RUNS` runs of consecutive rows)."""
     by_key: dict[tuple[int, str], list[Transfer]] = {}
     for t in transfers:
         by_key.setdefault((t.rank, t.fqn), []).append(t)
@@ -89,10 +168,19 @@ def tiled_shards(
         info = shard_info[key]
         if key in fully or info.tiles < 2 or len(info.tile_crcs) == 0:
             continue
-        if any(t.src.base != 0 or len(t.src.array_shape) != 2 for t in ts):
+        if any(
+            t.src.base != 0
+            or len(t.src.array_shape) < 2
+            or _runs_needed(t.src.array_shape, t.src.array_box, _band(t, info)) > MAX_ROW_RUNS
+            for t in ts
+        ):
             continue
-        cols = ts[0].src.array_shape[1]
-        took = max(sp[3] - sp[2] for sp in (_tile_span(t, info) for t in ts))
+        cols = ts[0].src.array_shape[-1]
+        width = cols // info.tiles
+        took = max(
+            -(-chi // width) * width - clo // width * width
+            for clo, chi in (t.src.array_box[-1] for t in ts)
+        )
         if took < cols and (cols - took) * info.itemsize >= skip:
             out.add(key)
     return out
@@ -120,16 +208,38 @@ def tile_rows(i: int, t: Transfer, shard_info) -> Request:
 
 def tiled_parts(t: Transfer, info: StoredShardInfo, max_staging: int) -> list[Transfer]:
     """``t`` cut along its rows so that each part, widened to whole tiles, stages about
-    ``max_staging`` bytes; the cuts fall on band edges, so that no tile is read twice."""
+    ``max_staging`` bytes; the cuts fall on band edges, so that no tile is read twice. A
+    transfer of a shard of 3 or more dims is first cut where its outer dims span whole bands
+    (`_row_runs`), each part then cut along its outer dim where a band begins."""
+    out = []
+    for run in _row_runs(t, _band(t, info)):
+        out += _band_parts(run, info, max_staging)
+    return out
+
+
+def _band_parts(t: Transfer, info: StoredShardInfo, max_staging: int) -> list[Transfer]:
+    """`tiled_parts` of a part of `_row_runs`: cut along its outer dim (`_outer_dim`; dim 0 of
+    a 2-d shard) at indices whose first row begins a band."""
     r0, r1, c0, c1, band, _ = _tile_span(t, info)
     step = max(1, max_staging // max((c1 - c0) * info.itemsize * band, 1)) * band
-    (lo, hi), cols = t.src.array_box[0], t.src.logical_box[1:]
-    shift = t.src.logical_box[0][0] - lo  # logical row of array row 0
-    cuts = [lo, *range((lo // step + 1) * step, hi, step), hi]
+    shape, box = t.src.array_shape, t.src.array_box
+    d = _outer_dim(box)
+    inner = math.prod(shape[d + 1 : -1])  # rows an index of dim d spans
+    first = _row_span(shape, box)[0] - box[d][0] * inner  # the first row under index 0
+    period = math.lcm(inner, band) // inner  # indices from one that begins a band to the next
+    i0 = next((i for i in range(period) if (first + i * inner) % band == 0), None)
+    lo, hi = box[d]
+    if i0 is None:
+        return [t]
+    q = max(1, step // (period * inner)) * period
+    cuts = [lo, *range(i0 + ((lo - i0) // q + 1) * q, hi, q), hi]
+    shift = t.src.logical_box[d][0] - lo  # logical index of array index 0 along dim d
     out = []
     for a, b in zip(cuts[:-1], cuts[1:], strict=True):
-        box = ((a + shift, b + shift), *cols)
-        out.append(Transfer(t.fqn, t.target, t.rank, t.src.restrict(box), t.dst.restrict(box)))
+        cut = tuple(
+            (a + shift, b + shift) if k == d else lb for k, lb in enumerate(t.src.logical_box)
+        )
+        out.append(Transfer(t.fqn, t.target, t.rank, t.src.restrict(cut), t.dst.restrict(cut)))
     return out
 
 
@@ -139,16 +249,25 @@ def widened_to_tiles(t: Transfer, info: StoredShardInfo, direct: bool) -> Transf
     where it needs whole tiles and may read into its target (``direct``) in rows at a fixed
     stride, straight into the target (no window), its tiles checked there."""
     r0, r1, c0, c1, band, width = _tile_span(t, info)
-    rows_total, cols = t.src.array_shape
+    shape = t.src.array_shape
+    rows_total, cols = math.prod(shape[:-1]), shape[-1]
     box = ((r0, r1), (c0, c1))
     src = Piece(base=0, array_shape=(rows_total, cols), array_box=box, logical_box=box)
-    (lo, hi), (clo, chi) = t.src.array_box
-    window = Piece(
-        base=0,
-        array_shape=(r1 - r0, c1 - c0),
-        array_box=((lo - r0, hi - r0), (clo - c0, chi - c0)),
-        logical_box=t.src.logical_box,
-    )
+    (lo, hi), (clo, chi) = _row_span(shape, t.src.array_box), t.src.array_box[-1]
+    if len(shape) == 2:
+        window = Piece(
+            base=0,
+            array_shape=(r1 - r0, c1 - c0),
+            array_box=((lo - r0, hi - r0), (clo - c0, chi - c0)),
+            logical_box=t.src.logical_box,
+        )
+    else:  # the needed box in the staged rows: the stored shard's dims, its rows from r0 on
+        window = Piece(
+            base=-r0 * (c1 - c0),  # where row 0 would be; the box's first row is at or after r0
+            array_shape=(*shape[:-1], c1 - c0),
+            array_box=(*t.src.array_box[:-1], (clo - c0, chi - c0)),
+            logical_box=t.src.logical_box,
+        )
     per_band = info.tiles
     crcs = tuple(
         info.tile_crcs[(r // band) * per_band + c // width]
@@ -156,9 +275,38 @@ def widened_to_tiles(t: Transfer, info: StoredShardInfo, direct: bool) -> Transf
         for c in range(c0, c1, width)
     )
     checks = (band, width, crcs)
-    if direct and box == tuple(t.src.array_box) and _target_rows(t, info.itemsize) is not None:
-        return Transfer(t.fqn, t.target, t.rank, t.src, t.dst, None, checks)
+    rows = _rows_of(shape, t.src.array_box)
+    flat = t if len(shape) == 2 else _as_rows(t, rows) if rows is not None else None
+    if (
+        direct
+        and flat is not None
+        and box == tuple(flat.src.array_box)
+        and _target_rows(flat, info.itemsize) is not None
+    ):
+        return Transfer(t.fqn, t.target, t.rank, flat.src, flat.dst, None, checks)
     return Transfer(t.fqn, t.target, t.rank, src, t.dst, window, checks)
+
+
+def _as_rows(t: Transfer, rows: tuple[int, int]) -> Transfer | None:
+    """``t`` (of a shard of 3 or more dims, its rows ``rows`` of the stored shard's 2-d array
+    of rows) as a transfer between the 2-d arrays of rows of the stored shard and of its target
+    (a logical box made up to match: rows ``rows``), when its target's rows are consecutive
+    too; else None."""
+    d = t.dst
+    got = _rows_of(d.array_shape, d.array_box)
+    if got is None or len(d.array_shape) < 2:
+        return None
+    lc = t.src.logical_box[-1]
+    logical = (rows, lc)
+    cols = t.src.array_shape[-1]
+    src = Piece(0, (math.prod(t.src.array_shape[:-1]), cols), (rows, t.src.array_box[-1]), logical)
+    dst = Piece(
+        d.base,
+        (math.prod(d.array_shape[:-1]), d.array_shape[-1]),
+        (got, d.array_box[-1]),
+        logical,
+    )
+    return Transfer(t.fqn, t.target, t.rank, src, dst)
 
 
 def _target_rows(t: Transfer, itemsize: int) -> tuple[int, int] | None:
