@@ -4,10 +4,18 @@ under any layout.
 `AnyshardReader` presents any anyshard checkpoint (saved by `anyshard.save`, under a UCL spec, by
 `AnyshardWriter`, or converted from DeepSpeed or Megatron) to DCP as one chunk per logical
 tensor; DCP's planner asks for the regions the target holds and the reader reads only those
-bytes, in parallel and verified (a flipped bit is a `ChecksumError`). Nothing is unpickled: with
-DCP's `DefaultLoadPlanner` (and its subclasses) a JSON value is set in the state dict directly;
-another planner's ``load_bytes`` gets a ``torch.save`` of the JSON value, made in memory from the
-manifest.
+bytes, in parallel and verified (a flipped bit is a `ChecksumError`).
+
+Byte values follow DCP's contract, kept safe. DCP's ``StorageReader.read_data`` hands every byte
+item to ``planner.load_bytes``. Where the planner overrides ``load_bytes`` (Megatron-Core's load
+planner, any custom planner), this reader does the same and the planner's own code decides how to
+read the bytes: a stored ``io.BytesIO`` value as its bytes, a JSON value as the ``torch.save`` of
+it that DCP's default save planner would have stored, a ``FileSystemWriter`` checkpoint's value
+as the bytes in its file. Where it does not (DCP's `DefaultLoadPlanner`, and subclasses that keep
+its ``load_bytes``, which unpickles with ``weights_only=False``), the value is set in the state
+dict directly: a JSON value as it is, an ``io.BytesIO`` or ``bytes`` value as the same bytes, a
+``FileSystemWriter`` checkpoint's value by ``torch.load(weights_only=True)``, refused with its key
+if that cannot read it. This module never unpickles with ``weights_only=False``.
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ from anyshard.format.manifest import MANIFEST_NAME, Manifest, read_manifest
 from anyshard.geometry.boxes import Box, Piece, full_box
 from anyshard.reshard.fill import Fill, fill_regions
 
-__all__ = ["AnyshardReader"]
+__all__ = ["AnyshardReader", "overrides_load_bytes"]
 
 _DCP_METADATA = ".metadata"  # what FileSystemWriter commits last
 # the version of DCP's metadata conventions (its planners read planner_data by it): those of the
@@ -250,7 +258,10 @@ class AnyshardReader(StorageReader):
             planner.commit_tensor(req, dest)
         for req, buf, kind in raw:
             data = buf.numpy().tobytes()
-            _set_value(planner, req, io.BytesIO(data) if kind == "BytesIO" else data)
+            if kind == "BytesIO" and overrides_load_bytes(planner):
+                planner.load_bytes(req, io.BytesIO(data))  # the stored bytes, as they were
+            else:
+                _set_value(planner, req, io.BytesIO(data) if kind == "BytesIO" else data)
         return completed(None)
 
     def _plan_fills(self, plan, planner, manifest, fills, committed, raw) -> None:
@@ -287,6 +298,10 @@ class AnyshardReader(StorageReader):
         for req in plan.items:
             fqn = req.storage_index.fqn
             if req.type == LoadItemType.BYTE_IO:
+                if overrides_load_bytes(planner):
+                    # as FileSystemReader does: the bytes in the file, for the planner to read
+                    planner.load_bytes(req, io.BytesIO(_stored_bytes(view, fqn)))
+                    continue
                 try:
                     value = view.get_value(fqn)
                 except AnyshardError as e:
@@ -326,18 +341,39 @@ def _dcp_values(values: dict[str, Any]) -> dict[str, Any]:
     return {**flat, **values}
 
 
+def overrides_load_bytes(planner: LoadPlanner) -> bool:
+    """Whether ``planner`` reads byte values with its own ``load_bytes``: any planner that is not
+    DCP's `DefaultLoadPlanner`, and a subclass of it that overrides the method (Megatron-Core's
+    planner where it does). DCP's own ``load_bytes`` unpickles with ``weights_only=False``; the
+    reader never calls that one."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    if not isinstance(planner, DefaultLoadPlanner):
+        return True
+    return getattr(type(planner), "load_bytes", None) is not DefaultLoadPlanner.load_bytes
+
+
+def _stored_bytes(view: Any, fqn: str) -> bytes:
+    """A value's bytes as a ``FileSystemWriter`` checkpoint stores them, not unpickled."""
+    file, offset, length = view._values[fqn]
+    return view._read(file, offset, length)
+
+
 def _set_value(planner: LoadPlanner, req, value: Any) -> None:
-    """Hand DCP's planner a JSON value without unpickling anything read from storage."""
+    """Hand DCP's planner a value without unpickling anything read from storage: set directly
+    for a planner that keeps DCP's ``load_bytes``; else through its own ``load_bytes``, as the
+    ``torch.save`` of the value that DCP's default save planner would have stored."""
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     fqn = req.dest_index.fqn
-    if isinstance(planner, DefaultLoadPlanner):
+    if not overrides_load_bytes(planner):
+        assert isinstance(planner, DefaultLoadPlanner)
         if planner.flatten_state_dict:
             set_element(planner.original_state_dict, planner.mappings[fqn], value)
         else:
             planner.state_dict[fqn] = value
         return
     buf = io.BytesIO()
-    torch.save(value, buf)  # the JSON value, serialised here for a planner that wants bytes
+    torch.save(value, buf)  # serialised here, from the manifest, for a planner that reads bytes
     buf.seek(0)
     planner.load_bytes(req, buf)
