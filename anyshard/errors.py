@@ -40,7 +40,38 @@ class CorruptCheckpointError(AnyshardError):
 
 
 class ChecksumError(CorruptCheckpointError):
-    """The bytes of a stored shard do not match the checksum written at save time."""
+    """Bytes do not match their checksum: those of a stored shard against the checksum written
+    at save time, or those one rank received from another against the checksum the sender
+    computed (`anyshard.format.transit`).
+
+    For bytes damaged in transit, ``tensor`` names the logical tensor, ``sender`` and
+    ``receiver`` the ranks (in the process group of the call), and ``failures`` holds every
+    mismatch found on any rank (dicts with those keys, plus ``box``, ``sent`` and ``got``, the
+    two crc32c values); they are None (``failures`` empty) for stored bytes."""
+
+    def __init__(
+        self,
+        *args: object,
+        tensor: str | None = None,
+        sender: int | None = None,
+        receiver: int | None = None,
+        failures: tuple[dict, ...] = (),
+    ):
+        super().__init__(*args)
+        self.tensor = tensor
+        self.sender = sender
+        self.receiver = receiver
+        self.failures = tuple(failures)
+
+    def __reduce__(self):  # keep the keyword arguments across processes
+        return (
+            _rebuild_checksum_error,
+            (type(self), self.args, self.tensor, self.sender, self.receiver, self.failures),
+        )
+
+
+def _rebuild_checksum_error(cls, args, tensor, sender, receiver, failures):
+    return cls(*args, tensor=tensor, sender=sender, receiver=receiver, failures=failures)
 
 
 class FormatVersionError(AnyshardError):
