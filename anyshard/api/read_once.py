@@ -6,6 +6,12 @@ The agreement is deterministic from what every rank needs (`assign`): each regio
 rank needing it that has been given the fewest bytes so far, so the reading is spread over the
 ranks that share it. Regions are shared when they are the same box of the same logical tensor;
 regions that only overlap are read by each rank that needs them.
+
+What a reader forwards is checked on arrival (`anyshard.format.transit`): the reader sends the
+crc32c of each region it forwards (computed on the host copy it read, before any copy to a
+device) in a side tensor, one per receiver, and each receiver checks the regions before it
+places them; the ranks then agree, and a region damaged in transit is a `ChecksumError` on
+every rank, naming the tensor, the reader and the receiver.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import torch
 import torch.distributed as dist
 
 from anyshard.api import collectives as coll
+from anyshard.api.redistribute import agree_on_transit
+from anyshard.format import transit
 from anyshard.format.dtypes import ST_TO_DTYPE
 from anyshard.format.manifest import Manifest
 from anyshard.geometry.boxes import Box, Piece, box_shape, full_box, intersect
@@ -180,8 +188,10 @@ def fill_once(
     gives this rank and receiving the others from their readers; ``peers[r]`` is rank ``r``'s
     global rank (for point-to-point messages). Collective over the ranks of ``plan``: a read
     error on any of them is raised on all (over ``group``) before anything is sent, as is
-    ``error``, one this rank met before (it then reads nothing). Returns the bytes this rank
-    read."""
+    ``error``, one this rank met before (it then reads nothing). A region damaged on its way
+    from its reader is a `ChecksumError` on all of them, raised before anything received is
+    placed (`anyshard.format.transit`; ``ANYSHARD_CHECK_TRANSIT=0`` skips computing and
+    checking the checksums, and the agreement stays). Returns the bytes this rank read."""
     got, reads = _buffers(manifest, plan, me)
     bytes_read = 0
     try:
@@ -194,19 +204,45 @@ def fill_once(
         error = e
     coll.raise_together(error, group, f"load of {path}")
     device = coll.device(group)
+    checked = transit.enabled()
     ops = []
+    crcs: dict[int, list[int]] = {}  # receiver -> the crc32c of each region sent to it
+    arriving: dict[int, list[Region]] = {}  # reader -> the regions received from it
     for a in plan:  # the same order on every rank
         fqn, box = a.region
         if a.reader == me and a.receivers:
-            sent = got[a.region].to(device).contiguous()
+            host = got[a.region].contiguous()
+            crc = transit.crc_of(host) if checked else transit.UNCHECKED
+            sent = host.to(device)
             ops += [dist.P2POp(dist.isend, sent, peers[r]) for r in a.receivers]
+            for r in a.receivers:
+                crcs.setdefault(r, []).append(crc)
         elif me in a.receivers:
             buf = torch.empty(box_shape(box), dtype=ST_TO_DTYPE[manifest.tensors[fqn].dtype])
             got[a.region] = buf = buf.to(device)
             ops.append(dist.P2POp(dist.irecv, buf, peers[a.reader]))
+            arriving.setdefault(a.reader, []).append(a.region)
+    # after the regions, one side tensor between each reader and receiver: their crc32c
+    ops += [
+        dist.P2POp(dist.isend, transit.crcs_tensor(values, device), peers[r])
+        for r, values in sorted(crcs.items())
+    ]
+    sides = {
+        r: torch.empty(len(regions), dtype=torch.int64, device=device)
+        for r, regions in sorted(arriving.items())
+    }
+    ops += [dist.P2POp(dist.irecv, side, peers[r]) for r, side in sides.items()]
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
+    failed: list[transit.Mismatch] = []
+    for r, regions in arriving.items():
+        for region, crc in zip(regions, sides[r].tolist(), strict=True):
+            bad = transit.check(crc, got[region], region[0], region[1], r, me)
+            if bad is not None:
+                failed.append(bad)
+    if coll.world_size(group) > 1:  # every rank, those with nothing to send or receive too
+        agree_on_transit(failed, group, f"load of {path}")
     for f in fills:
         for p in f.pieces:
             place(f.dest, p, got[(f.fqn, p.logical_box)].to(f.dest.device))

@@ -6,6 +6,11 @@ distinct one once), and every rank plans its own part from them (`anyshard.resha
 local copies for what it already holds, point-to-point messages for the rest, in rounds of
 bounded size that both ends of each message agree on. Nothing is pickled; only JSON
 descriptions and raw tensor bytes cross ranks.
+
+Every piece that crosses ranks carries its crc32c (`anyshard.format.transit`): the sender
+computes it as it packs the piece (or over the region it sends in place), sends the values in
+a small side tensor with the message, and the receiver checks each piece as it unpacks it; the
+ranks then agree, and a piece damaged in transit is a `ChecksumError` on every rank.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from anyshard.api.spec_state import match_locals
 from anyshard.api.state import flatten_state, json_roundtrip
 from anyshard.api.tensor_layout import layout_of
 from anyshard.errors import AnyshardError, LayoutError, StateDictMismatchError
+from anyshard.format import transit
 from anyshard.format.dtypes import DTYPE_TO_ST, ST_TO_DTYPE
 from anyshard.format.mesh import MeshEntry
 from anyshard.geometry.boxes import Box, Piece, full_box, intersect
@@ -46,15 +52,21 @@ from anyshard.ucl.ranks import compile_every_rank
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-__all__ = ["DEFAULT_MAX_INFLIGHT_BYTES", "plan_redistribution", "redistribute"]
+__all__ = [
+    "DEFAULT_MAX_INFLIGHT_BYTES",
+    "agree_on_transit",
+    "plan_redistribution",
+    "redistribute",
+]
 
 DEFAULT_MAX_INFLIGHT_BYTES = 256 << 20
 
 # Plans of recent calls, by (every rank's description digest, rank, budget, strict): a call whose
 # layouts every rank describes as before skips the exchange of descriptions and the planning.
-# Locked: calls from several threads share it.
+# Each with whether the call checks transit checksums (every rank's description says whether
+# it asks to). Locked: calls from several threads share it.
 _PLANS_KEPT = 8
-_PLANS: LRU[tuple, tuple[Plan, list[Round], dict[str, Any]]] = LRU(_PLANS_KEPT)
+_PLANS: LRU[tuple, tuple[Plan, list[Round], dict[str, Any], bool]] = LRU(_PLANS_KEPT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -395,55 +407,93 @@ class _Staging:
 _SPARE: list[torch.Tensor] = []  # the staging buffer kept for the next repeated call
 
 
-def _outgoing(moves: list[Move], src: _Side, stage: _Staging) -> list[torch.Tensor]:
-    """The tensors to send for one message: the small moves packed, then each large one."""
+def _outgoing(
+    moves: list[Move], src: _Side, stage: _Staging, checked: bool
+) -> tuple[list[torch.Tensor], list[int]]:
+    """The tensors to send for one message (the small moves packed, then each large one), and,
+    when ``checked``, the crc32c of each move (in the order of ``moves``), computed as the move
+    is packed (the bytes just written) or over the region sent in place."""
     out = []
-    small = [m for m in moves if m.nbytes < DIRECT_MIN_BYTES]
+    crcs = [transit.UNCHECKED] * len(moves) if checked else []
+    small = [i for i, m in enumerate(moves) if m.nbytes < DIRECT_MIN_BYTES]
     if small:
-        buf = stage.take(sum(m.nbytes for m in small))
+        buf = stage.take(sum(moves[i].nbytes for i in small))
         off = 0
-        for m in small:
+        for i in small:
+            m = moves[i]
             view = _region(src.held[m.fqn], m.box, m.fqn, "source")[0]
-            buf[off : off + m.nbytes].view(view.dtype).view(view.shape).copy_(view)
+            seg = buf[off : off + m.nbytes]
+            seg.view(view.dtype).view(view.shape).copy_(view)
+            if checked:
+                crcs[i] = transit.crc_of(seg)
             off += m.nbytes
         out.append(buf)
-    for m in moves:
+    for i, m in enumerate(moves):
         if m.nbytes >= DIRECT_MIN_BYTES:
             view = _region(src.held[m.fqn], m.box, m.fqn, "source")[0]
             if view.is_contiguous() and view.device == stage.dev:
-                out.append(_bytes_of(view))
+                t = _bytes_of(view)
             else:
-                buf = stage.take(m.nbytes)
-                buf.view(view.dtype).view(view.shape).copy_(view)
-                out.append(buf)
-    return out
+                t = stage.take(m.nbytes)
+                t.view(view.dtype).view(view.shape).copy_(view)
+            if checked:
+                crcs[i] = transit.crc_of(t)
+            out.append(t)
+    return out, crcs
 
 
-def _incoming(moves: list[Move], dst: _Side, stage: _Staging) -> list[tuple[torch.Tensor, Any]]:
+# What one received tensor holds: (index in the message, move, byte offset) of each move in it,
+# and whether they must be copied out (a staging buffer) or arrived in place.
+_Part = tuple[torch.Tensor, list[tuple[int, Move, int]], bool]
+
+
+def _incoming(moves: list[Move], dst: _Side, stage: _Staging) -> list[_Part]:
     """The tensors to receive one message into, in the order `_outgoing` sends them, each with
-    what to do once it has arrived (None where it was received in place)."""
-    out: list[tuple[torch.Tensor, Any]] = []
-    small = [m for m in moves if m.nbytes < DIRECT_MIN_BYTES]
+    the moves it holds and whether they are to be unpacked once it has arrived."""
+    out: list[_Part] = []
+    small = [i for i, m in enumerate(moves) if m.nbytes < DIRECT_MIN_BYTES]
     if small:
-        buf = stage.take(sum(m.nbytes for m in small))
-        out.append((buf, lambda buf=buf: _unpack(small, buf, dst)))
-    for m in moves:
+        buf = stage.take(sum(moves[i].nbytes for i in small))
+        entries, off = [], 0
+        for i in small:
+            entries.append((i, moves[i], off))
+            off += moves[i].nbytes
+        out.append((buf, entries, True))
+    for i, m in enumerate(moves):
         if m.nbytes >= DIRECT_MIN_BYTES:
             views = _region(dst.held[m.fqn], m.box, m.fqn, "destination")
             if len(views) == 1 and views[0].is_contiguous() and views[0].device == stage.dev:
-                out.append((_bytes_of(views[0]), None))
+                out.append((_bytes_of(views[0]), [(i, m, 0)], False))
             else:
-                buf = stage.take(m.nbytes)
-                out.append((buf, lambda buf=buf, m=m: _unpack([m], buf, dst)))
+                out.append((stage.take(m.nbytes), [(i, m, 0)], True))
     return out
 
 
-def _unpack(moves: list[Move], buf: torch.Tensor, dst: _Side) -> None:
-    off = 0
-    for m in moves:
-        for view in _region(dst.held[m.fqn], m.box, m.fqn, "destination"):
-            view.copy_(buf[off : off + m.nbytes].view(view.dtype).view(view.shape))
-        off += m.nbytes
+def _arrived(
+    parts: list[_Part],
+    crcs: list[int] | None,
+    frm: int,
+    me: int,
+    dst: _Side,
+    failed: list[transit.Mismatch],
+) -> None:
+    """One message has arrived: each move's bytes checked against the sender's crc32c
+    (``crcs``, None when unchecked), then unpacked where they were staged (the check reads
+    them into cache for the copy)."""
+    for t, entries, staged in parts:
+        for i, m, off in entries:
+            seg = t[off : off + m.nbytes]
+            if crcs is not None:
+                bad = transit.check(crcs[i], seg, m.fqn, m.box, frm, me)
+                if bad is not None:
+                    failed.append(bad)
+            if staged:
+                _unpack(m, seg, dst)
+
+
+def _unpack(m: Move, seg: torch.Tensor, dst: _Side) -> None:
+    for view in _region(dst.held[m.fqn], m.box, m.fqn, "destination"):
+        view.copy_(seg.view(view.dtype).view(view.shape))
 
 
 def _copy_local(plan: Plan, src: _Side, dst: _Side) -> None:
@@ -454,14 +504,25 @@ def _copy_local(plan: Plan, src: _Side, dst: _Side) -> None:
 
 
 def _execute(
-    plan: Plan, rounds: list[Round], src: _Side, dst: _Side, group, repeated: bool = False
-) -> None:
-    """The local copies run while the first round's messages are in flight."""
+    plan: Plan,
+    rounds: list[Round],
+    src: _Side,
+    dst: _Side,
+    group,
+    repeated: bool = False,
+    checked: bool = False,
+) -> list[transit.Mismatch]:
+    """The local copies run while the first round's messages are in flight. With ``checked``,
+    each message carries a side tensor of its moves' crc32c, checked on arrival; the pieces
+    that arrived damaged are returned (every round is completed all the same, so that the
+    ranks stay in step and can agree on them)."""
+    failed: list[transit.Mismatch] = []
     if not rounds:
         _copy_local(plan, src, dst)
-        return
+        return failed
     dev = coll.device(group)
     peers = group if isinstance(group, coll.PeerGroup) else None
+    me = coll.rank(group)
 
     def peer(r: int) -> int:
         return dist.get_global_rank(group, r) if group is not None else r
@@ -470,13 +531,21 @@ def _execute(
     for i, rnd in enumerate(rounds):
         stage.next_round()
         recvs: list[tuple[torch.Tensor, int]] = []
-        finish = []
+        arriving = []
         for frm, moves in rnd.recv:
-            for t, done in _incoming(moves, dst, stage):
-                recvs.append((t, frm))
-                if done is not None:
-                    finish.append(done)
-        sends = [(t, to) for to, moves in rnd.send for t in _outgoing(moves, src, stage)]
+            parts = _incoming(moves, dst, stage)
+            recvs += [(t, frm) for t, _, _ in parts]
+            side = None
+            if checked:  # after the message's tensors, as the sender sends it
+                side = torch.empty(len(moves), dtype=torch.int64, device=dev)
+                recvs.append((side, frm))
+            arriving.append((frm, parts, side))
+        sends: list[tuple[torch.Tensor, int]] = []
+        for to, moves in rnd.send:
+            out, crcs = _outgoing(moves, src, stage, checked)
+            sends += [(t, to) for t in out]
+            if checked:
+                sends.append((transit.crcs_tensor(crcs, dev), to))
         if peers is not None:
             reqs = peers.exchange(sends, recvs)
         else:
@@ -487,16 +556,36 @@ def _execute(
             _copy_local(plan, src, dst)
         for req in reqs:
             req.wait()
-        for done in finish:
-            done()
+        for frm, parts, side in arriving:
+            crcs = side.tolist() if side is not None else None
+            _arrived(parts, crcs, frm, me, dst, failed)
     stage.release()  # not after an error: a message may still be landing in the buffer
+    return failed
+
+
+def agree_on_transit(failed: list[transit.Mismatch], group, what: str) -> None:
+    """Collective over ``group``: return if no rank found a piece damaged in transit, else raise
+    on every rank the same `ChecksumError` (`anyshard.format.transit.transit_error`), naming
+    the tensor, the sender and the receiver. One all-gather of 32 bytes per rank when none did;
+    their reports are exchanged only when some did."""
+    mine = [f.to_json() for f in failed] or None
+    if not coll.active(group) or coll.world_size(group) == 1:
+        if mine:
+            raise transit.transit_error(mine, what)
+        return
+    digests = coll.gather_digests(mine, group)
+    if mine is None and len(set(digests)) == 1:  # every rank has None: nothing failed
+        return
+    everyone = coll.all_gather_json(mine, group, digests=digests)
+    raise transit.transit_error([f for fs in everyone if fs for f in fs], what)
 
 
 def _plan_call(
     descs: list[dict], me: int, max_inflight_bytes: int, strict: bool
-) -> tuple[Plan, list[Round], dict[str, Any]]:
-    """This rank's plan and rounds, and the JSON values of the source, from every rank's
-    descriptions; the errors that name a tensor or value."""
+) -> tuple[Plan, list[Round], dict[str, Any], bool]:
+    """This rank's plan and rounds, the JSON values of the source, and whether the call checks
+    transit checksums (only where every rank asks to), from every rank's descriptions; the
+    errors that name a tensor or value."""
     problems = [f"rank {r}: {p}" for r, x in enumerate(descs) for p in x["problems"]]
     if problems:
         raise StateDictMismatchError(
@@ -514,7 +603,8 @@ def _plan_call(
             f"redistribute: JSON values in the destination state but in no rank's source state: "
             f"{', '.join(dict.fromkeys(missing))} (pass strict=False to keep them)"
         )
-    return mine_plan, rounds, values
+    checked = all(x.get("crc", True) for x in descs)
+    return mine_plan, rounds, values, checked
 
 
 def redistribute(
@@ -529,6 +619,7 @@ def redistribute(
     dst_layout: Mapping[str, int] | None = None,
     strict: bool = True,
     reuse_plan: bool = True,
+    check_transit: bool | None = None,
 ) -> Plan:
     """Fill ``dst`` (preallocated, in layout B) from ``src`` (in layout A) over the network.
 
@@ -551,6 +642,13 @@ def redistribute(
     calls (the same tensors, shapes, dtypes, layouts and JSON values) reuses that call's plan:
     the ranks exchange only a digest of their descriptions. ``reuse_plan=False`` plans anew.
 
+    Every piece that crosses ranks is checked on arrival against the crc32c its sender computed
+    (`anyshard.format.transit`); a piece damaged in transit is a `ChecksumError` on every rank,
+    naming the tensor, the sender and the receiver (its ``tensor``, ``sender`` and ``receiver``),
+    after which ``dst`` holds no verified copy: call again. ``check_transit=False`` (or
+    ``ANYSHARD_CHECK_TRANSIT=0``; default on) skips the checks; they are made only where every
+    rank asks for them.
+
     >>> import torch, anyshard
     >>> src = {"w": torch.arange(4.0), "step": 3}
     >>> dst = {"w": torch.zeros(4), "step": 0}
@@ -566,18 +664,24 @@ def redistribute(
     # of the destination's JSON values, only their names: the source's replace them
     dst_desc = {**d.desc, "values": sorted(d.desc["values"])}
     mine = {"src": s.desc, "dst": dst_desc, "problems": s.problems + d.problems}
+    if not transit.enabled(check_transit):
+        mine["crc"] = False
     digests = coll.gather_digests(mine, process_group)
     key = (tuple(digests), me, max_inflight_bytes, strict)
     known = _PLANS.get(key) if reuse_plan else None
     # every rank must have the plan (a rank that has just started has none)
     if coll.all_equal(b"\1" if known else b"\0", process_group) and known is not None:
-        mine_plan, rounds, values = known
+        mine_plan, rounds, values, checked = known
         values = copy.deepcopy(values)  # the destination may change what it is given
     else:
         descs = coll.all_gather_json(mine, process_group, digests=digests)
-        mine_plan, rounds, values = _plan_call(descs, me, max_inflight_bytes, strict)
-        _PLANS.put(key, (mine_plan, rounds, copy.deepcopy(values)))
-    _execute(mine_plan, rounds, s, d, process_group, repeated=known is not None)
+        mine_plan, rounds, values, checked = _plan_call(descs, me, max_inflight_bytes, strict)
+        _PLANS.put(key, (mine_plan, rounds, copy.deepcopy(values), checked))
+    failed = _execute(
+        mine_plan, rounds, s, d, process_group, repeated=known is not None, checked=checked
+    )
+    if checked:
+        agree_on_transit(failed, process_group, "redistribute")
     for k, leaf in d.leaves.items():
         if k in values:
             leaf.replace(values[k])

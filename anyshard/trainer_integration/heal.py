@@ -12,7 +12,11 @@ process group) and fill only an identical layout. `AnyshardTransport` replaces t
 - the recovering ranks describe their own state (its DTensor meshes and placements, which may
   differ from the source's: tp instead of dp_shard, say), every rank plans its own part, and
   the bytes move point to point; the healer's state is filled in place;
-- only JSON descriptions and raw tensor bytes cross processes.
+- only JSON descriptions and raw tensor bytes cross processes;
+- every piece is checked on arrival against the crc32c its sender computed
+  (`anyshard.format.transit`): a piece damaged on the way is a `ChecksumError` on every rank
+  of both groups, naming the tensor, the sending rank and the receiving one, and the healer's
+  state is not handed to the Manager.
 
     transport = AnyshardTransport(state=lambda: {"default": train_state.state_dict()}, ...)
     manager = torchft.Manager(pg=..., state_dict=train_state.state_dict,
@@ -77,6 +81,8 @@ class AnyshardTransport(CheckpointTransport):  # type: ignore[misc,valid-type]
     Manager's load functions. ``store_addr``/``store_port`` is this group's TCPStore (torchrun's
     MASTER_ADDR/MASTER_PORT), which the other groups must reach; ``replica_id`` names the group.
     ``last`` holds what the latest send or receive moved and how long it took.
+    ``check_transit=False`` (or ``ANYSHARD_CHECK_TRANSIT=0``) skips the transit checksums
+    (`anyshard.redistribute`'s argument; made only where every rank of the heal asks for them).
     """
 
     def __init__(
@@ -91,6 +97,7 @@ class AnyshardTransport(CheckpointTransport):  # type: ignore[misc,valid-type]
         timeout: timedelta = timedelta(seconds=60),
         max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
         device: torch.device | str = "cpu",
+        check_transit: bool | None = None,
     ):
         self._state = state
         self.replica_id = replica_id
@@ -99,6 +106,7 @@ class AnyshardTransport(CheckpointTransport):  # type: ignore[misc,valid-type]
         self.timeout = timeout
         self.max_inflight_bytes = max_inflight_bytes
         self.device = torch.device(device)
+        self.check_transit = check_transit
         self._round = 0
         self.last: dict[str, Any] = {}
 
@@ -147,6 +155,7 @@ class AnyshardTransport(CheckpointTransport):  # type: ignore[misc,valid-type]
                 None,
                 process_group=group,
                 max_inflight_bytes=self.max_inflight_bytes,
+                check_transit=self.check_transit,
             )
         finally:
             group.shutdown()
@@ -193,6 +202,7 @@ class AnyshardTransport(CheckpointTransport):  # type: ignore[misc,valid-type]
                 dst,
                 process_group=group,
                 max_inflight_bytes=self.max_inflight_bytes,
+                check_transit=self.check_transit,
             )
         finally:
             group.shutdown()
