@@ -33,7 +33,6 @@ import contextlib
 import sys
 import threading
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 from anyshard.dcp.reader import AnyshardReader
@@ -69,43 +68,46 @@ def anyshard_checkpoints(accelerator: Any) -> contextlib.AbstractContextManager[
     ``torch.distributed.checkpoint.FileSystemWriter`` / ``FileSystemReader`` (another thread, or
     your own code inside the block) gets DCP's. Contexts nest and may be open in several threads
     at once; when the last one closes, normally or by an exception, both names are what they
-    were before the first opened.
+    were before the first opened. The context may be kept and entered again (at every save).
 
     Raises `NotRoutedError` on entry where Accelerate would not checkpoint through DCP (the
     message says what to set). A block that ends without an exception and with nothing routed
     (no ``save_state`` / ``load_state`` in it, or an Accelerate that constructs its storage
     elsewhere) warns, `NothingRoutedWarning`, rather than let a checkpoint silently be DCP's.
     """
-    return _route(accelerator)
+    return _Route(accelerator)
 
 
 class NothingRoutedWarning(UserWarning):
     """An `anyshard_checkpoints` block ended with no DCP writer or reader routed to anyshard."""
 
 
-@contextlib.contextmanager
-def _route(accelerator: Any) -> Iterator[None]:
-    _check_applies(accelerator)
-    _acquire()
-    _local.depth = getattr(_local, "depth", 0) + 1
-    before = getattr(_local, "routed", 0)
-    try:
-        yield
-    except BaseException:
-        raise  # the block failed: no warning on top of its error
-    else:
-        if getattr(_local, "routed", 0) == before:
+class _Route:
+    """The context `anyshard_checkpoints` returns; reusable, and re-entrant in any thread."""
+
+    def __init__(self, accelerator: Any) -> None:
+        self._accelerator = accelerator
+
+    def __enter__(self) -> None:
+        _check_applies(self._accelerator)
+        _acquire()
+        _local.depth = getattr(_local, "depth", 0) + 1
+        # this thread's count of routed constructions at entry, one mark per open context
+        _local.marks = [*getattr(_local, "marks", []), getattr(_local, "routed", 0)]
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        before = _local.marks.pop()
+        _local.depth -= 1
+        _release()
+        if kind is None and getattr(_local, "routed", 0) == before:  # no warning over an error
             warnings.warn(
                 "anyshard_checkpoints: nothing in this block was saved or loaded through anyshard "
                 "(no DCP writer or reader constructed by Accelerate on this thread). Call "
                 "accelerator.save_state / load_state inside the block, on the thread that "
                 "entered it; an Accelerate other than 1.15 may construct its storage elsewhere",
                 NothingRoutedWarning,
-                stacklevel=3,
+                stacklevel=2,
             )
-    finally:
-        _local.depth -= 1
-        _release()
 
 
 def _check_applies(accelerator: Any) -> None:

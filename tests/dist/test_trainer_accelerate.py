@@ -170,11 +170,11 @@ def test_only_accelerates_constructions_on_the_entering_thread_are_routed(tmp_pa
 
 
 def test_nested_and_concurrent_contexts_restore_the_names_last_and_after_exceptions():
-    acc = _fake("FSDP")
+    routed = anyshard_checkpoints(_fake("FSDP"))  # one context, entered in two threads, nested
     entered, release = threading.Event(), threading.Event()
 
     def hold() -> None:
-        with anyshard_checkpoints(acc):
+        with routed:
             _construct_as("accelerate.utils.fsdp_utils", "FileSystemReader", "x")
             entered.set()
             release.wait(10)
@@ -183,10 +183,13 @@ def test_nested_and_concurrent_contexts_restore_the_names_last_and_after_excepti
     other.start()
     entered.wait(10)
     with pytest.raises(RuntimeError, match="boom"):
-        with anyshard_checkpoints(acc), anyshard_checkpoints(acc):
+        with routed, routed:
             raise RuntimeError("boom")
     assert dist_cp.FileSystemWriter is not filesystem.FileSystemWriter  # the thread's is open
     release.set()
     other.join()
     assert dist_cp.FileSystemWriter is filesystem.FileSystemWriter
     assert dist_cp.FileSystemReader is filesystem.FileSystemReader
+    with routed:  # and again, after all closed
+        reader = _construct_as("accelerate.utils.fsdp_utils", "FileSystemReader", "x")
+    assert type(reader) is AnyshardReader
