@@ -107,3 +107,28 @@ def test_the_calibrated_wait_for_a_peer_is_the_time_a_late_peer_keeps_the_others
     first, last = pool2.run(TASKS, "peer_wait", 0.02)
     assert 0.015 < first < 0.05, first
     assert last < 0.01, last
+
+
+STRAGGLER_TASKS = os.path.join(os.path.dirname(__file__), "_straggler_tasks.py")
+
+
+def test_the_slow_rank_works_longest_and_waits_least_whatever_makes_it_slow(pool2):
+    """Rank 1 made slow by a fixed amount of extra real work in its blocks, by a sleep in its
+    data phase (outside any collective), and by busy processes on its core (it computes as
+    much as rank 0, with less of a CPU): each time its own work (step less waits) is the
+    longest and rank 0 waits longer in the collectives; the scheduler names data rank 1."""
+    from anyshard.trainer_integration.gpt.config import Config, ParallelConfig
+    from anyshard.trainer_integration.gpt.layout_chooser.scheduler import Scheduler
+    from anyshard.trainer_integration.planning.step_cost import Rates
+
+    kinds = ["compute", "data", "neighbour"]
+    first, second = pool2.run(STRAGGLER_TASKS, "own_work", kinds, 3)
+    p = ParallelConfig(dp_shard=2)
+    for kind in kinds:
+        if first[kind] is None:  # fewer than 2 cores, or no pinning here
+            continue
+        (own0, blocked0), (own1, blocked1) = first[kind], second[kind]
+        assert own1 > own0 and blocked0 > blocked1, (kind, first[kind], second[kind])
+        s = Scheduler(Config(parallel=p), p, Rates.nominal(), total_steps=100, online=True)
+        decision = s._rebalance([(own0, own1)] * 3)
+        assert decision is not None and decision.slow == 1, (kind, first[kind], second[kind])

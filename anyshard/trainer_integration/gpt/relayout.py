@@ -71,6 +71,7 @@ class Layouts:
         self.steps = 0
         self.scheduler = None
         self.decision = None
+        self.own_s: list[float] | None = None  # every rank's own work in the last step (auto)
         if rates is not None:
             from anyshard.trainer_integration.gpt.layout_chooser.cluster import job_topology
             from anyshard.trainer_integration.gpt.layout_chooser.scheduler import Policy, Scheduler
@@ -139,17 +140,19 @@ class Layouts:
             record = {**self.scheduler.decisions[-1], "time": time.time()}
             log_event(cfg.run_dir, record)
 
-    def measured(self, wall_s: float, compute_s: float, par) -> None:
+    def measured(self, wall_s: float, own_s: float, par) -> None:
         """Tell the scheduler what this step cost: the slowest rank's wall time, and every
-        rank's compute time (its work, not its waits for the others) and data rank."""
+        rank's own work (its step less its waits for the others in collectives, `waits`)
+        and data rank."""
         self.steps += 1
         if self.steps == MEMORY_STEPS and self.rss0 >= 0:
             self._log_memory()
         if self.scheduler is None:
             return
-        mine = torch.tensor([wall_s, compute_s, float(par.data_rank)], dtype=torch.float64)
+        mine = torch.tensor([wall_s, own_s, float(par.data_rank)], dtype=torch.float64)
         rows = _every_rank(mine)
         busy = [float(r[1]) for r in rows]
+        self.own_s = busy
         self.scheduler.observe(max(float(r[0]) for r in rows), busy, [int(r[2]) for r in rows])
 
     def _log_memory(self) -> None:

@@ -27,7 +27,8 @@ from anyshard.trainer_integration.gpt.events import (
     status_bytes,
 )
 from anyshard.trainer_integration.gpt.faults import Fault
-from anyshard.trainer_integration.gpt.layout_chooser.straggler import Straggler
+from anyshard.trainer_integration.gpt.layout_chooser.straggler import Straggler, pin_to_own_core
+from anyshard.trainer_integration.gpt.layout_chooser.waits import BlockTimer, WaitClock
 from anyshard.trainer_integration.gpt.parallel import forget_cached_placements, lr_at
 from anyshard.trainer_integration.gpt.relayout import Layouts, starting_layout
 from anyshard.trainer_integration.gpt.state import TrainState, _loader, build_training
@@ -146,17 +147,39 @@ class Trainer:
         self.fault_file = os.path.join(cfg.run_dir, "fault.json")
         self.losses: list[float] = []
         f, self.accelerator = cfg.fault, _on_accelerator()
+        if t.pin_cores or (f.slow_rank is not None and f.slow_mode == "neighbour"):
+            pin_to_own_core(int(os.environ.get("LOCAL_RANK", self.rank)))
         self.straggler = (
-            Straggler(f.slow_factor, f.slow_from, self.accelerator)
+            Straggler(
+                f.slow_factor,
+                f.slow_from,
+                self.accelerator,
+                until=f.slow_until,
+                mode=f.slow_mode,
+            )
             if f.slow_rank == self.rank
             else None
         )
+        # each rank's own work per step (`waits`): its wall time less its waits in collectives
+        # on the host, its blocks' device time on an accelerator
+        self.clock = WaitClock()
+        self.blocks = BlockTimer() if self.accelerator else None
         self.first = True
         self.joined = False  # FT-HSDP: whether this group has been through its first quorum
         self.saves = 0
 
     def run(self) -> list[float]:
         """Train to the end (or for ``max_steps`` steps); returns this call's losses."""
+        try:
+            with self.clock:
+                self._loop()
+        finally:
+            if self.straggler is not None:
+                self.straggler.close()
+        self._finish()
+        return self.losses
+
+    def _loop(self) -> None:
         while self.state.step < self.end and (
             self.max_steps is None or len(self.losses) < self.max_steps
         ):
@@ -172,8 +195,6 @@ class Trainer:
                 self._log_step(loss, rescue)
             self.first = False
             self._save()
-        self._finish()
-        return self.losses
 
     def _change_layout(self) -> None:
         """Switch to the layout due before this step (configured, or the scheduler's), if any;
@@ -222,16 +243,21 @@ class Trainer:
         under FT-HSDP, the rescue of a step that lost a group instead. Returns the loss and
         the rescue (None: a step of its own)."""
         state, t, straggler, par = self.state, self.cfg.train, self.straggler, self.par
-        step_began, cpu_began = time.perf_counter(), time.thread_time()
+        step_began = time.perf_counter()
+        self.clock.begin()
         for group in state.optimizer.param_groups:
             group["lr"] = lr_at(
                 state.step, lr=t.lr, warmup=t.warmup_steps, total=t.steps, min_ratio=t.min_lr_ratio
             )
-        inputs, targets = state.loader.next_batch()
-        self.fault.strike(state.step, self.rank, self.ckpt, self.fault_file)
         if straggler is not None:
             straggler.arm(state.model, state.step)
-        slept = straggler.slept if straggler is not None else 0.0
+        inputs, targets = state.loader.next_batch()
+        if straggler is not None:
+            straggler.data_phase()
+        self.fault.strike(state.step, self.rank, self.ckpt, self.fault_file)
+        if self.blocks is not None:  # after the straggler's hooks: its slowdown falls inside
+            self.blocks.arm(state.model)
+        before_model = time.perf_counter() - step_began
         # FT-HSDP: the quorum may save the last step, which lost a group, instead of redoing it
         rescue = (
             None
@@ -239,15 +265,16 @@ class Trainer:
             else self.replicas.rescue(state.loader, par.data_rank, par.data_size)
         )
         loss = self.step_fn(inputs, targets) if rescue is None else self.step_fn.resume(*rescue)
+        padding = 0.0
         if t.min_step_s > 0:  # a larger model's step time: faults land mid-run
-            time.sleep(max(0.0, t.min_step_s - (time.perf_counter() - step_began)))
+            padding = max(0.0, t.min_step_s - (time.perf_counter() - step_began))
+            time.sleep(padding)
         wall = time.perf_counter() - step_began
-        if self.accelerator:
-            compute = wall  # kernels run asynchronously: the host's clocks do not see them
-        else:  # this thread's work, and what an injected straggler slept in its place
-            compute = time.thread_time() - cpu_began
-            compute += (straggler.slept - slept) if straggler is not None else 0.0
-        self.layouts.measured(wall, compute, par)
+        if self.blocks is not None:  # kernels run asynchronously: the host's clocks miss them
+            own = before_model + self.blocks.seconds()
+        else:  # the step less this rank's waits for the others (and the padding)
+            own = self.clock.own(wall - padding)
+        self.layouts.measured(wall, own, par)
         return loss, rescue
 
     def _committed(self, rescue) -> bool:
@@ -275,6 +302,8 @@ class Trainer:
             "attempt": attempt(),
             "time": time.time(),
         }
+        if self.layouts.own_s is not None:  # each rank's own work in the step (`waits`)
+            record["own_s"] = [round(x, 6) for x in self.layouts.own_s]
         if replicas is not None:  # the groups that took part, and this group's data share
             loader = state.loader
             record["groups"] = replicas.manager.num_participants()

@@ -6,7 +6,8 @@ cores with 2 to 4 ranks), the TOML file (tables ``[model]``, ``[parallel]``, ``[
 (``--train.steps 10`` or ``--train.steps=10``), and last the environment variable
 ``ANYSHARD_FAULT="rank:step[:mode]"`` (e.g. ``1:7:sigkill``), which sets the fault to inject
 without editing the config, so a test or a shell can crash one run of an unchanged command, and
-``ANYSHARD_SLOW="rank:factor[:from_step]"`` (e.g. ``1:2:50``), which makes one rank a straggler
+``ANYSHARD_SLOW="rank:factor[:from_step[:until_step]][:mode]"`` (e.g. ``1:2:50`` or
+``1:2:15:40:neighbour``), which makes one rank a straggler (modes: `schema.SLOW_MODES`)
 (`parsing`). `validate` checks that the sizes fit the parallel layout, all problems at
 once (`checks`).
 

@@ -8,12 +8,14 @@ applied here to the configured layout, its relayout and its heal layout.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from anyshard.trainer_integration.gpt.config.schema import (
     FAULT_ENV,
     FAULT_MODES,
     MESH_ORDER,
     SLOW_ENV,
+    SLOW_MODES,
     Config,
     ConfigError,
     FaultConfig,
@@ -52,7 +54,7 @@ _RANGES = {
     },
     "checkpoint": dict.fromkeys(("every_steps", "keep_last", "max_failures"), "[1, inf)"),
     "fault": {  # None: no fault
-        **dict.fromkeys(("kill_rank", "slow_rank", "slow_from"), "[0, inf)"),
+        **dict.fromkeys(("kill_rank", "slow_rank", "slow_from", "slow_until"), "[0, inf)"),
         "kill_step": "[1, inf)",
         "slow_factor": "[1, inf)",
     },
@@ -70,6 +72,7 @@ _CHOICES = [
     ("checkpoint", "storage", ("local", "s3")),
     ("checkpoint", "on_error", ("skip", "raise")),
     ("fault", "mode", FAULT_MODES),
+    ("fault", "slow_mode", SLOW_MODES),
 ]
 
 
@@ -135,8 +138,24 @@ def _fault_problems(f: FaultConfig, p: ParallelConfig, t: TrainConfig) -> list[s
     if f.slow_rank is not None and f.slow_rank >= p.world_size:
         problems.append(
             f"fault.slow_rank ({f.slow_rank}) is not a rank of the world of {p.world_size}; "
-            f"set it below {p.world_size} ({SLOW_ENV}=rank:factor[:from_step])"
+            f"set it below {p.world_size} ({SLOW_ENV}=rank:factor[:from_step[:until_step]])"
         )
+    if f.slow_until is not None and f.slow_until <= f.slow_from:
+        problems.append(
+            f"fault.slow_until ({f.slow_until}) must come after fault.slow_from ({f.slow_from}); "
+            f"set it above {f.slow_from} or leave it out (slow to the end)"
+        )
+    if f.slow_rank is not None and f.slow_mode == "neighbour":
+        if not hasattr(os, "sched_setaffinity"):
+            problems.append(
+                "fault.slow_mode = 'neighbour' pins each rank to a core (os.sched_setaffinity), "
+                "which this platform lacks; use mode 'sleep' or 'compute'"
+            )
+        if f.slow_factor != round(f.slow_factor) or f.slow_factor < 2:
+            problems.append(
+                f"fault.slow_factor ({f.slow_factor}) with slow_mode 'neighbour' is the number of "
+                f"processes sharing the slow rank's core, itself included: set a whole number >= 2"
+            )
     if f.kill_rank is not None and f.kill_rank >= p.world_size:
         problems.append(
             f"fault.kill_rank ({f.kill_rank}) is not a rank of the world of {p.world_size}; "

@@ -24,6 +24,7 @@ from anyshard.trainer_integration.gpt.config.schema import (
     FAULT_ENV,
     FAULT_MODES,
     SLOW_ENV,
+    SLOW_MODES,
     Config,
     ConfigError,
 )
@@ -193,29 +194,40 @@ def parse_fault_env(text: str) -> dict[str, Any]:
 
 
 def parse_slow_env(text: str) -> dict[str, Any]:
-    """The `FaultConfig` fields that ANYSHARD_SLOW="rank:factor[:from_step]" sets; {} when empty.
+    """The `FaultConfig` fields that
+    ANYSHARD_SLOW="rank:factor[:from_step[:until_step]][:mode]" sets; {} when empty. The mode
+    (one of `schema.SLOW_MODES`, "sleep" when left out) may follow any of the numbers.
 
     >>> parse_slow_env("1:2.5:40")
     {'slow_rank': 1, 'slow_factor': 2.5, 'slow_from': 40}
     >>> parse_slow_env("0:2")
     {'slow_rank': 0, 'slow_factor': 2.0}
+    >>> parse_slow_env("1:2:15:40:neighbour")
+    {'slow_rank': 1, 'slow_factor': 2.0, 'slow_from': 15, 'slow_until': 40, 'slow_mode': 'neighbour'}
+    >>> parse_slow_env("1:3:compute")
+    {'slow_rank': 1, 'slow_factor': 3.0, 'slow_mode': 'compute'}
     """
     text = text.strip()
     if not text:
         return {}
     parts = text.split(":")
+    mode = parts.pop() if parts and parts[-1] in SLOW_MODES else None
     try:
-        if len(parts) not in (2, 3):
+        if len(parts) not in (2, 3, 4):
             raise ValueError(text)
         slow: dict[str, Any] = {"slow_rank": int(parts[0]), "slow_factor": float(parts[1])}
-        if len(parts) == 3:
+        if len(parts) >= 3:
             slow["slow_from"] = int(parts[2])
+        if len(parts) == 4:
+            slow["slow_until"] = int(parts[3])
     except ValueError:
         raise ConfigError(
-            f"{SLOW_ENV}={text!r}: expected rank:factor[:from_step] (a global rank, a factor "
-            f">= 1, the first slow step), e.g. {SLOW_ENV}=1:2:50"
+            f"{SLOW_ENV}={text!r}: expected rank:factor[:from_step[:until_step]][:mode] (a "
+            f"global rank, a factor >= 1, the first slow step, the first step no longer slow, "
+            f"mode one of {', '.join(SLOW_MODES)}), e.g. {SLOW_ENV}=1:2:50 or "
+            f"{SLOW_ENV}=1:2:15:40:neighbour"
         ) from None
-    return slow
+    return slow | ({"slow_mode": mode} if mode is not None else {})
 
 
 def _build(values: dict) -> Config:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 FAULT_ENV = "ANYSHARD_FAULT"
 SLOW_ENV = "ANYSHARD_SLOW"
+# how ANYSHARD_SLOW makes its rank slow (`FaultConfig.slow_mode`)
+SLOW_MODES = ("sleep", "compute", "data", "neighbour")
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
 FAULT_MODES = ("sigkill", "raise")
 
@@ -148,6 +150,9 @@ class TrainConfig:
     # of 1 MiB or more at once, so that RSS follows the tensors a memory budget counts),
     # "default" (glibc as it is) or "auto" (lean where parallel.auto_memory_gib is set)
     malloc: str = "auto"
+    # pin each rank to a core of its own (the local rank's of the cores it may run on), as a
+    # job with a device per rank has; a "neighbour" straggler (fault.slow_mode) pins them too
+    pin_cores: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,13 +182,18 @@ class FaultConfig:
     kill_step: int | None = None  # it fails at the start of this step
     mode: str = "sigkill"  # "sigkill" (the process dies at once) or "raise" (an exception)
     only_first_attempt: bool = True  # fail only in the first attempt, not after a restart
-    # a straggler (ANYSHARD_SLOW="rank:factor[:from_step]"): from step slow_from on, global rank
-    # slow_rank's transformer blocks take slow_factor times their compute time, forward and
-    # backward (on CPU its thread's CPU time: waits for other ranks are not compute); it sleeps
-    # the difference as each ends, where a slow device's compute would be
+    # a straggler (ANYSHARD_SLOW="rank:factor[:from_step[:until_step]][:mode]"): from step
+    # slow_from until step slow_until (None: to the end), global rank slow_rank runs slow_factor
+    # times slower, the way slow_mode says (`SLOW_MODES`): "sleep", its transformer blocks sleep
+    # (factor - 1) times their compute as each forward and backward ends, where a slow device's
+    # compute would be; "compute", they compute that much more for real (extra multiplies);
+    # "data", its data loading takes (factor - 1) times its blocks' compute; "neighbour", every
+    # rank is pinned to a core of its own and factor - 1 busy processes share the slow rank's
     slow_rank: int | None = None
     slow_factor: float = 1.0
     slow_from: int = 0
+    slow_until: int | None = None
+    slow_mode: str = "sleep"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,7 +5,9 @@ The training loop asks `Scheduler.decide` one question before every step and car
 answer: **keep** the layout, **trial** a candidate or **switch** to one (both through the live
 relayout path, `train.relayout`: training steps go on, nothing is written or read), or
 **rebalance** the data-parallel shares. After every step it reports what the step cost
-(`Scheduler.observe`: the slowest rank's wall time, and each rank's compute time and data rank).
+(`Scheduler.observe`: the slowest rank's wall time, and each rank's own work and data rank: its
+step less its waits for the others in collectives, `waits`, measured alike whatever makes a rank
+slow).
 
 The plan, with ``parallel.auto`` = ``start`` or ``online``:
 
@@ -21,8 +23,9 @@ The plan, with ``parallel.auto`` = ``start`` or ``online``:
    a drift of `Policy.drift` in two windows in a row re-plans (the old measurements describe
    another machine state and are dropped), and a data-parallel rank busier than the mean by
    `Policy.imbalance` in two windows in a row gets a smaller share of the same global batch
-   (half-way to `shares_for` at a time; shares that make the busiest data rank's compute longer
-   by `Policy.noise` go back).
+   (half-way to `shares_for` at a time; shares that make the busiest data rank's own work longer
+   by `Policy.noise` go back); once the slow rank's cause goes away, the ranks with the larger
+   shares are the busier ones, and the same rule moves the shares back.
 
 Every decision is identical on every rank: the inputs are the same gathered figures.
 
@@ -94,8 +97,10 @@ class Policy:
     min_gain: float = 0.05  # and save at least this fraction of a step (hysteresis)
     drift: float = 0.25  # online: re-plan when the median step drifts this much
     window: int = 5  # online: steps per drift and balance check
-    imbalance: float = 0.15  # online: rebalance when a data rank is this much busier
-    noise: float = 0.03  # online: new shares stay unless the busiest rank's compute grows this much
+    imbalance: float = (
+        0.15  # online: rebalance when a data rank works this much longer than another
+    )
+    noise: float = 0.03  # online: new shares stay unless the busiest rank's work grows this much
 
 
 @dataclass(frozen=True)
@@ -176,6 +181,7 @@ class _Shares:
     current: tuple[int, ...] | None = None
     trial: tuple[tuple[int, ...] | None, float | None] | None = None
     settled: bool = False
+    moved_off: int | None = None  # the data rank the last rebalance took samples from
 
 
 class Scheduler:
@@ -283,7 +289,7 @@ class Scheduler:
         data_ranks: Sequence[int] | None = None,
     ) -> None:
         """One step done under the current layout: ``step_s`` the slowest rank's wall time;
-        ``busy`` each rank's compute time (its work, not its waits for the others) and
+        ``busy`` each rank's own work (its step, less its waits for the others) and
         ``data_ranks`` each rank's data-parallel rank (both by global rank; for the balance
         check)."""
         entry = self._entry(self.current)
@@ -364,10 +370,11 @@ class Scheduler:
         w = self.window
         recent, w.recent = statistics.median(w.recent), []
         busy, w.busy = w.busy, []
+        moved = self.share.trial is not None  # the window measured the last rebalance
         back = self._revert_shares(peak(busy))
         if back is not None:
             return back
-        rebalance = self._rebalance_online(busy)
+        rebalance = self._rebalance_online(busy, paid=moved)
         if rebalance is not None:
             return rebalance
         return self._drift(recent)
@@ -512,11 +519,9 @@ class Scheduler:
 
     def _revert_shares(self, peak: float | None) -> Decision | None:
         """After a rebalance, the window it measured: shares that made the busiest data rank's
-        compute per step longer (by more than `Policy.noise`) go back to the ones before, and
-        stay until a re-plan. Compute, not the step's wall time: what a share changes is each
-        rank's work, and a rank's compute time does not move with the machine's other load
-        as the wall time does (where compute is the wall time, waits included, it is the
-        step's)."""
+        own work per step longer (by more than `Policy.noise`) go back to the ones before, and
+        stay until a re-plan. Own work, not the step's wall time: what a share changes is each
+        rank's work; the wall time also holds the waits for the others."""
         sh = self.share
         if sh.trial is None:
             return None
@@ -530,17 +535,22 @@ class Scheduler:
         return Decision(
             "rebalance",
             shares=before or even,
-            reason=f"shares {list(sh.current or ())} measured {peak * 1e3:.1f} ms of compute on "
+            reason=f"shares {list(sh.current or ())} measured {peak * 1e3:.1f} ms of own work on "
             f"the busiest data rank against {was * 1e3:.1f} ms before them: back",
         )
 
-    def _rebalance_online(self, busy: list[tuple[float, ...]]) -> Decision | None:
+    def _rebalance_online(self, busy: list[tuple[float, ...]], paid: bool) -> Decision | None:
         """A rebalance a second window in a row confirms (`_confirmed`), unless one that did not
-        pay stopped them; the next window measures it (`_revert_shares`)."""
-        rebalance = None if self.share.settled else self._confirmed(self._rebalance(busy))
+        pay stopped them; the next window measures it (`_revert_shares`). A window that
+        measured a rebalance that paid (``paid``) and still finds the same data rank the
+        busiest confirms the next move itself: the rank was found twice before the first."""
+        rebalance = None if self.share.settled else self._rebalance(busy)
+        if not (paid and rebalance is not None and rebalance.slow == self.share.moved_off):
+            rebalance = self._confirmed(rebalance)
         if rebalance is not None:
             self.window.reference = None  # measured afresh under the new shares
             self.share.trial = (self.share.current, peak(busy))
+            self.share.moved_off = rebalance.slow
         return rebalance
 
     def _confirmed(self, rebalance: Decision | None) -> Decision | None:
@@ -571,23 +581,31 @@ class Scheduler:
         gb = self.cfg.train.global_batch
         shares = self.shares or tuple([gb // n] * n)
         per_sample = [b / s for b, s in zip(med, shares, strict=True)]
-        mean = sum(per_sample) / n
-        if (
-            max(per_sample) <= (1 + self.policy.imbalance) * mean
-            and min(per_sample) >= (1 - self.policy.imbalance) * mean
-        ):
+        per = sum(per_sample) / n
+        imb = self.policy.imbalance
+        # two signs of imbalance: a data rank slower per sample than the mean (its share is too
+        # large for its speed), or one that works longer per step than another whatever the
+        # speeds (the busiest paces the step): the second moves shares back when a slow rank's
+        # cause has gone away and the ranks with the larger shares are the busier ones
+        slower = max(per_sample) > (1 + imb) * per or min(per_sample) < (1 - imb) * per
+        busier = max(med) > (1 + imb) * min(med)
+        if not (slower or busier):
             return None
-        # half-way to shares proportional to the measured speeds: a rank's busy time also holds
-        # work no share changes (the optimizer) and waits for the others in the gradient
-        # exchange, so a small share looks slower per sample than it is and the full move
-        # overshoots; the next window measures whether the move paid (`_revert_shares`)
-        new = halfway(shares, shares_for(med, shares, gb))
+        target = tuple(shares_for(med, shares, gb))
+        even = tuple([gb // n] * n) if gb % n == 0 else None
+        # half-way to shares proportional to the measured speeds: a rank's own work also holds
+        # work no share changes (the optimizer), so a small share looks slower per sample than
+        # it is and the full move overshoots; the next window measures whether the move paid
+        # (`_revert_shares`). Straight back to even where the ranks work alike per sample.
+        new = target if target == even else halfway(shares, target)
         if new == shares:
             return None
-        slow = max(range(n), key=lambda i: per_sample[i])
+        slow = max(range(n), key=lambda i: med[i] if busier else per_sample[i])
+        mean = sum(med) / n
         return Decision(
             "rebalance",
             shares=new,
-            reason=f"data rank {slow} takes {per_sample[slow] / mean:.2f}x the mean time per sample",
+            reason=f"data rank {slow} works {med[slow] / mean:.2f}x the mean per step, "
+            f"{per_sample[slow] / per:.2f}x the mean time per sample",
             slow=slow,
         )
