@@ -148,19 +148,27 @@ def _routing() -> bool:
 
 
 def _router(original: type, target: type) -> type:
-    """A subclass of DCP's ``original`` whose construction makes a ``target`` instead while
-    `_routing`, and otherwise an instance that behaves as ``original``'s (and passes its
-    isinstance checks)."""
+    """What stands in for DCP's class ``original`` while a context is open: constructed while
+    `_routing`, a ``target``; constructed otherwise, an ``original`` itself (DCP's object as it
+    would be, picklable for a process-based async save). DCP's objects pass ``isinstance``
+    checks against it (a virtual subclass), and a class derived from it meanwhile is built as
+    usual."""
 
     def __new__(cls: type, *args: Any, **kwargs: Any) -> Any:
+        if cls is not routed:  # a subclass someone derived while the name was patched
+            if original.__new__ is object.__new__:
+                return object.__new__(cls)
+            return original.__new__(cls, *args, **kwargs)
         if _routing():
             _local.routed = getattr(_local, "routed", 0) + 1
-            return target(*args, **kwargs)  # not a cls instance: cls.__init__ does not run
-        if original.__new__ is object.__new__:
-            return object.__new__(cls)
-        return original.__new__(cls, *args, **kwargs)
+            return target(*args, **kwargs)
+        return original(*args, **kwargs)  # not a cls instance: cls.__init__ does not run
 
-    routed = type(original.__name__, (original,), {"__new__": __new__})
+    def __subclasshook__(cls: type, sub: type) -> Any:
+        return True if issubclass(sub, original) else NotImplemented
+
+    namespace = {"__new__": __new__, "__subclasshook__": classmethod(__subclasshook__)}
+    routed = type(original.__name__, (original,), namespace)
     routed.__qualname__ = original.__qualname__
     routed.__module__ = original.__module__
     routed.__doc__ = original.__doc__

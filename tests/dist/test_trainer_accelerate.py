@@ -11,6 +11,7 @@ Run: python -m pytest tests/dist/test_trainer_accelerate.py -q
 from __future__ import annotations
 
 import os
+import pickle
 import threading
 import types
 
@@ -151,10 +152,15 @@ def test_only_accelerates_constructions_on_the_entering_thread_are_routed(tmp_pa
         reader = _construct_as("accelerate.utils.fsdp_utils", "FileSystemReader", path)
         assert type(writer) is AnyshardWriter and writer.path == path
         assert type(reader) is AnyshardReader and reader.path == path
-        mine = _construct_as("train", "FileSystemWriter", path)  # the user's own: DCP's
-        assert isinstance(mine, filesystem.FileSystemWriter)
-        assert not isinstance(mine, AnyshardWriter)
-        assert type(mine).__name__ == "FileSystemWriter"
+        mine = _construct_as("train", "FileSystemWriter", path)  # the user's own: DCP's own
+        assert type(mine) is filesystem.FileSystemWriter
+        assert isinstance(mine, dist_cp.FileSystemWriter)  # as the patched name too
+        assert pickle.loads(pickle.dumps(mine)).fs is not None  # noqa: S301 (sent to a saver process)
+
+        class Derived(dist_cp.FileSystemWriter):  # derived while patched: built as usual
+            pass
+
+        assert Derived(path).fs is not None
         worker = threading.Thread(
             target=lambda: seen.update(
                 other=_construct_as("accelerate.utils.fsdp_utils", "FileSystemWriter", path)
@@ -162,7 +168,7 @@ def test_only_accelerates_constructions_on_the_entering_thread_are_routed(tmp_pa
         )
         worker.start()
         worker.join()
-        assert isinstance(seen["other"], filesystem.FileSystemWriter)  # another thread: DCP's
+        assert type(seen["other"]) is filesystem.FileSystemWriter  # another thread: DCP's
     assert dist_cp.FileSystemWriter is filesystem.FileSystemWriter
     assert dist_cp.FileSystemReader is filesystem.FileSystemReader
     outside = _construct_as("accelerate.utils.fsdp_utils", "FileSystemWriter", path)
