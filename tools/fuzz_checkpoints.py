@@ -6,7 +6,9 @@
 
 The seed draws the mutations (``--only N``: mutation N of it alone); SIGINT or SIGTERM stops a
 run, which still reports. A mutation damages a copy of a pristine checkpoint (anyshard: plain,
-with a UCL spec, an incremental step; DCP; Hugging Face) once (`benchkit.mutations`), then every
+with a UCL spec, an incremental step, the plain and incremental ones holding checksum tiles of a
+2-d and of a 3-d tensor, data file version 4; DCP; Hugging Face) once (`benchkit.mutations`),
+then every
 entry point is called on it (`benchkit.fuzzing`; loads in ``--procs`` gloo processes). Recorded:
 every exception but an ``AnyshardError`` (the CLI's exit code 3), every call over 5 s or growing
 the peak RSS by 1 GiB, and the reads after a flipped data bit that returned a wrong value.
@@ -33,7 +35,9 @@ MEMORY_CAP = 8 << 30
 HEADING = "## Reliability: damaged and hostile checkpoints (`tools/fuzz_checkpoints.py`)"
 INTRO = """Each mutation damages a copy of a small checkpoint (anyshard, with a UCL spec, DCP, Hugging Face)
 and calls every entry point on it: `anyshard.open`, `anyshard.load` (in 1 and 4 processes),
-`verify_checkpoint`, the CLI's `inspect` and `convert`. The seed draws the mutations."""
+`verify_checkpoint`, the CLI's `inspect` and `convert`. The anyshard checkpoints hold checksum
+tiles of a 2-d and of a 3-d tensor (data file version 4), which column slices and the 4-process
+loads (a 3-d tensor split along its last dim) read by tiles. The seed draws the mutations."""
 ROWS = (
     "mutations; calls; calls refused with an `AnyshardError`",
     "exceptions other than `AnyshardError`",

@@ -204,9 +204,10 @@ def _scratch_copy(work: str, pristine: str) -> str:
 
 
 def _rank_state(corpus: str, pristine: dict, rank: int, world: int):
-    """The state a rank of ``world`` loads, and the call that loads it: DTensors on a 1-D mesh,
-    or (``anyshard-spec``) its local tensors under SPEC at tp = ``world`` (torch.chunk's parts:
-    the last ranks may hold none)."""
+    """The state a rank of ``world`` loads, and the call that loads it: DTensors on a 1-D mesh
+    (split along dim 0; a tensor of 3 or more dims along its last, which reads its tiles), or
+    (``anyshard-spec``) its local tensors under SPEC at tp = ``world`` (torch.chunk's parts: the
+    last ranks may hold none)."""
     if corpus == "anyshard-spec":
         state = {"norm": torch.zeros_like(pristine["norm"])}
         for k in ("w", "b"):
@@ -219,7 +220,7 @@ def _rank_state(corpus: str, pristine: dict, rank: int, world: int):
 
     mesh, state = init_device_mesh("cpu", (world,)), {"step": 0, "cfg": {}}
     for k, v in pristine.items():
-        place = [Shard(0) if v.dim() else Replicate()]
+        place = [Shard(v.dim() - 1 if v.dim() >= 3 else 0) if v.dim() else Replicate()]
         state[k] = distribute_tensor(torch.zeros_like(v), mesh, place)
     return state, anyshard.load
 

@@ -62,7 +62,10 @@ def _state(g: torch.Generator) -> dict:
     w, e = torch.randn(8, 16, generator=g), torch.randn(5, 3, generator=g).to(torch.bfloat16)
     n, s = torch.arange(6, dtype=torch.int64).reshape(3, 2), torch.tensor(2.5)
     wide = torch.randn(16, 8192, generator=g)  # 32 KiB rows: checksum tiles of 2 KiB columns
-    return {"w": w, "e": e, "n": n, "s": s, "wide": wide, **copy.deepcopy(VALUES)}
+    # [experts, rows, cols], 16 KiB rows: tiles of 1 KiB columns over its rows (data file v4)
+    experts = torch.randn(2, 4, 4096, generator=g)
+    state = {"w": w, "e": e, "n": n, "s": s, "wide": wide, "experts": experts}
+    return state | copy.deepcopy(VALUES)
 
 
 def make_corpus(root: str) -> dict[str, str]:
