@@ -49,7 +49,7 @@ _lock = threading.Lock()
 _users = 0  # contexts open in any thread; the names are patched while there is one
 _originals: dict[str, type] = {}  # the names' values before they were patched
 _installed: dict[str, type] = {}  # what was put in their place
-_local = threading.local()  # .depth: contexts open in this thread
+_local = threading.local()  # .depth, .marks (open contexts), .routed (constructions routed)
 
 
 class NotRoutedError(AnyshardError, ValueError):
@@ -115,8 +115,8 @@ def _check_applies(accelerator: Any) -> None:
     kind = getattr(accelerator, "distributed_type", None)
     if _name(kind) != "FSDP":  # accelerate.utils.DistributedType.FSDP
         raise NotRoutedError(
-            f"anyshard_checkpoints: this Accelerator's distributed_type is {_name(kind)}, not FSDP; "
-            "save_state then writes model.safetensors and optimizer.bin itself, not through "
+            f"anyshard_checkpoints: this Accelerator's distributed_type is {_name(kind)}, not "
+            "FSDP; save_state then writes model.safetensors and optimizer.bin itself, not through "
             "torch.distributed.checkpoint, and there is nothing to route. Prepare the model "
             "under FSDP (Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin("
             "fsdp_version=2, state_dict_type='SHARDED_STATE_DICT'))), or save without "
