@@ -163,9 +163,9 @@ def save_and_resume(root: str) -> dict | None:
 
 
 def resume_on_one_rank(root: str, store: str) -> dict:
-    """On a world of 1 (its own gloo group): a fresh model (other initial weights) under FSDP2,
-    loaded by ``load_state`` from the 2-rank run's anyshard checkpoint, then from its stock one;
-    the full state after each."""
+    """On a world of 1 (its own gloo group): a fresh model (other initial weights) under FSDP2
+    loads the 2-rank run's anyshard checkpoint by ``load_state`` and trains 3 steps; then its
+    stock checkpoint loads into the moved-on model. The full state after each load, the losses."""
     from anyshard.dcp.accelerate import anyshard_checkpoints
 
     dist.init_process_group("gloo", store=dist.FileStore(store, 1), rank=0, world_size=1)
@@ -175,27 +175,17 @@ def resume_on_one_rank(root: str, store: str) -> dict:
         with anyshard_checkpoints(accelerator):
             accelerator.load_state(os.path.join(root, "anyshard"))
         through_anyshard = full_state(model, optimizer)
-        _prepared_reset(model, optimizer, fresh)
+        losses = _train(accelerator, model, optimizer, STEPS)
         accelerator.load_state(os.path.join(root, "stock"))
-        through_stock = full_state(model, optimizer)
-        step = _train(accelerator, model, optimizer, STEPS)
         return {
             "fresh": fresh,
             "anyshard": through_anyshard,
-            "stock": through_stock,
-            "next_losses": step,
+            "stock": full_state(model, optimizer),
+            "next_losses": losses,
         }
     finally:
         _reset_accelerate()
         dist.destroy_process_group()
-
-
-def _prepared_reset(model: nn.Module, optimizer: Any, fresh: dict[str, torch.Tensor]) -> None:
-    """Put the parameters back to ``fresh``'s values (so the next load has to restore them)."""
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            local = p.to_local() if isinstance(p, DTensor) else p
-            local.copy_(fresh[f"param.{n}"].reshape(local.shape))
 
 
 def _dcp_names() -> list[str]:
