@@ -557,8 +557,8 @@ def _execute(
         for req in reqs:
             req.wait()
         for frm, parts, side in arriving:
-            crcs = side.tolist() if side is not None else None
-            _arrived(parts, crcs, frm, me, dst, failed)
+            sent = side.tolist() if side is not None else None
+            _arrived(parts, sent, frm, me, dst, failed)
     stage.release()  # not after an error: a message may still be landing in the buffer
     return failed
 
@@ -663,7 +663,7 @@ def redistribute(
     d = _describe_side(dst, dst_spec, dst_layout, process_group, me, strict, "destination")
     # of the destination's JSON values, only their names: the source's replace them
     dst_desc = {**d.desc, "values": sorted(d.desc["values"])}
-    mine = {"src": s.desc, "dst": dst_desc, "problems": s.problems + d.problems}
+    mine: dict[str, Any] = {"src": s.desc, "dst": dst_desc, "problems": s.problems + d.problems}
     if not transit.enabled(check_transit):
         mine["crc"] = False
     digests = coll.gather_digests(mine, process_group)
