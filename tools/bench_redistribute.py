@@ -7,8 +7,15 @@ tp=2) to tp=4 and dp_shard=4, and a ``megatron_gpt`` model from tp=2 x pp=2 to t
 warm-up, ``--reps`` rounds in rotated order, measured from a common barrier, checked bit-exact
 outside it; bytes received set against the minimum from global offsets.
 
+The cost of the transit checksums (every piece's crc32c computed by its sender and checked by
+its receiver, `anyshard.format.transit`): per case, ``--crc-reps`` pairs of redistribute with
+the checks on and off (reused plans), alternating (on off, off on, ...), each ``--crc-calls``
+calls in a row; the CPU seconds of every rank process (user + sys, all threads) summed over the
+ranks, the pair's ratio, and the median of the ratios.
+
     python tools/bench_redistribute.py --gib 1 --reps 3 --write-docs
     python tools/bench_redistribute.py --quick                 # smoke test: 0.1 GiB, 1 rep
+    python tools/bench_redistribute.py --crc-only --crc-reps 5   # the checksums' cost alone
 """
 
 from __future__ import annotations
@@ -29,6 +36,14 @@ SYSTEMS = (*OURS, "anyshard-tmpfs", "dcp-tmpfs", "DTensor.redistribute", "floor"
 CASES = ("dtensor->tp4", "dtensor->dp4", "megatron tp2xpp2->tp4")
 MEGA = CASES[2]
 HEADING = "## Live resharding: redistribute vs storage round trips (`tools/bench_redistribute.py`)"
+INTRO = """Four ranks move a state into another layout with `anyshard.redistribute` (reused plan, or "new
+plan"), against a round trip through tmpfs (anyshard, DCP), `DTensor.redistribute` and the network
+floor (the bytes that cross ranks; `floor+local` adds a copy of what each rank holds). Cases: the
+state of the reshard benchmark into tp=4 and dp_shard=4; a Megatron GPT (local tensors,
+`megatron_gpt` spec) from tp=2 x pp=2 into tp=4. `redistribute` checks every piece that crosses
+ranks against its sender's crc32c (on by default); the second table sets the CPU seconds of that
+against the same calls without the checks, paired."""
+CRC_LIMIT = 1.05  # the checksums' CPU seconds: at most 5% over the transfer's
 
 
 def megatron_cfg(gib: float) -> dict:
@@ -169,14 +184,50 @@ def worker(rank: int, world: int, cfg: dict) -> dict | None:
                   + ("  MISMATCH" if any(r["bad"] for r in ranks) else ""), flush=True)  # fmt: skip
         return {"rep": rep, "case": case, "system": system, "ranks": ranks}
 
-    for case, system in itertools.product(CASES, SYSTEMS) if cfg["warmup"] else ():
-        measure(-1, case, system)
-    records = [r for rep, order in h.rotations(SYSTEMS, cfg["reps"]) for case in CASES
-               for s in order if (r := measure(rep, case, s))]  # fmt: skip
+    def crc_pairs(case: str) -> list[dict]:
+        """``--crc-reps`` pairs of ``--crc-calls`` redistribute calls with the transit checks
+        on and off, alternating; checked bit-exact after each."""
+        src, dst, kw = (m_src, m_dst, m_kw) if case == MEGA else (source, targets[case[-3:]], {})
+        calls = cfg["crc_calls"]
+
+        def run(on: bool) -> None:
+            for _ in range(calls):
+                anyshard.redistribute(src, dst, **kw, check_transit=on)
+
+        out = []
+        run(True), run(False)  # warm: both plans made and kept
+        for rep in range(cfg["crc_reps"]):
+            for on in (True, False) if rep % 2 == 0 else (False, True):
+                for v in dst_of(case).values():
+                    v.fill_(-7.25)
+                gc.collect()
+                dist.barrier()
+                rec = h.measure(lambda on=on: run(on))
+                dist.barrier()
+                mine = {"cpu_s": rec["cpu_s"], "wall_s": rec["wall_s"],
+                        "bad": llama.mismatched(dst_of(case), want[case])[:3]}  # fmt: skip
+                ranks = [None] * world
+                dist.all_gather_object(ranks, mine)
+                if rank == 0:
+                    cpu = sum(x["cpu_s"] for x in ranks)
+                    print(f"  crc pair {rep + 1} {case:24s} {'on ' if on else 'off'} "
+                          f"{cpu:6.2f} CPU s" + ("  MISMATCH" if any(x["bad"] for x in ranks)
+                                                  else ""), flush=True)  # fmt: skip
+                out.append({"rep": rep, "case": case, "crc": on, "ranks": ranks})
+        return out
+
+    records = []
+    if not cfg["crc_only"]:
+        for case, system in itertools.product(CASES, SYSTEMS) if cfg["warmup"] else ():
+            measure(-1, case, system)
+        records = [r for rep, order in h.rotations(SYSTEMS, cfg["reps"]) for case in CASES
+                   for s in order if (r := measure(rep, case, s))]  # fmt: skip
+    crc = [r for case in CASES for r in crc_pairs(case)] if cfg["crc_reps"] else []
     dist.barrier()
     if rank == 0:
         shutil.rmtree(shm, ignore_errors=True)
-        return {"records": records, "state_bytes": state_bytes, "megatron": mcfg}
+        return {"records": records, "crc": crc, "state_bytes": state_bytes, "megatron": mcfg,
+                "crc_calls": cfg["crc_calls"]}  # fmt: skip
     return None
 
 
@@ -218,26 +269,65 @@ def summary(data: dict, inflight: int) -> tuple[list[list], list[tuple]]:
     return rows, checks
 
 
+def crc_summary(data: dict) -> tuple[list[list], list[tuple]]:
+    """The checksums' table (case by case: CPU seconds of all ranks with the checks and without,
+    each pair's ratio, wall seconds) and the target check on the median ratio."""
+    rows, checks = [], []
+    for case in CASES:
+        recs = [r for r in data["crc"] if r["case"] == case]
+        if not recs:
+            continue
+        cpu = {(r["rep"], r["crc"]): sum(x["cpu_s"] for x in r["ranks"]) for r in recs}
+        wall = {(r["rep"], r["crc"]): max(x["wall_s"] for x in r["ranks"]) for r in recs}
+        reps = sorted({r["rep"] for r in recs})
+        ratios = [cpu[(k, True)] / cpu[(k, False)] for k in reps]
+        bad = " MISMATCH" if any(x["bad"] for r in recs for x in r["ranks"]) else ""
+        on, off = [cpu[(k, True)] for k in reps], [cpu[(k, False)] for k in reps]
+        rows.append([case, h.fmt_spread(on) + bad, h.fmt_spread(off), h.fmt_spread(ratios, ".3f"),
+                     h.fmt_spread([wall[(k, True)] for k in reps]),
+                     h.fmt_spread([wall[(k, False)] for k in reps])])  # fmt: skip
+        x = h.median(ratios)
+        checks.append((f"{case}: CPU s with the transit checks <= {CRC_LIMIT}x without "
+                       "(median of the pairs)", x <= CRC_LIMIT, f"{x:.3f}x"))  # fmt: skip
+    return rows, checks
+
+
 def main(argv: list[str] | None = None) -> int:
     p = h.parser(__doc__, reps=3, quick={"gib": 0.1, "reps": 1})
     p.add_argument("--gib", type=float, default=1.0, help="state size (1 GiB)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
     p.add_argument("--seed", type=int, default=0, help="seeds the state's values")
+    p.add_argument(
+        "--crc-reps",
+        type=int,
+        default=5,
+        help="pairs of calls with the transit checks on and off (5; 0: none)",
+    )
+    p.add_argument("--crc-calls", type=int, default=5, help="calls in a row per measurement (5)")
+    p.add_argument("--crc-only", action="store_true", help="only the transit checks' pairs")
     args = p.parse_args(argv)
     from anyshard.api.redistribute import DEFAULT_MAX_INFLIGHT_BYTES
 
     load = h.RunLoad()
     data = h.run_ranks(worker, 4, vars(args))[0]
-    rows, checks = summary(data, DEFAULT_MAX_INFLIGHT_BYTES)
+    rows, checks = summary(data, DEFAULT_MAX_INFLIGHT_BYTES) if data["records"] else ([], [])
+    crc_rows, crc_checks = crc_summary(data)
     head = ["case", "system", "time s (slowest rank)", "vs redistribute", "CPU s (all ranks)"]
     head += ["peak RSS over state MiB", "bytes received per rank MiB"]
+    n = data["crc_calls"]
+    crc_head = [f"case ({n} calls)", "CPU s, checks on", "CPU s, off", "on / off (paired)",
+                "time s, on", "time s, off"]  # fmt: skip
     sb = data["state_bytes"]
     run = (f"4 gloo ranks, one torch thread each; median [min-max] of {args.reps}; seed "
            f"{args.seed}; per rank {mib(sb['dtensor'])} MiB of DTensors on (dp_shard=2, tp=2); "
-           f"megatron_gpt {data['megatron']}, {mib(sb['megatron'])} MiB on rank 0")  # fmt: skip
-    h.report(args, argv, __file__, "bench_redistribute", run, [(head, rows), h.targets(checks)],
-             load, heading=HEADING, data=data)  # fmt: skip
-    return 1 if any("MISMATCH" in r[2] for r in rows) else 0
+           f"megatron_gpt {data['megatron']}, {mib(sb['megatron'])} MiB on rank 0; transit "
+           f"checks: {args.crc_reps} pairs of {n} calls, median [min-max]")  # fmt: skip
+    blocks = [(head, rows) if rows else None, (crc_head, crc_rows) if crc_rows else None,
+              h.targets(checks + crc_checks)]  # fmt: skip
+    h.report(args, argv, __file__, "bench_redistribute", run, blocks, load, heading=HEADING,
+             intro=INTRO, data=data)  # fmt: skip
+    bad = any("MISMATCH" in r[2] for r in rows) or any("MISMATCH" in r[1] for r in crc_rows)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
