@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import types
+import warnings
 from typing import Any
 
 import torch
@@ -134,6 +135,7 @@ def cpu_shims() -> None:
     from torch.nn.attention.flex_attention import create_block_mask
 
     attention._compiled_create_block_mask = create_block_mask
+
     class CpuMemory:  # torchtitan's monitor asks torch.cpu for CUDA's memory statistics
         device_name = "cpu"
 
@@ -247,7 +249,8 @@ def train(args: list[str], stop_after: int | None = None) -> dict:
     """One torchtitan run on this rank (the CPU entry point): parse ``args`` as torchtitan's
     command line, build the trainer, train (stopping after step ``stop_after``, once its
     checkpoint is saved, as a job killed then would), close. Returns the loss of every step,
-    the step it started from, the manager's class and, after a restore, the full parameters."""
+    the step it started from, the manager's class, anyshard's warnings and, after a restore, the
+    model's full state dict (rank 0)."""
     cpu_shims()
     os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
     os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
@@ -277,8 +280,10 @@ def train(args: list[str], stop_after: int | None = None) -> dict:
     if stop_after is not None:
         trainer.should_continue_training = lambda: trainer.step < stop_after
     try:
-        trainer.train()
-        trainer.checkpointer.maybe_wait_for_saving()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.train()
+            trainer.checkpointer.maybe_wait_for_saving()
     finally:
         trainer.close()
     first = min(losses) if losses else None
@@ -286,5 +291,6 @@ def train(args: list[str], stop_after: int | None = None) -> dict:
         "losses": [losses[s] for s in sorted(losses)],
         "first_step": first,
         "manager": type(trainer.checkpointer).__qualname__,
+        "warnings": [str(w.message) for w in caught if "anyshard" in str(w.message)],
         "restored": restored if dist.get_rank() == 0 else {},
     }

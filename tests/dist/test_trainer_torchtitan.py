@@ -128,8 +128,15 @@ def test_a_restart_with_the_same_arguments_resumes_as_torchtitan_s_own(runs):
     assert len(again["losses"]) == 2
     assert again["losses"] == ref_again["losses"]  # bit for bit
     assert all(math.isfinite(x) for x in again["losses"])
-    # the restart skipped the uncommitted and the foreign folder, and left them alone
-    assert [(s.step, s.kind) for s in scan_steps(_ckpt(runs, "anyshard", 0)[:-7])] == [
+    # the restart skipped the uncommitted and the foreign folder, said so on every rank, and
+    # left them alone
+    for rank in runs["anyshard_restart"]:
+        (warning,) = rank["warnings"]
+        assert "step-5 (no manifest.json" in warning and "step-7 (neither" in warning, warning
+        assert "resuming from step 4" in warning
+    assert [
+        (s.step, s.kind) for s in scan_steps(str(runs["base"] / "anyshard" / "checkpoint"))
+    ] == [
         (2, "anyshard"),
         (4, "anyshard"),
         (5, "uncommitted"),
