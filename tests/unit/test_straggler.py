@@ -85,13 +85,18 @@ def test_a_slow_rank_is_named_and_the_shares_come_back_when_it_recovers(fixed):
     _job(s, range(0, 150), busy)
     moves = [d for d in s.decisions if d["event"] == "auto_rebalance"]
     assert moves and moves[0]["step"] >= 50 and "data rank 1 " in moves[0]["reason"], moves
-    assert s.shares is not None and s.shares[1] < s.shares[0] - 4, s.shares
+    phase = s.shares
+    assert phase is not None and phase[1] < phase[0] - 4, phase
     _job(s, range(150, 260), busy)
     back = [d for d in s.decisions if d["event"] == "auto_rebalance" and d["step"] >= 150]
     assert back and "data rank 0 " in back[0]["reason"], back
-    final = s.shares or (24, 24)  # back to even, or within the imbalance the policy allows
-    assert max(busy(300, final)[0]) <= 1.15 * min(busy(300, final)[0]), s.decisions[-3:]
-    assert abs(final[0] - final[1]) <= 4, s.decisions[-3:]
+    final = s.shares or (24, 24)
+    if fixed == 0.0:  # the ranks work alike per sample again: straight back to even
+        assert final == (24, 24), s.decisions[-3:]
+    else:  # a small share looks slower per sample: back within the imbalance the policy allows
+        work = busy(300, final)[0]
+        assert final[0] > final[1] and max(work) <= 1.15 * sum(work) / 2, s.decisions[-3:]
+        assert final[0] - final[1] < phase[0] - phase[1], (phase, final)
 
 
 def test_ranks_alike_within_noise_keep_even_shares():

@@ -587,8 +587,9 @@ class Scheduler:
         # large for its speed), or one that works longer per step than another whatever the
         # speeds (the busiest paces the step): the second moves shares back when a slow rank's
         # cause has gone away and the ranks with the larger shares are the busier ones
+        mean = sum(med) / n
         slower = max(per_sample) > (1 + imb) * per or min(per_sample) < (1 - imb) * per
-        busier = max(med) > (1 + imb) * min(med)
+        busier = max(med) > (1 + imb) * mean
         if not (slower or busier):
             return None
         target = tuple(shares_for(med, shares, gb))
@@ -600,8 +601,7 @@ class Scheduler:
         new = target if target == even else halfway(shares, target)
         if new == shares:
             return None
-        slow = max(range(n), key=lambda i: med[i] if busier else per_sample[i])
-        mean = sum(med) / n
+        slow = min(range(n), key=lambda i: new[i] - shares[i])  # the one that gives most
         return Decision(
             "rebalance",
             shares=new,
