@@ -58,7 +58,7 @@ OVERRIDE = "anyshard.dcp.torchtitan.anyshard_checkpoint"  # the --override.impor
 DCP_METADATA = ".metadata"  # what torchtitan's own DCP checkpoints commit last
 HF_INDEX = "model.safetensors.index.json"  # torchtitan's Hugging Face exports
 _STEP_RE = re.compile(r"^step-(\d+)$")
-_MANAGER: type | None = None
+_MANAGER: Any = None  # AnyshardCheckpointManager, once defined
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +181,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _manager_class() -> type:
+def _manager_class() -> Any:
     """`AnyshardCheckpointManager`, defined on first use (it subclasses torchtitan's)."""
     global _MANAGER
     if _MANAGER is not None:

@@ -2,13 +2,24 @@
 (dim 64) on a generated tokenizer and corpus, checkpointed by torchtitan's own DCP manager or,
 through ``--override.imports anyshard.dcp.torchtitan.anyshard_checkpoint``, by anyshard's.
 
-torchtitan 0.3 assumes an accelerator; `cpu_shims` is the CPU entry point's few patches (test
-code, not the library's): the device is the CPU, ``triton`` imports (as a stub: nothing on this
-path runs a Triton kernel), FlexAttention runs as dense attention with the same block-causal
-mask (its compiled CPU backward does not run here), FSDP reduces gradients with a plain sum
-(gloo has no pre-multiplied sum; torchtitan sets the divide factor to 1 anyway),
-``dist.set_timeout`` (newer torch) is a no-op, and the trainer's closing two-second sleep goes.
-The runs use ``--parallelism.spmd_backend partial_dtensor``.
+torchtitan 0.3 assumes an accelerator; `cpu_shims` is the CPU entry point's patches (test code,
+not the library's), none of them in what is saved or loaded:
+
+- the device is the CPU (torchtitan takes ``_get_available_device_type() or "cuda"``), and the
+  memory monitor reports zeros (it asks ``torch.cpu`` for CUDA's memory statistics);
+- ``triton`` imports, as a stub, while torchtitan imports the one module that needs it at
+  module level (a kernel llama3 never runs); torch itself goes on finding no triton;
+- FlexAttention runs as dense attention with the same block-causal mask (its CPU backward
+  raises), and the block mask is made eagerly;
+- FSDP reduces gradients with a plain sum: torchtitan sets the divide factor to 1, for which
+  FSDP would use a pre-multiplied sum that gloo does not have;
+- torchtitan's timeout change after step 1 is skipped: a barrier on ``device_ids``, which
+  gloo refuses, then ``dist.set_timeout``, which torch 2.13 does not have;
+- the trainer's closing two-second sleep goes (time only).
+
+The runs use ``--parallelism.spmd_backend partial_dtensor`` and no ``--debug.deterministic``
+(it compiles FlexAttention again, over the dense shim); on CPU with one thread a run repeats
+bit for bit anyway.
 """
 
 from __future__ import annotations
