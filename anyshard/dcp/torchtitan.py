@@ -16,6 +16,8 @@ anyshard's commit. torchtitan's override mechanism swaps it in for any model, wi
   (`find_load_step`): a ``step-N`` folder whose save was interrupted before its commit is
   skipped with a warning, as is a folder of another format; torchtitan's own finder sees no
   ``.metadata`` in an anyshard step and would start afresh;
+- ``keep_latest_k`` keeps that many committed steps (`stale_steps`): a save in progress or a
+  folder of another format never pushes the newest committed step out;
 - the restart may use another layout (``--parallelism.data_parallel_shard_degree``,
   ``--parallelism.tensor_parallel_degree``, the world size): each rank reads only the bytes
   it holds, verified;
@@ -52,6 +54,7 @@ __all__ = [
     "anyshard_checkpoint",
     "find_load_step",
     "scan_steps",
+    "stale_steps",
 ]
 
 OVERRIDE = "anyshard.dcp.torchtitan.anyshard_checkpoint"  # the --override.imports target
@@ -154,6 +157,34 @@ def find_load_step(folder: str) -> int:
         )
         warnings.warn(f"anyshard: skipping {lines}; {then}", stacklevel=2)
     return newest
+
+
+def stale_steps(folder: str, keep: int) -> list[str]:
+    """The step folders under ``folder`` that ``keep_latest_k=keep`` removes: all but the
+    ``keep`` newest loadable steps, and the uncommitted folders older than the newest of those
+    (debris of interrupted saves). A save in progress (newer than every commit) and folders of
+    another format are never among them.
+
+    >>> import tempfile, torch, anyshard, os
+    >>> root = tempfile.mkdtemp()
+    >>> for n in (2, 4, 6):
+    ...     anyshard.save(f"{root}/step-{n}", {"w": torch.zeros(2)})
+    >>> os.makedirs(root + "/step-5/data"); os.makedirs(root + "/step-8/data")
+    >>> [os.path.basename(p) for p in stale_steps(root, 2)]
+    ['step-2', 'step-5']
+    """
+    if keep <= 0:
+        return []
+    steps = scan_steps(folder)
+    kept = [s for s in steps if s.loadable][-keep:]
+    if not kept:
+        return []
+    oldest, newest = kept[0].step, kept[-1].step
+    return [
+        s.path
+        for s in steps
+        if (s.loadable and s.step < oldest) or (s.kind == "uncommitted" and s.step < newest)
+    ]
 
 
 def anyshard_checkpoint(config: Any) -> Any:
@@ -297,6 +328,14 @@ def _manager_class() -> Any:
                         "store that lists new files at once); pass --checkpoint.load_step"
                     )
             return step
+
+        def _purge_stale_checkpoints(self) -> None:
+            """``keep_latest_k``: queue the removal of `stale_steps` (rank 0). torchtitan's own
+            counts every ``step-N`` folder, so a save in progress or a foreign folder could
+            push the newest committed step out."""
+            if self._should_purge():
+                for path in stale_steps(self.folder, self.keep_latest_k):
+                    self.purge_queue.put(path)
 
     AnyshardCheckpointManager.__module__ = __name__
     AnyshardCheckpointManager.__qualname__ = "AnyshardCheckpointManager"

@@ -22,8 +22,10 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import queue
 import shutil
 import sys
+import types
 import warnings
 
 import pytest
@@ -36,7 +38,12 @@ from harness import DistPool  # noqa: E402
 
 import anyshard  # noqa: E402
 from anyshard.cli import main as cli  # noqa: E402
-from anyshard.dcp.torchtitan import find_load_step, scan_steps  # noqa: E402
+from anyshard.dcp.torchtitan import (  # noqa: E402
+    AnyshardCheckpointManager,
+    find_load_step,
+    scan_steps,
+    stale_steps,
+)
 
 HERE = os.path.dirname(__file__)
 TASKS = os.path.join(HERE, "_torchtitan_tasks.py")
@@ -217,3 +224,24 @@ def test_the_module_imports_and_finds_steps_without_torchtitan(tmp_path, monkeyp
     assert alone.find_load_step(str(tmp_path)) == 1
     with pytest.raises(ImportError):
         alone.AnyshardCheckpointManager  # noqa: B018
+
+
+def test_keep_latest_k_keeps_committed_steps_past_saves_in_progress_and_foreign_folders(tmp_path):
+    root = str(tmp_path)
+    for n, kind in [
+        (2, "anyshard"),
+        (3, "uncommitted"),
+        (4, "dcp"),
+        (6, "anyshard"),
+        (8, "uncommitted"),  # a save in progress
+        (9, "foreign"),
+    ]:
+        _step(root, n, kind)
+    # torchtitan's own purge keeps the 2 newest folders of any kind (8 and 9) and removes 6
+    fake = types.SimpleNamespace(
+        folder=root, keep_latest_k=2, purge_queue=queue.Queue(), _should_purge=lambda: True
+    )
+    AnyshardCheckpointManager._purge_stale_checkpoints(fake)
+    removed = [os.path.basename(p) for p in fake.purge_queue.queue]
+    assert removed == ["step-2", "step-3"]
+    assert stale_steps(root, 0) == []
