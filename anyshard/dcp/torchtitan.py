@@ -294,7 +294,8 @@ def _manager_class() -> Any:
             current layout (collective). A checkpoint torchtitan wrote (DCP or Hugging Face)
             loads through torchtitan's own path; a folder holding neither is an error."""
             if not from_hf and not storage.exists(storage.join(checkpoint_id, MANIFEST_NAME)):
-                if storage.exists(storage.join(checkpoint_id, DCP_METADATA)):
+                theirs = (storage.join(checkpoint_id, n) for n in (DCP_METADATA, HF_INDEX))
+                if any(storage.exists(p) for p in theirs):  # torchtitan's own: its own path
                     return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
                 raise AnyshardError(
                     f"{checkpoint_id} holds no committed checkpoint: no {MANIFEST_NAME} (an "

@@ -19,6 +19,7 @@ Run: python -m pytest tests/dist/test_trainer_torchtitan.py -q
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import os
@@ -40,10 +41,12 @@ import anyshard  # noqa: E402
 from anyshard.cli import main as cli  # noqa: E402
 from anyshard.dcp.torchtitan import (  # noqa: E402
     AnyshardCheckpointManager,
+    anyshard_checkpoint,
     find_load_step,
     scan_steps,
     stale_steps,
 )
+from anyshard.errors import AnyshardError  # noqa: E402
 
 HERE = os.path.dirname(__file__)
 TASKS = os.path.join(HERE, "_torchtitan_tasks.py")
@@ -245,3 +248,29 @@ def test_keep_latest_k_keeps_committed_steps_past_saves_in_progress_and_foreign_
     removed = [os.path.basename(p) for p in fake.purge_queue.queue]
     assert removed == ["step-2", "step-3"]
     assert stale_steps(root, 0) == []
+
+
+def test_the_override_keeps_every_setting_and_refuses_other_managers():
+    from torchtitan.components.checkpointer import CheckpointManager
+
+    ours = anyshard_checkpoint(
+        CheckpointManager.Config(enable=True, interval=7, async_mode="async")
+    )
+    assert type(ours) is AnyshardCheckpointManager.Config
+    assert (ours.enable, ours.interval, ours.async_mode) == (True, 7, "async")
+    assert anyshard_checkpoint(ours) is ours
+
+    class OtherManager(CheckpointManager):
+        @dataclasses.dataclass(kw_only=True, slots=True)
+        class Config(CheckpointManager.Config):
+            pass
+
+    with pytest.raises(AnyshardError, match="OtherManager.Config"):
+        anyshard_checkpoint(OtherManager.Config())
+
+
+def test_loading_a_step_without_a_commit_names_it(tmp_path):
+    _step(str(tmp_path), 5, "uncommitted")
+    path = str(tmp_path / "step-5")
+    with pytest.raises(AnyshardError, match=r"step-5 holds no committed checkpoint"):
+        AnyshardCheckpointManager.dcp_load(types.SimpleNamespace(), {}, path, False, False)
