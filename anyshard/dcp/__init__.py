@@ -1,6 +1,8 @@
 """PyTorch DCP integration: storage backends through which ``torch.distributed.checkpoint`` saves
-and loads anyshard checkpoints (`AnyshardWriter`, `AnyshardReader`), and a Lightning strategy that
-checkpoints through them (`anyshard.dcp.lightning`, imported on its own: it needs Lightning).
+and loads anyshard checkpoints (`AnyshardWriter`, `AnyshardReader`), and the trainer integrations
+built on them, each imported on its own since each needs its trainer: a Lightning strategy
+(`anyshard.dcp.lightning`) and Megatron-Core ``dist_checkpointing`` strategies
+(`anyshard.dcp.megatron`).
 
 Trainers that checkpoint through DCP (torchtitan, torchtune, Lightning's FSDP strategies,
 Accelerate) take their storage as a `StorageWriter` / `StorageReader`; these two are anyshard's
