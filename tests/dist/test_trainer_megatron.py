@@ -7,9 +7,9 @@ strategies (`anyshard.dcp.megatron.save`: nothing pickled; and ``dist_checkpoint
 - Each checkpoint resumed under tp=2 gives steps 3-4 the very losses of the uninterrupted run,
   bit for bit, as Megatron's own format does, and the weights restored are the saved ones.
 - anyshard's checkpoint resumed under tp=1 x pp=2 restores every weight bit-exact against the
-  tp=2 run's weights gathered at step 2 (each stage its own layers). Its losses match the tp=2
-  run's to 1e-5 relative, not bit for bit: tp=2 sums each row-parallel matmul's two halves in an
-  all-reduce, tp=1 in one matmul, a different order of float additions.
+  tp=2 run's weights gathered at step 2 (each stage its own layers). Its losses are held to the
+  tp=2 run's within 1e-5 relative, not bit for bit: tp=2 sums each row-parallel matmul's two
+  halves in an all-reduce, tp=1 in one matmul, a different order of float additions.
 
 One spawned job runs every save, load and step (Megatron's import is most of its time).
 
