@@ -58,14 +58,23 @@ def _flipping(sender: int):
 
 
 def _outcome(fn) -> dict:
+    """What ``fn()`` raised: a `ChecksumError`'s fields, or another error's type and text (DCP
+    wraps what its reader raised on each rank in a ``CheckpointException``: the lowest rank's)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         fn()
-    except ChecksumError as e:
-        return {"type": "ChecksumError", "tensor": e.tensor, "sender": e.sender,
-                "receiver": e.receiver, "failures": len(e.failures), "text": str(e)}  # fmt: skip
+    except CheckpointException as e:
+        error = e.failures[min(e.failures)][0]
     except AnyshardError as e:
-        return {"type": type(e).__name__, "text": str(e)}
-    return {"type": None}
+        error = e
+    else:
+        return {"type": None}
+    if isinstance(error, ChecksumError):
+        return {"type": "ChecksumError", "tensor": error.tensor, "sender": error.sender,
+                "receiver": error.receiver, "failures": len(error.failures),
+                "text": str(error)}  # fmt: skip
+    return {"type": type(error).__name__, "text": str(error)}
 
 
 def _redistribute(rank: int) -> dict:
@@ -96,22 +105,35 @@ def _redistribute(rank: int) -> dict:
 
 
 def _read_once(rank: int, path: str) -> dict:
-    """Two plain tensors (whole on each rank) loaded with ``read_once=True``: each rank reads
-    one and forwards it; bit-exact, then with rank 1's forwarding damaged."""
+    """Two plain tensors (whole on each rank) loaded reading each stored byte once, bit-exact,
+    then with rank 1's sends damaged: through DCP's reader (a rank reads each tensor and
+    forwards it, `read_once.fill_once`) and through `anyshard.load` (each rank reads a part of
+    each, redistributed: the replica split)."""
+    import torch.distributed.checkpoint as dcp
+
+    from anyshard.dcp import AnyshardReader, AnyshardWriter
+
     full = {"a": torch.arange(3000, dtype=torch.float32) / 3,
             "b": torch.arange(2000, dtype=torch.float32).reshape(40, 50) * 5}  # fmt: skip
-    anyshard.save(path, {**full, "step": 4})
+    dcp.save({k: v.clone() for k, v in full.items()}, storage_writer=AnyshardWriter(path))
 
-    def load():
-        target = {"a": torch.zeros(3000), "b": torch.zeros(40, 50), "step": 0}
-        anyshard.load(path, target, read_once=True)
-        return target
+    def target() -> dict:
+        return {"a": torch.zeros(3000), "b": torch.zeros(40, 50)}
 
-    got = load()
-    exact = all(torch.equal(got[k], full[k]) for k in full) and got["step"] == 4
+    def by_dcp() -> dict:
+        got = target()
+        dcp.load(got, storage_reader=AnyshardReader(path, read_once=True))
+        return got
+
+    def by_load() -> dict:
+        got = target()
+        anyshard.load(path, got, read_once=True)
+        return got
+
+    exact = all(torch.equal(got[k], full[k]) for got in (by_dcp(), by_load()) for k in full)
     with _flipping(sender=1):
-        damaged = _outcome(load)
-    return {"exact": exact, "damaged": damaged}
+        forwarded, split = _outcome(by_dcp), _outcome(by_load)
+    return {"exact": exact, "forwarded": forwarded, "split": split}
 
 
 def _heal(rank: int, port: int) -> dict:

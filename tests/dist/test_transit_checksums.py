@@ -49,7 +49,12 @@ def test_redistribute_damaged_in_transit_raises_on_every_rank(hops):
 def test_read_once_forwarding_damaged_in_transit_raises_on_every_rank(hops):
     got = [h["read_once"] for h in hops]
     assert all(g["exact"] for g in got)
-    _assert_names([g["damaged"] for g in got], {"a", "b"}, sender=1)
+    # DCP's reader: the reading rank forwards what it read
+    forwarded = [g["forwarded"] for g in got]
+    _assert_names(forwarded, {"a", "b"}, sender=1)
+    assert all(o["text"].startswith("load of ") for o in forwarded), forwarded
+    # anyshard.load: the replicas read parts and redistribute them
+    _assert_names([g["split"] for g in got], {"a", "b"}, sender=1)
 
 
 def test_heal_damaged_in_transit_raises_on_both_groups(hops):
