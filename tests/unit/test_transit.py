@@ -115,3 +115,13 @@ def test_a_message_sent_and_received_in_one_process(rows):
             assert [(m.tensor, m.box, m.sender, m.receiver) for m in failed] == [
                 ("w", moves[1].box, 0, 1)
             ]
+
+
+def test_agreement_in_one_process_raises_what_it_found():
+    from anyshard.api.redistribute import agree_on_transit
+
+    agree_on_transit([], None, "redistribute")  # nothing found: returns
+    m = transit.Mismatch("w", ((0, 2),), 1, 0, 5, 6)
+    with pytest.raises(ChecksumError) as raised:
+        agree_on_transit([m], None, "redistribute")
+    assert (raised.value.tensor, raised.value.sender, raised.value.receiver) == ("w", 1, 0)
