@@ -121,12 +121,20 @@ class AnyshardSaveStrategy(SaveShardedStrategy):
         )
         tensors = {k: v for k, v in flat.items() if isinstance(v[0], ShardedTensor)}
         pyt: dict[str, Any] = mcore_to_pyt_state_dict(tensors, is_loading=False)
-        for key, objs in flat.items():
-            if isinstance(objs[0], ShardedObject):
-                _put_encoded(pyt, key, objs[0].data, f"ShardedObject {key!r}")
         common = _COMMON_STASH.pop(path, None)
-        if common is not None and _rank() == 0:
-            _put_encoded(pyt, COMMON, common, "the common state")
+        error: AnyshardError | None = None
+        try:  # every rank checks what it would store before any rank writes
+            for key, objs in flat.items():
+                if isinstance(objs[0], ShardedObject):
+                    _put_encoded(pyt, key, objs[0].data, f"ShardedObject {key!r}")
+            if common is not None:  # the same on every rank; stored by rank 0
+                encoded: dict[str, Any] = {}
+                _put_encoded(encoded, COMMON, common, "the common state")
+                if _rank() == 0:
+                    pyt.update(encoded)
+        except AnyshardError as e:
+            error = e
+        _agree(error, path)
         planner = MCoreSavePlanner(flatten_state_dict=False)
         dcp.save(pyt, storage_writer=AnyshardWriter(path, threads=self.threads), planner=planner)
 
@@ -350,6 +358,23 @@ _register()
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _agree(error: AnyshardError | None, path: str) -> None:
+    """Raise on every rank if any rank found a value it cannot store (its own error where it has
+    one), so that no rank goes on into the save's collectives alone."""
+    failed = error is not None
+    if dist.is_available() and dist.is_initialized():
+        flag = torch.tensor([int(failed)])
+        dist.all_reduce(flag)
+        failed = bool(flag.item())
+    if error is not None:
+        raise error
+    if failed:
+        raise AnyshardError(
+            f"{path}: not saved: another rank holds a value anyshard cannot store (its error "
+            "names it)"
+        )
 
 
 def _put_encoded(pyt: dict[str, Any], name: str, value: Any, what: str) -> None:

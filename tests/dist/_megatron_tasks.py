@@ -245,8 +245,10 @@ def run(root: str, steps: int = 4, saved_at: int = 2) -> dict[str, Any]:
     without Megatron's common.pt) and through Megatron's torch_dist; resume each under tp=2, and
     anyshard's under tp=1 x pp=2. Returns what the test compares, rank by rank."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import get_default_save_common_strategy
 
     import anyshard.dcp.megatron as anyshard_megatron
+    from anyshard.errors import AnyshardError
 
     torch.manual_seed(0)
     out: dict[str, Any] = {}
@@ -272,6 +274,19 @@ def run(root: str, steps: int = 4, saved_at: int = 2) -> dict[str, Any]:
                     _sharded(model, opt, s), paths["torch_dist"], sharded_strategy=("torch_dist", 1)
                 )
         out["losses"] = losses
+        # a value anyshard cannot store: refused on every rank, naming it; nothing committed
+        bad = os.path.join(root, "refused")
+        if dist.get_rank() == 0:
+            os.makedirs(bad)
+        dist.barrier()
+        sd = _sharded(model, opt, steps)
+        sd["opt_param_scheduler"]["hook"] = object()
+        try:
+            anyshard_megatron.save(sd, bad)
+        except AnyshardError as e:
+            out["refused"] = str(e)
+        out["refused_files"] = sorted(os.listdir(bad))
+        out["common_default_after"] = type(get_default_save_common_strategy()).__name__
         for kind in paths:
             restored, resumed, extras = _resume(2, 1, paths[kind], saved_at + 1, steps)
             out[kind] = {"restored": restored, "losses": resumed, **extras}

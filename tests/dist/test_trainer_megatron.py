@@ -91,3 +91,15 @@ def test_resume_as_tp1_pp2_restores_every_weight_bit_exact_and_the_losses_go_on(
     with anyshard.open(os.path.join(root, "anyshard")) as view:  # the checkpoint, read whole
         stored = view.get_tensor("embedding.word_embeddings.weight")
     assert torch.equal(stored, ranks[0]["weights"]["embedding.word_embeddings.weight"])
+
+
+def test_a_value_anyshard_cannot_store_is_refused_on_every_rank_naming_it(job):
+    _, ranks = job
+    for out in ranks:
+        assert "['opt_param_scheduler']['hook']" in out["refused"] and "object" in out["refused"]
+        assert (
+            "manifest.json" not in out["refused_files"]
+            and "metadata.json" not in out["refused_files"]
+        )
+        # Megatron's own common strategy is back in its registry after the call
+        assert out["common_default_after"] == "TorchCommonSaveStrategy"
