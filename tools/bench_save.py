@@ -26,21 +26,23 @@ CPU_TARGET = 1.10  # anyshard's save CPU with tiles <= this x without
 SPLITS = (2, 4, 8)
 HEADING = "## Saves on tmpfs: checksum tiles vs none vs DCP; column splits of 3-d shards"
 HEADING += " (`tools/bench_save.py`)"
-METHOD = """Method: 4 gloo ranks on CPU (one torch thread each) hold a state as DTensors on a
-(dp_shard=2, tp=2) mesh and save it to tmpfs (/dev/shm), after an untimed warm-up round on a few
-small tensors. Shapes: `rows16k`, 1 GiB of fp32 in 8 tensors whose stored shards all have rows of
-16 KiB (four [8192, 4096] column-parallel `[Shard(0), Shard(0)]`, four [4096, 8192] row-parallel
-`[Shard(0), Shard(1)]`); `reshard`, tools/bench_reshard.py's 1 GiB Llama-shaped state (hidden
-1024: rows of 4 KiB, and of 16 KiB for the feed-forward's w2). Systems, rotated in order each
-repetition, each checkpoint removed before the next save: `anyshard.save` (tiles where a shard's
-rows are 8 KiB or more), the same with tiles off (`anyshard.format.datafile.tile_count` made 1:
-block checksums only, as before tiles), and `dcp.save` with `FileSystemWriter`. Time: the slowest
-rank from a common barrier, median [min-max] over the repetitions; CPU: user + sys seconds of the
-4 ranks together, median [min-max]. Bytes of column splits: one process saves a [16, 1024, 4096]
-fp32 expert weight (rows of 16 KiB) and the same bytes as a 2-d [16384, 4096] weight to tmpfs, then
-loads each part of a 2, 4 and 8-way split of the last dim, verified, and counts the bytes the read
-plan reads (`ReadPlan.bytes_read`) and the bytes the process read (/proc/self/io rchar), against
-the bytes the part holds; "whole rows" is the same read of a file written without tiles."""
+METHOD = """Method: 4 gloo ranks on CPU (one torch thread each unless `--torch-threads`) hold a
+state as DTensors on a (dp_shard=2, tp=2) mesh and save it to tmpfs (/dev/shm), after an untimed
+warm-up round on a few small tensors. Shapes: `rows16k`, 1 GiB of fp32 in 8 tensors whose stored
+shards all have rows of 16 KiB (four [8192, 4096] column-parallel `[Shard(0), Shard(0)]`, four
+[4096, 8192] row-parallel `[Shard(0), Shard(1)]`): every byte tiled; `reshard`,
+tools/bench_reshard.py's 1 GiB Llama-shaped state (hidden 1024: stored rows of 4 KiB, untiled,
+but for the feed-forward's w2, rows of 8 KiB, tiled: a quarter of the bytes). Systems, rotated in
+order each repetition, each checkpoint removed before the next save: `anyshard.save` (tiles where
+a shard's rows are 8 KiB or more), the same with tiles off (`anyshard.format.datafile.tile_count`
+made 1: block checksums only, as before tiles), and `dcp.save` with `FileSystemWriter`. Time: the
+slowest rank from a common barrier, median [min-max] over the repetitions; CPU: user + sys
+seconds of the 4 ranks together, median [min-max]. Bytes of column splits: one process saves a
+[16, 1024, 4096] fp32 expert weight (rows of 16 KiB) and the same bytes as a 2-d [16384, 4096]
+weight to tmpfs, then loads each part of a 2, 4 and 8-way split of the last dim, verified, and
+counts the bytes the read plan reads (`ReadPlan.bytes_read`) and the bytes the process read
+(/proc/self/io rchar), against the bytes the part holds; "whole rows" is the same read of a
+file written without tiles."""
 
 
 def rows16k_spec() -> list[tuple[str, tuple[int, ...], str]]:
@@ -176,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     p = h.parser(__doc__, reps=5, quick={"reps": 1, "shapes": "rows16k"}, dirs=True)
     p.add_argument("--shapes", default="rows16k,reshard", help="a subset of rows16k,reshard")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="no warm-up round")
+    p.add_argument("--torch-threads", type=int, default=1, help="torch threads a rank (1)")
     args = p.parse_args(argv)
     shapes = h.words(p, "--shapes", args.shapes, ("rows16k", "reshard"))
     root = tempfile.mkdtemp(prefix="bench-save-", dir=args.tmpfs_dir)
@@ -183,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     load = h.RunLoad()
     try:
         cfg = {"root": root, "shapes": shapes, "reps": args.reps, "warmup": args.warmup}
-        data = h.run_ranks(worker, WORLD, cfg)[0]
+        data = h.run_ranks(worker, WORLD, cfg, threads=args.torch_threads)[0]
         splits = split_bytes(root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -216,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{shape} " + " ".join(f"{s}={[round(x, 3) for x in row[s]['time']]}" for s in SYSTEMS)
         for shape, row in rows.items()
     )
-    run = f"{args.reps} repetitions, shapes {', '.join(shapes)}, median [min-max]"
+    run = f"{args.reps} repetitions, shapes {', '.join(shapes)}, {args.torch_threads} torch "
+    run += "thread(s) a rank, median [min-max]"
     blocks = [METHOD, (head, body), f"Per-repetition times (slowest rank): {times}."]
     blocks += ["Bytes a verified load of each part of a column split reads, all parts together:"]
     blocks += [(split_head, split_body), h.targets(checks)]
