@@ -245,7 +245,10 @@ def run(root: str, steps: int = 4, saved_at: int = 2) -> dict[str, Any]:
     without Megatron's common.pt) and through Megatron's torch_dist; resume each under tp=2, and
     anyshard's under tp=1 x pp=2. Returns what the test compares, rank by rank."""
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.serialization import get_default_save_common_strategy
+    from megatron.core.dist_checkpointing.serialization import (
+        get_default_save_common_strategy,
+        load_sharded_metadata,
+    )
 
     import anyshard.dcp.megatron as anyshard_megatron
     from anyshard.errors import AnyshardError
@@ -274,6 +277,13 @@ def run(root: str, steps: int = 4, saved_at: int = 2) -> dict[str, Any]:
                     _sharded(model, opt, s), paths["torch_dist"], sharded_strategy=("torch_dist", 1)
                 )
         out["losses"] = losses
+        out["sharded_metadata"] = {
+            kind: {
+                k: (type(v).__name__, tuple(v.global_shape), str(getattr(v, "dtype", "")))
+                for k, v in load_sharded_metadata(paths[kind]).items()
+            }
+            for kind in ("anyshard", "torch_dist")
+        }
         # a value anyshard cannot store: refused on every rank, naming it; nothing committed
         bad = os.path.join(root, "refused")
         if dist.get_rank() == 0:

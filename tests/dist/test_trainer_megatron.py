@@ -103,3 +103,11 @@ def test_a_value_anyshard_cannot_store_is_refused_on_every_rank_naming_it(job):
         )
         # Megatron's own common strategy is back in its registry after the call
         assert out["common_default_after"] == "TorchCommonSaveStrategy"
+
+
+def test_the_sharded_metadata_is_what_megatrons_own_strategy_reads_of_its_own_checkpoint(job):
+    _, ranks = job
+    got = ranks[0]["sharded_metadata"]
+    assert got["anyshard"] == got["torch_dist"]
+    kinds = {v[0] for v in got["anyshard"].values()}
+    assert kinds == {"ShardedTensor", "ShardedObject"}, kinds
