@@ -160,6 +160,8 @@ def tile_crcs(
     scratch = np.empty(min(step, n_rows) * n_bytes, dtype=np.uint8)
     flat = scratch.data
     crc = crc32c.crc32c
+    size = band * width  # a whole band's tile; its views into the scratch made once
+    views = [flat[j * size : (j + 1) * size] for j in range(len(flat) // size)]
     out: list[int] = []
     for r in range(0, n_rows, step):
         part = a[r : r + step]
@@ -167,23 +169,22 @@ def tile_crcs(
         k = full * band
         if bands is not None:
             raw = part.reshape(-1).data
-            size = band * n_bytes
-            bands += [crc(raw[x : x + size]) for x in range(0, len(raw), size)]
+            whole = band * n_bytes  # a block's bytes
+            bands += [crc(raw[x : x + whole]) for x in range(0, len(raw), whole)]
         if full:
             np.copyto(
                 scratch[: k * n_bytes].reshape(full, tiles, band, width),
                 part[:k].reshape(full, band, tiles, width).transpose(0, 2, 1, 3),
             )
-            size = band * width
-            out += [crc(flat[j * size : (j + 1) * size]) for j in range(full * tiles)]
+            out += map(crc, views[: full * tiles])
         if rest:
             at = k * n_bytes
             np.copyto(
                 scratch[at : at + rest * n_bytes].reshape(tiles, rest, width),
                 part[k:].reshape(rest, tiles, width).transpose(1, 0, 2),
             )
-            size = rest * width
-            out += [crc(flat[at + j * size : at + (j + 1) * size]) for j in range(tiles)]
+            tail = rest * width  # a shorter band's tile
+            out += [crc(flat[at + j * tail : at + (j + 1) * tail]) for j in range(tiles)]
     return out
 
 
