@@ -81,8 +81,9 @@ class BlockChecksums:
 
 
 def check_tiles(t: Transfer, staged: torch.Tensor, path: str) -> None:
-    """The tiles ``t`` staged (a 2-d box of whole tiles): their crc32c (`tile_crcs`) the
-    header's, else a `ChecksumError` naming the first tile that differs."""
+    """The tiles ``t`` staged (a 2-d box of whole tiles of the stored shard's array of rows,
+    every dim but the last flattened): their crc32c (`tile_crcs`) the header's, else a
+    `ChecksumError` naming the first tile that differs (its rows those of the array of rows)."""
     assert t.tiles is not None
     band, width, expected = t.tiles
     got = tile_crcs(staged.view(torch.uint8), band, width * staged.element_size())
