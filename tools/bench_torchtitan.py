@@ -42,7 +42,8 @@ repetition; page caches are dropped before each resume. Every operation is measu
 rank with the same counters (tools/benchkit/) from a common barrier: time of the slowest rank,
 median [min-max] over the repetitions; CPU seconds (user + sys) and bytes of both ranks
 together, median repetition: `wchar` written and `rchar` read, /proc/self/io of the rank
-processes. Bit-exactness of what is resumed is tests/dist/test_trainer_torchtitan.py's part."""
+processes. `wchar` counts what gloo sends on its sockets too (the 9 MiB written during either
+resume are collectives, not files); `rchar` counts no socket reads. Bit-exactness of what is resumed is tests/dist/test_trainer_torchtitan.py's part."""
 
 
 def _tasks():
@@ -92,6 +93,7 @@ def job(rank: int, world: int, cfg: dict) -> dict | None:
             trainer.step = 1
             trainer.train_step(trainer.batch_generator(trainer.dataloader))
             out["save"] = h.measure_ranks(lambda: ck.save(1))
+            out["size"] = h.du(path)  # every rank has written: measure_ranks gathered after
             out["resume"] = h.measure_ranks(lambda: ck.load(step=1), before=cold)
         else:
             out["resume_tp2"] = h.measure_ranks(lambda: ck.load(step=1), before=cold)
@@ -148,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     work = tempfile.mkdtemp(prefix="bench-torchtitan-", dir=args.dir)
     load = h.RunLoad()
     runs: dict = {s: {op: [] for op in OPS} for s in SYSTEMS}
+    sizes: dict[str, list[int]] = {s: [] for s in SYSTEMS}
     records = h.Records(args.jsonl, "torchtitan")
     try:
         assets = _tasks().make_assets(os.path.join(work, "assets"))
@@ -157,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                 cfg = {"system": s, "root": root, "assets": assets}
                 got = h.run_ranks(job, WORLD, cfg | {"mode": "save"})[0]
                 got |= h.run_ranks(job, WORLD, cfg | {"mode": "resume_tp2"})[0]
+                sizes[s].append(got["size"])
                 for op in OPS:
                     runs[s][op].append(got[op])
                     for rank, rec in enumerate(got[op]):
@@ -172,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         "median [min-max] of the slowest rank"
     )
     versions = f"- torchtitan {h.version('torchtitan')}, torch {h.version('torch')}"
-    h.report(args, argv, __file__, "bench_torchtitan", run, [METHOD, table(rows)], load,
+    size = ", ".join(f"{LABELS[s]} {h.median(sizes[s]) / h.MiB:.1f} MiB" for s in SYSTEMS)
+    blocks = [METHOD, table(rows), f"The checkpoint on disk (all files, median): {size}."]
+    h.report(args, argv, __file__, "bench_torchtitan", run, blocks, load,
              heading=HEADING, dirs={"checkpoints": args.dir}, machine=[versions],
              data={"rows": rows})  # fmt: skip
     return 0
