@@ -111,3 +111,28 @@ def test_the_sharded_metadata_is_what_megatrons_own_strategy_reads_of_its_own_ch
     assert got["anyshard"] == got["torch_dist"]
     kinds = {v[0] for v in got["anyshard"].values()}
     assert kinds == {"ShardedTensor", "ShardedObject"}, kinds
+
+
+def test_the_common_state_encoding_round_trips_what_json_alone_would_lose(tmp_path):
+    import argparse
+
+    from anyshard.api.views import CheckpointView
+    from anyshard.dcp.megatron import COMMON, _decoded, _put_encoded
+
+    value = {
+        "args": argparse.Namespace(lr=0.1, params_dtype=torch.bfloat16, sizes=(1, 2)),
+        "optimizer": {"state": {3: {"step": torch.tensor(5.0)}}, "param_groups": [{"lr": 0.1}]},
+        "none": None,
+        "text": "#not a tensor",
+    }
+    pyt: dict = {}
+    _put_encoded(pyt, COMMON, value, "the common state")
+    assert set(pyt) == {COMMON, f"{COMMON}#0"}  # the one tensor stored as a tensor
+    anyshard.save(str(tmp_path / "c"), pyt)
+    back = _decoded(CheckpointView(str(tmp_path / "c")), COMMON)
+    assert back["args"] == value["args"] and isinstance(back["args"].sizes, tuple)
+    assert list(back["optimizer"]["state"]) == [3]  # an int key stays an int
+    assert torch.equal(back["optimizer"]["state"][3]["step"], torch.tensor(5.0))
+    assert {k: back[k] for k in ("none", "text")} == {"none": None, "text": "#not a tensor"}
+    with pytest.raises(anyshard.AnyshardError, match=r"\['bad'\]\[0\] is a set"):
+        _put_encoded({}, COMMON, {"bad": [{1, 2}]}, "the common state")
