@@ -1,8 +1,11 @@
 """PyTorch DCP integration: storage backends through which ``torch.distributed.checkpoint`` saves
 and loads anyshard checkpoints (`AnyshardWriter`, `AnyshardReader`), and the trainer integrations
 built on them, each imported on its own since each needs its trainer: a Lightning strategy
-(`anyshard.dcp.lightning`) and Megatron-Core ``dist_checkpointing`` strategies
-(`anyshard.dcp.megatron`).
+(`anyshard.dcp.lightning`), torchtitan's checkpoint manager with them (`anyshard.dcp.torchtitan`,
+docs/integrations/torchtitan.md), Megatron-Core ``dist_checkpointing`` strategies
+(`anyshard.dcp.megatron`, docs/integrations/megatron.md), and a context that routes Hugging Face
+Accelerate's FSDP ``save_state`` / ``load_state`` through them (`anyshard.dcp.accelerate`,
+docs/integrations/accelerate.md).
 
 Trainers that checkpoint through DCP (torchtitan, torchtune, Lightning's FSDP strategies,
 Accelerate) take their storage as a `StorageWriter` / `StorageReader`; these two are anyshard's
