@@ -95,7 +95,7 @@ def test_a_slow_rank_is_named_and_the_shares_come_back_when_it_recovers(fixed):
         assert final == (24, 24), s.decisions[-3:]
     else:  # a small share looks slower per sample: back within the imbalance the policy allows
         work = busy(300, final)[0]
-        assert final[0] > final[1] and max(work) <= 1.15 * sum(work) / 2, s.decisions[-3:]
+        assert final[0] >= final[1] and max(work) <= 1.15 * sum(work) / 2, s.decisions[-3:]
         assert final[0] - final[1] < phase[0] - phase[1], (phase, final)
 
 

@@ -597,8 +597,14 @@ class Scheduler:
         # half-way to shares proportional to the measured speeds: a rank's own work also holds
         # work no share changes (the optimizer), so a small share looks slower per sample than
         # it is and the full move overshoots; the next window measures whether the move paid
-        # (`_revert_shares`). Straight back to even where the ranks work alike per sample.
-        new = target if target == even else halfway(shares, target)
+        # (`_revert_shares`). Uneven shares go straight back to even where the ranks work
+        # about alike per sample again (the target within a sample of even on every rank: a
+        # step's fixed work makes a small share look a little slower per sample than it is).
+        back = even is not None and shares != even
+        if back and max(abs(t - e) for t, e in zip(target, even or (), strict=True)) <= 1:
+            new = even or target
+        else:
+            new = halfway(shares, target)
         if new == shares:
             return None
         slow = min(range(n), key=lambda i: new[i] - shares[i])  # the one that gives most
