@@ -60,6 +60,18 @@ def _cpu_shims():
         gc.collect()
 
 
+def forget_megatron_safe_globals() -> None:
+    """Importing megatron.core registers classes (io.BytesIO, argparse.Namespace, numpy arrays...)
+    as safe for ``torch.load(weights_only=True)`` in the whole process: dropped again, so that
+    the tests that run after these in the same process see torch's own list."""
+    from megatron.core.safe_globals import SAFE_GLOBALS
+
+    ours = {id(g) for g in SAFE_GLOBALS}
+    rest = [g for g in torch.serialization.get_safe_globals() if id(g) not in ours]
+    torch.serialization.clear_safe_globals()
+    torch.serialization.add_safe_globals(rest)
+
+
 def _imports():
     warnings.filterwarnings("ignore", module="megatron")
     warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
@@ -244,6 +256,13 @@ def run(root: str, steps: int = 4, saved_at: int = 2) -> dict[str, Any]:
     """Train ``steps`` steps under tp=2, saving after ``saved_at`` through anyshard (with and
     without Megatron's common.pt) and through Megatron's torch_dist; resume each under tp=2, and
     anyshard's under tp=1 x pp=2. Returns what the test compares, rank by rank."""
+    try:
+        return _run(root, steps, saved_at)
+    finally:
+        forget_megatron_safe_globals()
+
+
+def _run(root: str, steps: int, saved_at: int) -> dict[str, Any]:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import (
         get_default_save_common_strategy,

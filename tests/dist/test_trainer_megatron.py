@@ -18,17 +18,23 @@ Run: python -m pytest tests/dist/test_trainer_megatron.py -q
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
+import sys
 
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
+import anyshard
+from anyshard.cli import main as cli
 
-import anyshard  # noqa: E402
-from anyshard.cli import main as cli  # noqa: E402
+# megatron-core is imported by the spawned ranks, and here only by the test that needs it: its
+# import registers classes as safe for weights-only loading, process-wide (undone after each use)
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("megatron.core") is None, reason="needs megatron-core"
+)
 
 HERE = os.path.dirname(__file__)
 TASKS = os.path.join(HERE, "_megatron_tasks.py")
@@ -113,7 +119,22 @@ def test_the_sharded_metadata_is_what_megatrons_own_strategy_reads_of_its_own_ch
     assert kinds == {"ShardedTensor", "ShardedObject"}, kinds
 
 
-def test_the_common_state_encoding_round_trips_what_json_alone_would_lose(tmp_path):
+@pytest.fixture
+def megatron_here():
+    """anyshard.dcp.megatron imported in this process, and megatron-core's safe globals dropped
+    after the test."""
+    import anyshard.dcp.megatron
+
+    yield anyshard.dcp.megatron
+    sys.path.insert(0, HERE)
+    try:
+        from _megatron_tasks import forget_megatron_safe_globals
+    finally:
+        sys.path.remove(HERE)
+    forget_megatron_safe_globals()
+
+
+def test_the_common_state_encoding_round_trips_what_json_alone_would_lose(tmp_path, megatron_here):
     import argparse
 
     from anyshard.api.views import CheckpointView
