@@ -207,6 +207,14 @@ def all_to_all_single_autograd(
     return fc.all_to_all_single_autograd(t, output_split_sizes, input_split_sizes, group)
 
 
+def functional_collectives() -> Any:
+    """``torch.distributed._functional_collectives``, the module whose ``wait_tensor`` ends
+    every functional collective (the straggler measurement times it)."""
+    from torch.distributed import _functional_collectives as fc
+
+    return fc
+
+
 def process_groups() -> set[Any]:
     """Every process group of this process, the default one included: the keys of c10d's
     ``_world.pg_map`` (torch 2.6-2.14); an empty set before ``init_process_group``."""

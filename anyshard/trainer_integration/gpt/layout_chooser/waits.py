@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from anyshard._compat import functional_collectives
+
 __all__ = ["BlockTimer", "WaitClock", "blocked_in"]
 
 _lock = threading.Lock()
@@ -76,8 +78,7 @@ def blocked_in(seconds: float) -> None:
 
 
 def _install() -> None:
-    from torch.distributed import _functional_collectives as funcol
-
+    funcol = functional_collectives()
     work = _work_class()
     _originals["work_wait"] = work.wait
     _originals["wait_tensor"] = funcol.wait_tensor
@@ -86,8 +87,7 @@ def _install() -> None:
 
 
 def _uninstall() -> None:
-    from torch.distributed import _functional_collectives as funcol
-
+    funcol = functional_collectives()
     _work_class().wait = _originals.pop("work_wait")
     funcol.wait_tensor = _originals.pop("wait_tensor")
 
