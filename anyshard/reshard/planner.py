@@ -152,8 +152,8 @@ def plan_reads(
     transfer that needs part of a checksum block reads the whole blocks it touches into staging
     (`Transfer.window`), in parts of about ``max_widened`` bytes (at most ``max_staging``; small
     enough to pass through a reading thread's reused buffer while in cache), and every request
-    carries the checks of the blocks it reads. A transfer that needs some columns of a 2-d
-    shard with checksum tiles reads, instead, only the rows of the tiles it touches (one read a
+    carries the checks of the blocks it reads. A transfer that needs some columns of a shard
+    (of two or more dims) with checksum tiles reads, instead, only the rows of the tiles it touches (one read a
     row, `Transfer.tiles`), where that skips at least ``tile_skip`` bytes of each row
     (`TILE_SKIP_LOCAL` for a local file; on object storage, where closer ranges share one GET,
     more than the gap a GET reads through).
