@@ -62,9 +62,9 @@ def summary(run: dict, first: int, last: int, even: list[int]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     quick = {"reps": 1, "steps": 30, "slow_from": 6, "slow_until": 20, "kinds": "neighbour,none"}
     p = h.parser(__doc__, reps=3, quick=quick)
-    p.add_argument("--steps", type=int, default=48, help="steps per run (48)")
+    p.add_argument("--steps", type=int, default=96, help="steps per run (96)")
     p.add_argument("--slow-from", type=int, default=8, help="the straggler's first step (8)")
-    p.add_argument("--slow-until", type=int, default=36, help="its first step back (36)")
+    p.add_argument("--slow-until", type=int, default=66, help="its first step back (66)")
     p.add_argument("--factor", type=int, default=2, help="how much slower rank 1 runs (2)")
     p.add_argument("--global-batch", type=int, default=24, help="train.global_batch (24)")
     p.add_argument("--kinds", default=",".join(KINDS), help=f"of {', '.join(KINDS)} (all)")
