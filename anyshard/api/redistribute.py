@@ -30,6 +30,7 @@ from anyshard.api.state import flatten_state, json_roundtrip
 from anyshard.api.tensor_layout import layout_of
 from anyshard.errors import AnyshardError, LayoutError, StateDictMismatchError
 from anyshard.format import transit
+from anyshard.format.checksum import crc32c
 from anyshard.format.dtypes import DTYPE_TO_ST, ST_TO_DTYPE
 from anyshard.format.mesh import MeshEntry
 from anyshard.geometry.boxes import Box, Piece, full_box, intersect
@@ -418,6 +419,7 @@ def _outgoing(
     small = [i for i, m in enumerate(moves) if m.nbytes < DIRECT_MIN_BYTES]
     if small:
         buf = stage.take(sum(moves[i].nbytes for i in small))
+        raw = transit.host_bytes(buf) if checked else None
         off = 0
         for i in small:
             m = moves[i]
@@ -425,7 +427,8 @@ def _outgoing(
             seg = buf[off : off + m.nbytes]
             seg.view(view.dtype).view(view.shape).copy_(view)
             if checked:
-                crcs[i] = transit.crc_of(seg)
+                end = off + m.nbytes
+                crcs[i] = transit.crc_of(seg) if raw is None else crc32c(raw[off:end])
             off += m.nbytes
         out.append(buf)
     for i, m in enumerate(moves):
@@ -481,10 +484,12 @@ def _arrived(
     (``crcs``, None when unchecked), then unpacked where they were staged (the check reads
     them into cache for the copy)."""
     for t, entries, staged in parts:
+        raw = transit.host_bytes(t) if crcs is not None else None
         for i, m, off in entries:
             seg = t[off : off + m.nbytes]
-            if crcs is not None:
-                bad = transit.check(crcs[i], seg, m.fqn, m.box, frm, me)
+            if crcs is not None and crcs[i] != transit.UNCHECKED:
+                got = transit.crc_of(seg) if raw is None else crc32c(raw[off : off + m.nbytes])
+                bad = transit.mismatch(crcs[i], got, m.fqn, m.box, frm, me)
                 if bad is not None:
                     failed.append(bad)
             if staged:
