@@ -261,21 +261,19 @@ def _manager_class() -> Any:
                 )
             writer = AnyshardWriter(checkpoint_id)
             ret: Any = None
-            if async_mode == AsyncMode.ASYNC:
+            if async_mode in (AsyncMode.ASYNC, AsyncMode.ASYNC_WITH_PINNED_MEM):
+                pinned: dict[str, Any] = {}
+                if async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
+                    pinned = dict(
+                        async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                        async_stager=self.stager,
+                    )
                 ret = dcp.async_save(
                     state_dict,
                     storage_writer=writer,
                     checkpoint_id=checkpoint_id,
                     process_group=self.pg,
-                )
-            elif async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
-                ret = dcp.async_save(
-                    state_dict,
-                    storage_writer=writer,
-                    checkpoint_id=checkpoint_id,
-                    process_group=self.pg,
-                    async_checkpointer_type=AsyncCheckpointerType.PROCESS,
-                    async_stager=self.stager,
+                    **pinned,
                 )
             else:
                 dcp.save(state_dict, storage_writer=writer, checkpoint_id=checkpoint_id)

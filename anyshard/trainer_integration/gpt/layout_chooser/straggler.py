@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from anyshard.trainer_integration.gpt.layout_chooser.waits import hook_blocks
+
 __all__ = ["Straggler", "pin_to_own_core", "set_process_affinity"]
 
 _BUSY = """
@@ -107,10 +109,7 @@ class Straggler:
         from anyshard.trainer_integration.gpt.model import TransformerBlock
 
         self.model = model
-        for block in model.modules():
-            if isinstance(block, TransformerBlock):
-                block.register_forward_pre_hook(self._before_forward)
-                block.register_forward_hook(self._after_forward)
+        hook_blocks(model, TransformerBlock, self._before_forward, self._after_forward)
 
     def data_phase(self) -> None:
         """After this rank's batch is loaded: the data mode's slow loading."""

@@ -32,7 +32,7 @@ import torch
 
 from anyshard._compat import functional_collectives
 
-__all__ = ["BlockTimer", "WaitClock", "blocked_in"]
+__all__ = ["BlockTimer", "WaitClock", "blocked_in", "hook_blocks"]
 
 _lock = threading.Lock()
 _local = threading.local()
@@ -92,6 +92,15 @@ def _uninstall() -> None:
     funcol.wait_tensor = _originals.pop("wait_tensor")
 
 
+def hook_blocks(model: Any, kind: type, before: Callable, after: Callable) -> None:
+    """``before`` and ``after`` as the forward pre-hook and hook of each ``kind`` block of
+    ``model`` (the straggler's and the accelerator's block timers)."""
+    for block in model.modules():
+        if isinstance(block, kind):
+            block.register_forward_pre_hook(before)
+            block.register_forward_hook(after)
+
+
 class WaitClock:
     """The time the thread that entered it spends blocked in collectives, from `begin` on.
 
@@ -147,10 +156,7 @@ class BlockTimer:
         from anyshard.trainer_integration.gpt.model import TransformerBlock
 
         self.model = model
-        for block in model.modules():
-            if isinstance(block, TransformerBlock):
-                block.register_forward_pre_hook(self._before_forward)
-                block.register_forward_hook(self._after_forward)
+        hook_blocks(model, TransformerBlock, self._before_forward, self._after_forward)
 
     def _event(self) -> Any:
         event = torch.cuda.Event(enable_timing=True)
