@@ -1,10 +1,9 @@
 """Stragglers of every kind against the online scheduler: 2 ranks of the reference trainer
 (dp_shard=2), each pinned to a core of its own (``train.pin_cores``), where from step
-``--slow-from`` until ``--slow-until`` rank 1 is ``--factor`` x slower: a noisy neighbour (a
-busy process pinned to rank 1's core: it waits for the CPU, the whole rank ``--factor`` x
-slower), more compute (real extra multiplies: its transformer blocks compute ``--factor`` x
-as long), a sleep in its blocks (``ANYSHARD_SLOW``'s default: its blocks take ``--factor`` x
-as long), and none. Each kind runs
+``--slow-from`` until ``--slow-until`` rank 1's own work per step takes ``--factor`` x as long:
+a noisy neighbour (a busy process pinned to rank 1's core: it waits for the CPU), more compute
+(real extra multiplies in its transformer blocks and after loading its batch, ``--factor - 1``
+x its work), a sleep in the same places (``ANYSHARD_SLOW``'s default), and none. Each kind runs
 fixed (even data shares) and online (``parallel.auto online``, no layout trials), paired and
 alternating. Over the straggler phase (from 3 steps after it starts to its end): the online run's
 throughput over the fixed run's, and the share of what fixed loses (against the fixed run

@@ -129,10 +129,11 @@ def test_the_slow_rank_works_longest_and_waits_least_whatever_makes_it_slow(pool
             continue
         (own0, blocked0), (own1, blocked1) = first[kind], second[kind]
         assert own1 > own0 and blocked0 > blocked1, (kind, first[kind], second[kind])
-        # the neighbours' toll depends on what else shares the two cores (in the suite, the other
-        # worker's tests): how much slower rank 1 is is tools/bench_straggler.py's to measure;
-        # here, that the measurement names rank 1, so its threshold is set just above noise
-        policy = Policy(imbalance=0.01) if kind == "neighbour" else None
+        # the toll depends on what else shares the two cores (in the suite, the other worker's
+        # tests): how much slower rank 1 is is tools/bench_straggler.py's to measure; here, that
+        # the measurement names rank 1, so the floor a move must beat is set low (the rows
+        # given are alike: no measured noise)
+        policy = Policy(imbalance=0.01)
         s = Scheduler(
             Config(parallel=p), p, Rates.nominal(), total_steps=100, online=True, policy=policy
         )

@@ -21,11 +21,14 @@ The plan, with ``parallel.auto`` = ``start`` or ``online``:
    `Policy.min_gain` of a step: a layout never flips back and forth on noise);
 4. ``online`` only: every `Policy.window` steps compare the median step with the settled one;
    a drift of `Policy.drift` in two windows in a row re-plans (the old measurements describe
-   another machine state and are dropped), and a data-parallel rank busier than the mean by
-   `Policy.imbalance` in two windows in a row gets a smaller share of the same global batch
-   (half-way to `shares_for` at a time; shares that make the busiest data rank's own work longer
-   by `Policy.noise` go back); once the slow rank's cause goes away, the ranks with the larger
-   shares are the busier ones, and the same rule moves the shares back.
+   another machine state and are dropped); and over the last two windows, the data ranks' own
+   work calls for new shares of the same global batch when moving straight to the balance of
+   what each rank was measured to do (`balance.propose`) saves the busiest rank more than
+   `Policy.imbalance` of its work and more than `Policy.z` standard errors of the noise the
+   steps themselves show. The next window judges the move: shares that made the busiest rank's
+   own work longer beyond the measured noise go back (`balance.worse`). Once the slow rank's
+   cause goes away, the ranks with the larger shares are the busier ones, and the same rule
+   moves the shares back (to even, where even is within the noise of the balance).
 
 Every decision is identical on every rank: the inputs are the same gathered figures.
 
@@ -45,15 +48,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from anyshard.trainer_integration.gpt.config import Config, ParallelConfig
+from anyshard.trainer_integration.gpt.layout_chooser.balance import propose, worse
 from anyshard.trainer_integration.gpt.layout_chooser.candidates import Choice, layout_text
 from anyshard.trainer_integration.gpt.layout_chooser.costmodel import Refiner, predict, rank_layouts
 from anyshard.trainer_integration.gpt.layout_chooser.memory import switch_memory
-from anyshard.trainer_integration.gpt.layout_chooser.shares import (
-    halfway,
-    peak,
-    shares_for,
-    shares_move,
-)
+from anyshard.trainer_integration.gpt.layout_chooser.shares import shares_for, shares_move
 from anyshard.trainer_integration.planning.step_cost import Rates, Table
 from anyshard.trainer_integration.planning.topology import Topology
 
@@ -97,10 +96,12 @@ class Policy:
     min_gain: float = 0.05  # and save at least this fraction of a step (hysteresis)
     drift: float = 0.25  # online: re-plan when the median step drifts this much
     window: int = 5  # online: steps per drift and balance check
-    imbalance: float = (
-        0.15  # online: rebalance when a data rank works this much longer than another
-    )
-    noise: float = 0.03  # online: new shares stay unless the busiest rank's work grows this much
+    # online, data shares: a move must save at least this share of the busiest data rank's own
+    # work per step, and more than `z` standard errors of the steps' measured noise
+    imbalance: float = 0.10
+    # new shares go back where the busiest rank's work grew by more than this and the noise
+    noise: float = 0.03
+    z: float = 3.0  # standard errors a measured difference must exceed to be acted on
 
 
 @dataclass(frozen=True)
@@ -167,21 +168,24 @@ class _Window:
     reference: float | None = None  # the settled median step
     skew_ref: float | None = None  # the skews' median when the reference was taken
     drifted: int = 0  # windows in a row whose median drifted from the reference
-    # the busiest data rank in the last window, if it was over the imbalance (a rebalance waits
-    # for a second window naming it)
-    uneven: int | None = None
 
 
 @dataclass
 class _Shares:
-    """The data-parallel shares (None: even); online, the shares before the last rebalance and
-    the busiest data rank's compute they measured; whether a rebalance that did not pay stopped
-    further ones (until a re-plan)."""
+    """The data-parallel shares (None: even) and, online, what was measured under them."""
 
     current: tuple[int, ...] | None = None
-    trial: tuple[tuple[int, ...] | None, float | None] | None = None
-    settled: bool = False
-    moved_off: int | None = None  # the data rank the last rebalance took samples from
+    # each data rank's own work per step since the shares were set (the last two windows)
+    steps: list[tuple[float, ...]] = field(default_factory=list)
+    # after a move, until the next window judges it: the shares before it and their steps
+    judging: tuple[tuple[int, ...] | None, list[tuple[float, ...]]] | None = None
+    # the shares before the last move that stayed and their median own work (the lines'
+    # second point, `balance.fit`)
+    before: tuple[list[float], tuple[int, ...]] | None = None
+    moved_off: int | None = None  # the data rank the last move took samples from
+    promised: float = 0.0  # and the saving it predicted
+    # after a move went back: its data rank and predicted saving (a like move must beat it)
+    blocked: tuple[int | None, float] | None = None
 
 
 class Scheduler:
@@ -323,8 +327,8 @@ class Scheduler:
         d = self._decide(step)
         if d.action != "keep" or d.reason:  # a decision, not a step of measuring or watching
             if d.parallel is not None:  # a new layout starts with even shares
-                self.current, self.share.current = self._plain(d.parallel), None
-                self.window.busy, self.window.skews, self.window.uneven = [], [], None
+                self.current, self.share = self._plain(d.parallel), _Shares()
+                self.window.busy, self.window.skews = [], []
             if d.shares is not None:
                 self.share.current = d.shares
             self.decisions.append(self._record(step, d))
@@ -370,11 +374,7 @@ class Scheduler:
         w = self.window
         recent, w.recent = statistics.median(w.recent), []
         busy, w.busy = w.busy, []
-        moved = self.share.trial is not None  # the window measured the last rebalance
-        back = self._revert_shares(peak(busy))
-        if back is not None:
-            return back
-        rebalance = self._rebalance_online(busy, paid=moved)
+        rebalance = self._shares_online(busy)
         if rebalance is not None:
             return rebalance
         return self._drift(recent)
@@ -439,7 +439,7 @@ class Scheduler:
         best, here = measured[best_name], measured[layout_text(self.current)]
         self.phase.name = "settled"
         w = self.window
-        w.recent, w.busy, w.skews, w.uneven = [], [], [], None
+        w.recent, w.busy, w.skews = [], [], []
         if best_name == layout_text(self.current):
             why = "the running layout is the fastest measured"
             if out_of_reach:
@@ -507,8 +507,9 @@ class Scheduler:
             m.refiner.add(self.current, recent)
             m.slow, m.known, why = 1.0, {}, "no one rank"
         self.phase = _Phase(name="trial")
-        w.reference, w.uneven = None, None
-        self.share.trial, self.share.settled = None, False
+        w.reference = None
+        # the shares stay; what was measured under the ones before no longer holds
+        self.share.judging, self.share.blocked, self.share.before = None, None, None
         return Decision(
             "keep",
             reason=f"re-plan: the step drifted from {was * 1e3:.1f} ms to {recent * 1e3:.1f} ms "
@@ -517,58 +518,60 @@ class Scheduler:
 
     # -- online: data shares ------------------------------------------------------------------
 
-    def _revert_shares(self, peak: float | None) -> Decision | None:
-        """After a rebalance, the window it measured: shares that made the busiest data rank's
-        own work per step longer (by more than `Policy.noise`) go back to the ones before, and
-        stay until a re-plan. Own work, not the step's wall time: what a share changes is each
-        rank's work; the wall time also holds the waits for the others."""
-        sh = self.share
-        if sh.trial is None:
+    def _shares_online(self, busy: list[tuple[float, ...]]) -> Decision | None:
+        """A window's data-rank own work: judge the last move if this window measured it
+        (`_judge`), else move the shares where the last two windows call for it
+        (`_rebalance`); the next window judges the move."""
+        sh, pol = self.share, self.policy
+        sh.steps = (sh.steps + busy)[-2 * pol.window :]
+        if sh.judging is not None:
+            return self._judge()
+        if len(sh.steps) < 2 * pol.window:  # one window may be a neighbour's burst
             return None
-        (before, was), sh.trial = sh.trial, None
-        if peak is None or was is None or peak <= was * (1 + self.policy.noise):
+        move = self._rebalance(sh.steps)
+        if move is not None:
+            sh.judging, sh.steps = (sh.current, sh.steps), []
+            self.window.reference = None  # measured afresh under the new shares
+        return move
+
+    def _judge(self) -> Decision | None:
+        """The window after a move: shares that made the busiest data rank's own work per step
+        longer, beyond the bound the steps' noise sets (`balance.worse`, at least
+        `Policy.noise`), go back; a like move must then promise more (`_rebalance`). Own work,
+        not the step's wall time: what a share changes is each rank's work; the wall time also
+        holds the waits for the others. A move that stays gives the lines their second point."""
+        sh, pol = self.share, self.policy
+        assert sh.judging is not None  # internal: `_shares_online` checks
+        (before, steps), sh.judging = sh.judging, None
+        if not steps or not sh.steps or len(steps[0]) != len(sh.steps[0]):
             return None
-        sh.settled = True
+        now, was = [max(b) for b in sh.steps], [max(b) for b in steps]
+        n = len(steps[0])
+        old = before or tuple([self.cfg.train.global_batch // n] * n)
+        bad, bound = worse(was, now, floor=pol.noise, z=pol.z)
+        if not bad:
+            sh.before = ([statistics.median(c) for c in zip(*steps, strict=True)], old)
+            return None
+        sh.blocked = (sh.moved_off, sh.promised)
+        sh.steps = []
         self.window.reference = None
-        n = len(sh.current or ())
-        even = tuple([self.cfg.train.global_batch // n] * n) if n else None
         return Decision(
             "rebalance",
-            shares=before or even,
-            reason=f"shares {list(sh.current or ())} measured {peak * 1e3:.1f} ms of own work on "
-            f"the busiest data rank against {was * 1e3:.1f} ms before them: back",
+            shares=old,
+            reason=f"shares {list(sh.current or ())} measured {statistics.median(now) * 1e3:.1f} "
+            f"ms of own work on the busiest data rank against {statistics.median(was) * 1e3:.1f} "
+            f"ms before them, worse beyond the noise bound ({bound:.1%}): back",
         )
 
-    def _rebalance_online(self, busy: list[tuple[float, ...]], paid: bool) -> Decision | None:
-        """A rebalance a second window in a row confirms (`_confirmed`), unless one that did not
-        pay stopped them; the next window measures it (`_revert_shares`). A window that
-        measured a rebalance that paid (``paid``) and still finds the same data rank the
-        busiest confirms the next move itself: the rank was found twice before the first."""
-        rebalance = None if self.share.settled else self._rebalance(busy)
-        if not (paid and rebalance is not None and rebalance.slow == self.share.moved_off):
-            rebalance = self._confirmed(rebalance)
-        if rebalance is not None:
-            self.window.reference = None  # measured afresh under the new shares
-            self.share.trial = (self.share.current, peak(busy))
-            self.share.moved_off = rebalance.slow
-        return rebalance
-
-    def _confirmed(self, rebalance: Decision | None) -> Decision | None:
-        """An online rebalance once a second window in a row finds the same data rank over the
-        imbalance: one window may be a neighbour's burst on that rank's core, as one window's
-        drift may be (the windows' medians already pass over single steps)."""
-        slow = None if rebalance is None else rebalance.slow
-        if slow is None or slow != self.window.uneven:
-            self.window.uneven = slow
-            return None
-        self.window.uneven = None
-        return rebalance
-
     def _rebalance(self, busy: list[tuple[float, ...]]) -> Decision | None:
-        """Uneven data shares when one data rank is busier than the rest (pipelines keep even
-        shares: their microbatches split each rank's share; so do experts, whose ranks route
-        tokens to each other)."""
-        p = self.current
+        """Shares that balance the data ranks' measured own work (`balance.propose`: straight to
+        the balance of each rank's fitted line, or to even shares where they are as good),
+        where the saving predicted beats the floor `Policy.imbalance` and the measured noise;
+        None otherwise, or where the last move that went back took from the same rank and this
+        one promises no more than it did by the bound. Pipelines keep even shares (their
+        microbatches split each rank's share); so do experts, whose ranks route tokens to each
+        other."""
+        p, pol, sh = self.current, self.policy, self.share
         if (
             not busy
             or not shares_move(p)
@@ -576,42 +579,25 @@ class Scheduler:
             or any(len(b) != len(busy[0]) for b in busy)
         ):
             return None
-        med = [statistics.median(col) for col in zip(*busy, strict=True)]
-        n = len(med)
-        gb = self.cfg.train.global_batch
+        n, gb = len(busy[0]), self.cfg.train.global_batch
         shares = self.shares or tuple([gb // n] * n)
-        per_sample = [b / s for b, s in zip(med, shares, strict=True)]
-        per = sum(per_sample) / n
-        imb = self.policy.imbalance
-        # two signs of imbalance: a data rank slower per sample than the mean (its share is too
-        # large for its speed), or one that works longer per step than another whatever the
-        # speeds (the busiest paces the step): the second moves shares back when a slow rank's
-        # cause has gone away and the ranks with the larger shares are the busier ones
-        mean = sum(med) / n
-        slower = max(per_sample) > (1 + imb) * per or min(per_sample) < (1 - imb) * per
-        busier = max(med) > (1 + imb) * mean
-        if not (slower or busier):
+        if sum(shares) != gb or len(shares) != n:
             return None
-        target = tuple(shares_for(med, shares, gb))
-        even = tuple([gb // n] * n) if gb % n == 0 else None
-        # half-way to shares proportional to the measured speeds: a rank's own work also holds
-        # work no share changes (the optimizer), so a small share looks slower per sample than
-        # it is and the full move overshoots; the next window measures whether the move paid
-        # (`_revert_shares`). Uneven shares go straight back to even where the ranks work
-        # about alike per sample again (the target within a sample of even on every rank: a
-        # step's fixed work makes a small share look a little slower per sample than it is).
-        back = even is not None and shares != even
-        if back and max(abs(t - e) for t, e in zip(target, even or (), strict=True)) <= 1:
-            new = even or target
-        else:
-            new = halfway(shares, target)
-        if new == shares:
+        move = propose(busy, shares, gb, floor=pol.imbalance, z=pol.z, before=sh.before)
+        if move is None:
             return None
-        slow = min(range(n), key=lambda i: new[i] - shares[i])  # the one that gives most
+        if sh.blocked is not None and sh.blocked[0] == move.slow:
+            if move.gain <= sh.blocked[1] + move.bound:
+                return None
+        sh.moved_off, sh.promised = move.slow, move.gain
+        own = [statistics.median(c) for c in zip(*busy, strict=True)]
+        mean = sum(own) / n
         return Decision(
             "rebalance",
-            shares=new,
-            reason=f"data rank {slow} works {med[slow] / mean:.2f}x the mean per step, "
-            f"{per_sample[slow] / per:.2f}x the mean time per sample",
-            slow=slow,
+            shares=move.shares,
+            reason=f"data rank {move.slow} works {own[move.slow] / mean:.2f}x the mean per step; "
+            f"shares {list(move.shares)} are predicted to save {move.gain:.1%} of the busiest "
+            f"rank's own work a step (bound {move.bound:.1%}: the floor, or {pol.z:g} standard "
+            "errors of the steps' noise)",
+            slow=move.slow,
         )

@@ -1,19 +1,18 @@
 """Data-parallel shares of the global batch: what the layout scheduler gives a slow data rank.
 
 A data rank that takes longer per sample gets fewer samples of the same global batch, in
-proportion to its measured speed (`shares_for`), moved half-way at a time (`halfway`); only
-layouts without pipeline stages or experts take uneven shares (`shares_move`).
+proportion to its measured speed (`shares_for`; online, the scheduler moves to the balance of
+each rank's measured own work, `balance`); only layouts without pipeline stages or experts
+take uneven shares (`shares_move`).
 """
 
 from __future__ import annotations
 
-import math
-import statistics
 from collections.abc import Sequence
 
 from anyshard.trainer_integration.gpt.config import ParallelConfig
 
-__all__ = ["halfway", "peak", "shares_for", "shares_move"]
+__all__ = ["shares_for", "shares_move"]
 
 
 def shares_for(busy: Sequence[float], shares: Sequence[int], global_batch: int) -> list[int]:
@@ -38,31 +37,6 @@ def shares_for(busy: Sequence[float], shares: Sequence[int], global_batch: int) 
     for i in order[: global_batch - sum(out)]:
         out[i] += 1
     return out
-
-
-def peak(busy: Sequence[tuple[float, ...]]) -> float | None:
-    """The busiest data rank's compute per step over a window (its median), or None."""
-    return statistics.median(max(b) for b in busy) if busy else None
-
-
-def halfway(shares: Sequence[int], target: Sequence[int]) -> tuple[int, ...]:
-    """Shares half-way from ``shares`` to ``target`` (same total), each moving at least one
-    sample towards its target where it differs.
-
-    >>> halfway((8, 8), (12, 4))
-    (10, 6)
-    >>> halfway((10, 6), (11, 5))
-    (11, 5)
-    """
-    out = []
-    for a, b in zip(shares, target, strict=True):
-        step = (b - a) / 2
-        out.append(a + (math.ceil(step) if step > 0 else math.floor(step)))
-    extra = sum(out) - sum(shares)  # rounding away from zero on both sides may add samples
-    order = sorted(range(len(out)), key=lambda i: out[i] - target[i], reverse=extra > 0)
-    for i in order[: abs(extra)]:
-        out[i] -= 1 if extra > 0 else -1
-    return tuple(out)
 
 
 def shares_move(p: ParallelConfig) -> bool:

@@ -2,14 +2,18 @@
 trying the layout chooser's data shares on a machine whose ranks are alike.
 
 ``ANYSHARD_SLOW=rank:factor[:from_step[:until_step]][:mode]``, from step ``from_step`` until
-step ``until_step`` (left out: to the end), the rank runs ``factor`` times slower:
+step ``until_step`` (left out: to the end), the rank's own work per step takes ``factor`` times
+as long, whatever the mode:
 
 - ``sleep`` (the default): each transformer block's forward and backward sleep ``factor - 1``
   times their compute as they end, where a slow device's compute would be (between the block's
-  collectives: the other ranks compute meanwhile, and a smaller data share shortens it);
-- ``compute``: the same blocks do ``factor - 1`` times their compute more, for real (matrix
-  multiplies on the rank's own tensors), as a rank with more work does;
-- ``data``: the rank's data loading takes ``factor - 1`` times its blocks' compute of the step
+  collectives: the other ranks compute meanwhile, and a smaller data share shortens it), and
+  after its batch is loaded the rank sleeps ``factor - 1`` times its work outside the blocks
+  in the step before (the embedding, the loss, the optimizer: the host's CPU time of the step
+  less its blocks'; on an accelerator the blocks alone are slowed);
+- ``compute``: the same, computed for real (matrix multiplies on the rank's own tensors), as a
+  rank with more work does;
+- ``data``: the rank's data loading takes ``factor - 1`` times its whole own work of the step
   before (sleeping, as a slow reader does): a rank slow in one phase only;
 - ``neighbour``: every rank is pinned to a core of its own (`pin_to_own_core`) and
   ``factor - 1`` busy processes are pinned beside the slow rank, which gets ``1/factor`` of its
@@ -85,8 +89,13 @@ class Straggler:
         self.mode, self.cuda = mode, cuda
         self.on, self.slept, self.extra = False, 0.0, 0.0
         self.model: Any = None  # the model whose blocks are hooked (a switch builds another)
-        self.blocks_s = 0.0  # the blocks' compute in the current step
-        self.last_blocks_s = 0.0  # and in the step before (the data mode's measure)
+        self.blocks_s = 0.0  # the blocks' own compute in the current step (`_clock`'s units)
+        self.last_blocks_s = 0.0  # and in the step before
+        # the step before's own work outside the blocks (the embedding, the loss, the
+        # optimizer: the host's CPU time less the blocks'; none on an accelerator)
+        self.last_rest_s = 0.0
+        self.injected = 0.0  # what the slowdown added to `_clock` so far
+        self._step_mark: tuple[float, float] | None = None  # (`_clock`, `injected`) at arm
         self.neighbours: list[subprocess.Popen] = []
         self._work: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -96,8 +105,12 @@ class Straggler:
 
     def arm(self, model, step: int) -> None:
         """Before step ``step`` of ``model``: slow or not; start or stop the neighbours; hook a
-        new model's blocks."""
+        new model's blocks; what the step before did on its own (its blocks and the rest)."""
         self.on = self.due(step)
+        if self._step_mark is not None and not self.cuda:
+            step_s = self._since(self._step_mark)
+            self.last_rest_s = max(0.0, step_s - self.blocks_s)
+        self._step_mark = (self._clock(), self.injected)
         self.last_blocks_s, self.blocks_s = self.blocks_s, 0.0
         if self.mode == "neighbour":
             if self.on and not self.neighbours:
@@ -112,11 +125,15 @@ class Straggler:
         hook_blocks(model, TransformerBlock, self._before_forward, self._after_forward)
 
     def data_phase(self) -> None:
-        """After this rank's batch is loaded: the data mode's slow loading."""
-        if self.on and self.mode == "data":
-            pause = (self.factor - 1) * self.last_blocks_s
-            self.slept += pause
-            time.sleep(pause)
+        """After this rank's batch is loaded: the data mode's slow loading (the whole own work
+        of the step before, ``factor - 1`` times); the sleep and compute modes' share of the
+        rank's work outside its blocks (``factor - 1`` times the step before's)."""
+        if not self.on or self.mode == "neighbour":
+            return
+        if self.mode == "data":
+            self._pause((self.factor - 1) * (self.last_blocks_s + self.last_rest_s), sleep=True)
+        else:
+            self._pause((self.factor - 1) * self.last_rest_s, sleep=self.mode == "sleep")
 
     def close(self) -> None:
         """Stop the neighbours (the end of the slow steps, or of the run)."""
@@ -133,10 +150,29 @@ class Straggler:
             self.neighbours.append(subprocess.Popen(args, stdin=subprocess.DEVNULL))
 
     def _clock(self) -> float:
+        """The rank's own compute: the training thread's CPU time on the host (a sleep is not
+        in it), the device's time on an accelerator (synchronised: a sleep is in it)."""
         if self.cuda:
             torch.cuda.synchronize()
             return time.perf_counter()
         return time.thread_time()
+
+    def _since(self, mark: tuple[float, float]) -> float:
+        """`_clock`'s time since ``mark``, less what the slowdown added meanwhile (a block's
+        backward begins as the next block's ends: the next block's slowdown falls between)."""
+        return max(0.0, (self._clock() - mark[0]) - (self.injected - mark[1]))
+
+    def _pause(self, seconds: float, *, sleep: bool) -> None:
+        """``seconds`` more on this rank: slept, or computed for real."""
+        if seconds <= 0:
+            return
+        began = self._clock()
+        if sleep:
+            self.slept += seconds
+            time.sleep(seconds)
+        else:
+            self._compute_more(seconds)
+        self.injected += self._clock() - began
 
     def _compute_more(self, seconds: float) -> None:
         """``seconds`` of real extra compute on this rank: multiplies of its own tensors."""
@@ -157,26 +193,23 @@ class Straggler:
         self._work = (a, b)
         self.extra += seconds
 
-    def _slow(self, began: float) -> None:
-        spent = max(0.0, self._clock() - began)
+    def _slow(self, mark: tuple[float, float]) -> None:
+        spent = self._since(mark)
         self.blocks_s += spent
-        if not self.on or self.mode in ("data", "neighbour"):
-            return
-        pause = (self.factor - 1) * spent
-        if self.mode == "compute":
-            self._compute_more(pause)
-        else:
-            self.slept += pause
-            time.sleep(pause)
+        if self.on and self.mode in ("sleep", "compute"):
+            self._pause((self.factor - 1) * spent, sleep=self.mode == "sleep")
+
+    def _mark(self) -> tuple[float, float]:
+        return (self._clock(), self.injected)
 
     def _before_forward(self, module, args) -> None:
         x = args[0] if args else None
         if isinstance(x, torch.Tensor) and x.requires_grad:
             # the gradient of the block's input is the last its backward computes
             x.register_hook(lambda grad: self._slow(module._straggler_backward))
-        module._straggler_forward = self._clock()
+        module._straggler_forward = self._mark()
 
     def _after_forward(self, module, args, out) -> None:
         self._slow(module._straggler_forward)
         if isinstance(out, torch.Tensor) and out.requires_grad:
-            out.register_hook(lambda grad: setattr(module, "_straggler_backward", self._clock()))
+            out.register_hook(lambda grad: setattr(module, "_straggler_backward", self._mark()))

@@ -95,10 +95,10 @@ def _uninstall() -> None:
 def hook_blocks(model: Any, kind: type, before: Callable, after: Callable) -> None:
     """``before`` and ``after`` as the forward pre-hook and hook of each ``kind`` block of
     ``model`` (the straggler's and the accelerator's block timers)."""
-    for block in model.modules():
-        if isinstance(block, kind):
-            block.register_forward_pre_hook(before)
-            block.register_forward_hook(after)
+    blocks: list[Any] = [m for m in model.modules() if isinstance(m, kind)]
+    for block in blocks:
+        block.register_forward_pre_hook(before)
+        block.register_forward_hook(after)
 
 
 class WaitClock:
