@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from anyshard.api import collectives as coll
-from anyshard.api.redistribute import agree_on_transit
+from anyshard.api.transfer import agree_on_transit
 from anyshard.format import transit
 from anyshard.format.dtypes import ST_TO_DTYPE
 from anyshard.format.manifest import Manifest

@@ -181,8 +181,8 @@ def large_moves_task(inflight: int) -> int:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from anyshard.api import redistribute as module
-    from anyshard.api.redistribute import DIRECT_MIN_BYTES
+    from anyshard.api import transfer as module
+    from anyshard.api.transfer import DIRECT_MIN_BYTES
 
     mesh = init_device_mesh("cpu", (4,))
     g = torch.Generator().manual_seed(11)
