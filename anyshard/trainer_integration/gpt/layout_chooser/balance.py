@@ -28,7 +28,17 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Lines", "Move", "balanced", "fit", "median_error", "propose", "spread", "worse"]
+__all__ = [
+    "Lines",
+    "Move",
+    "back_to_even",
+    "balanced",
+    "fit",
+    "median_error",
+    "propose",
+    "spread",
+    "worse",
+]
 
 MAD_SIGMA = 1.4826  # a normal spread's standard deviation per median absolute deviation
 MEDIAN_SE = 1.2533  # a median's standard error over a mean's, for normal noise
@@ -168,12 +178,16 @@ def propose(
     before: tuple[Sequence[float], Sequence[int]] | None = None,
 ) -> Move | None:
     """The move ``steps`` (each data rank's own work per step, all under ``shares``) call for,
-    or None: to the balance of the fitted lines (`fit`, `balanced`; an even split instead where
+    or None: straight back to even where a rank given more samples became the busiest
+    (`back_to_even`); else to the balance of the fitted lines (`fit`, `balanced`; even instead where
     its predicted busiest rank is within the bound of the balance's: even shares need no
     reason), and only where the median predicted saving beats ``floor`` and ``z`` standard
     errors of that median."""
     n = len(shares)
     own = [statistics.median(col) for col in zip(*steps, strict=True)]
+    back = back_to_even(steps, shares, global_batch, floor=floor, z=z)
+    if back is not None:
+        return back
     lines = fit(own, shares, before)
     least = max(1, global_batch // (8 * n))  # a rank keeps an eighth of an even share
     new = balanced(lines, global_batch, least)
@@ -193,6 +207,43 @@ def propose(
         return None
     slow = min(range(n), key=lambda i: (new[i] - shares[i], i))
     return Move(tuple(new), gain, bound, slow, lines)
+
+
+def back_to_even(
+    steps: Sequence[Sequence[float]],
+    shares: Sequence[int],
+    global_batch: int,
+    *,
+    floor: float,
+    z: float,
+) -> Move | None:
+    """Even shares, where the busiest data rank is one that holds more than an even share and
+    works longer than every rank that holds no more, per step, by more than ``floor`` and ``z``
+    standard errors (a slow rank that recovered: the ranks it gave samples to are now the busy
+    ones). Straight to even rather than along the lines: a recovered rank's line, fitted while
+    it was slow, no longer holds, and a small share's fixed work makes it look slow per sample.
+    The next window judges the move like any other (`worse`).
+
+    >>> back_to_even([[0.2, 0.1]] * 10, (19, 5), 24, floor=0.1, z=3).shares
+    (12, 12)
+    """
+    n = len(shares)
+    if global_batch % n or n < 2:
+        return None
+    even = global_batch // n
+    own = [statistics.median(col) for col in zip(*steps, strict=True)]
+    busiest = max(range(n), key=lambda i: (own[i], -i))
+    small = [j for j in range(n) if shares[j] <= even]
+    if shares[busiest] <= even or not small:
+        return None
+    apart = [1 - max(step[j] for j in small) / step[busiest] for step in steps if step[busiest]]
+    if not apart:
+        return None
+    gain, bound = statistics.median(apart), max(floor, z * median_error(apart))
+    if gain <= bound:
+        return None
+    lines = fit(own, shares)
+    return Move(tuple([even] * n), gain, bound, busiest, lines)
 
 
 def worse(

@@ -27,8 +27,8 @@ The plan, with ``parallel.auto`` = ``start`` or ``online``:
    `Policy.imbalance` of its work and more than `Policy.z` standard errors of the noise the
    steps themselves show. The next window judges the move: shares that made the busiest rank's
    own work longer beyond the measured noise go back (`balance.worse`). Once the slow rank's
-   cause goes away, the ranks with the larger shares are the busier ones, and the same rule
-   moves the shares back (to even, where even is within the noise of the balance).
+   cause goes away, the ranks with the larger shares are the busier ones, and the shares go
+   straight back to even (`balance.back_to_even`), judged the same way.
 
 Every decision is identical on every rank: the inputs are the same gathered figures.
 
