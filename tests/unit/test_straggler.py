@@ -268,7 +268,7 @@ def test_each_mode_slows_its_rank_whole_own_work_its_own_way_only_in_its_steps(
                 assert len(pauses) == 1 + 2 * n_blocks and computed == 0.0
                 assert sum(pauses) == pytest.approx(2 * (rest + blocks))
             elif mode == "compute":
-                assert pauses == [] and computed >= 2 * (rest + blocks)
+                assert pauses == [] and computed == pytest.approx(2 * (rest + blocks))
             else:  # one sleep as the batch is loaded, twice the step before's own work
                 assert pauses == [pytest.approx(2 * whole)] and computed == 0.0
 
