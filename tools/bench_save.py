@@ -13,6 +13,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from functools import partial
 
 import benchkit as h
@@ -37,7 +38,9 @@ order each repetition, each checkpoint removed before the next save: `anyshard.s
 a shard's rows are 8 KiB or more), the same with tiles off (`anyshard.format.datafile.tile_count`
 made 1: block checksums only, as before tiles), and `dcp.save` with `FileSystemWriter`. Time: the
 slowest rank from a common barrier, median [min-max] over the repetitions; CPU: user + sys
-seconds of the 4 ranks together, median [min-max]. Bytes of column splits: one process saves a
+seconds of the 4 ranks together, median [min-max]; of them, the checksum jobs' (the thread CPU
+of each rank's block and tile crc32c jobs, tile-major copies included: the rest is mostly the
+write syscalls). Bytes of column splits: one process saves a
 [16, 1024, 4096] fp32 expert weight (rows of 16 KiB) and the same bytes as a 2-d [16384, 4096]
 weight to tmpfs, then loads each part of a 2, 4 and 8-way split of the last dim, verified, and
 counts the bytes the read plan reads (`ReadPlan.bytes_read`) and the bytes the process read
@@ -64,7 +67,10 @@ def _source(spec) -> dict:
     return out
 
 
-def _save(system: str, state: dict, path: str) -> None:
+def _save(system: str, state: dict, path: str) -> dict | None:
+    """One save of ``state`` to ``path`` by ``system``; for anyshard, the CPU seconds of this
+    rank's checksum jobs (``crc_cpu_s``: the thread CPU of each job, block and tile crc32c and
+    the tile-major copies; the rest of its CPU is mostly the write syscalls)."""
     import torch.distributed.checkpoint as dcp
 
     import anyshard
@@ -72,14 +78,30 @@ def _save(system: str, state: dict, path: str) -> None:
 
     if system == "dcp":
         dcp.save(state, storage_writer=dcp.FileSystemWriter(path))
-        return
-    tiles = datafile.tile_count
+        return None
+    saved = {k: getattr(datafile, k) for k in ("tile_count", "block_crcs", "shard_tile_crcs")}
+    spent: list[float] = []  # one item a job: the jobs run on a pool's threads at once
+
+    def timed(fn):
+        def run(*args, **kwargs):
+            t0 = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent.append(time.thread_time() - t0)
+
+        return run
+
+    for k in ("block_crcs", "shard_tile_crcs"):  # looked up by write_datafile at each call
+        setattr(datafile, k, timed(saved[k]))
     if system == "notiles":
         datafile.tile_count = lambda shape, itemsize: 1  # block checksums only
     try:
         anyshard.save(path, state)
     finally:
-        datafile.tile_count = tiles
+        for k, fn in saved.items():
+            setattr(datafile, k, fn)
+    return {"crc_cpu_s": sum(spent)}
 
 
 def worker(rank: int, world: int, cfg: dict) -> dict | None:
@@ -113,7 +135,9 @@ def worker(rank: int, world: int, cfg: dict) -> dict | None:
                     records.append({"shape": shape, "system": s, "rep": rep, "ranks": recs})
                     worst = max(r["wall_s"] for r in recs)
                     cpu = sum(r["cpu_s"] for r in recs)
-                    print(f"  {s:9s} {worst:6.3f} s  cpu {cpu:6.3f} s", flush=True)
+                    crc = _crc_cpu(recs)
+                    sums = "" if crc is None else f"  (checksums {crc:5.3f})"
+                    print(f"  {s:9s} {worst:6.3f} s  cpu {cpu:6.3f} s{sums}", flush=True)
         del state
     return {"records": records} if rank == 0 else None
 
@@ -165,12 +189,23 @@ def split_bytes(root: str) -> list[dict]:
     return out
 
 
+def _crc_cpu(recs: list[dict]) -> float | None:
+    """The checksum jobs' CPU seconds of every rank together (None: DCP, which has none)."""
+    got = [r["result"]["crc_cpu_s"] for r in recs if "result" in r]
+    return sum(got) if got else None
+
+
 def summarize(records: list[dict]) -> dict:
     rows: dict = {}
     for rec in records:
-        row = rows.setdefault(rec["shape"], {s: {"time": [], "cpu": []} for s in SYSTEMS})
+        row = rows.setdefault(
+            rec["shape"], {s: {"time": [], "cpu": [], "crc": []} for s in SYSTEMS}
+        )
         row[rec["system"]]["time"].append(max(r["wall_s"] for r in rec["ranks"]))
         row[rec["system"]]["cpu"].append(sum(r["cpu_s"] for r in rec["ranks"]))
+        crc = _crc_cpu(rec["ranks"])
+        if crc is not None:
+            row[rec["system"]]["crc"].append(crc)
     return rows
 
 
@@ -195,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     head += [*(f"{LABELS[s]} CPU s" for s in SYSTEMS), "CPU tiles / tiles off"]
     body, checks = [], []
     for shape, row in rows.items():
-        med = {s: {k: h.median(v) for k, v in row[s].items()} for s in SYSTEMS}
+        med = {s: {k: h.median(v) for k, v in row[s].items() if v} for s in SYSTEMS}
         a, n, d = (med[s] for s in SYSTEMS)
         body.append([shape, *(h.fmt_spread(row[s]["time"], ".3f") for s in SYSTEMS)])
         body[-1] += [f"{a['time'] / d['time']:.2f}"]
@@ -221,7 +256,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     run = f"{args.reps} repetitions, shapes {', '.join(shapes)}, {args.torch_threads} torch "
     run += "thread(s) a rank, median [min-max]"
+    crcs = "; ".join(
+        f"{shape} "
+        + ", ".join(
+            f"{LABELS[s]} {h.fmt_spread(row[s]['crc'], '.3f')} of {h.median(row[s]['cpu']):.3f}"
+            for s in ("anyshard", "notiles")
+        )
+        for shape, row in rows.items()
+    )
     blocks = [METHOD, (head, body), f"Per-repetition times (slowest rank): {times}."]
+    blocks += [f"CPU seconds of the checksum jobs, of the save's CPU seconds (median): {crcs}."]
     blocks += ["Bytes a verified load of each part of a column split reads, all parts together:"]
     blocks += [(split_head, split_body), h.targets(checks)]
     data |= {"rows": rows, "splits": splits, "total_gib": 1.0}
