@@ -150,7 +150,15 @@ def tile_crcs(
     which on a loaded host (several ranks a host, the save's writer threads) cost 10-30x the
     CPU of the copy itself. Chaining a running crc32c over each tile's row segments in place
     (``crc32c.crc32c(segment, value=running)``) took 0.10-0.16 CPU s for 256 MiB of 1 KiB
-    segments here (a Python call a segment), against 0.044 for copy and checksums together."""
+    segments here (a Python call a segment), against 0.044 for copy and checksums together.
+
+    What a tiled shard costs over its block checksums alone is the copy and one more crc32c
+    pass, both from the cache: 0.014 and 0.020 CPU s for 256 MiB (16 KiB tiles), 0.049 in all
+    against 0.018 for the block checksums alone. The block checksums cost nothing measurable
+    here (tiles alone took 0.051): each band is read from memory once, by its block checksum,
+    and the copy then reads it from the cache, so a format without block checksums for tiled
+    shards would save no CPU. Chunks of 2 or 4 bands, or the copy as 8-byte words, measured
+    within the noise of this one."""
     a = rows.detach().numpy() if isinstance(rows, torch.Tensor) else rows
     n_rows, n_bytes = a.shape
     if n_rows == 0 or n_bytes == 0:
