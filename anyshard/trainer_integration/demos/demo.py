@@ -57,27 +57,28 @@ def _ft_hsdp(args, run_dir: str, log) -> Scenario:
         "from group 0"
     )
     faults = {"kill_step": args.ft_kill_step, "heal_layout": "tp=2", "lose": None}
-    return (yield from _replica_groups(args, run_dir, "ft-hsdp", faults, log))
+    return (yield from _replica_groups(args, run_dir, "ft-hsdp", faults, log, args.ft_steps))
 
 
 def _elastic(args, run_dir: str, log) -> Scenario:
     log(
         f"elastic: 2 nodes x 2 ranks (a torchft replica group each, dp_shard=2), to step "
-        f"{args.ft_steps}; node 1 is lost at step {args.ft_kill_step} (agent and ranks) and "
+        f"{args.elastic_steps}; node 1 is lost at step {args.ft_kill_step} (agent and ranks) and "
         f"comes back {args.back_s:g} s later: the job goes on at 2 ranks, then 4"
     )
     faults = {"kill_step": None, "heal_layout": None, "lose": (args.ft_kill_step, args.back_s)}
-    return (yield from _replica_groups(args, run_dir, "elastic", faults, log))
+    return (yield from _replica_groups(args, run_dir, "elastic", faults, log, args.elastic_steps))
 
 
-def _replica_groups(args, run_dir: str, scenario: str, faults: dict, log) -> Scenario:
-    """The ft-hsdp or elastic scenario, the fault as ``faults`` (`ft_demo.ft_hsdp_command`'s
-    arguments) say: its run, its summary printed and its loss plot."""
+def _replica_groups(args, run_dir: str, scenario: str, faults: dict, log, steps: int) -> Scenario:
+    """The ft-hsdp or elastic scenario to step ``steps``, the fault as ``faults``
+    (`ft_demo.ft_hsdp_command`'s arguments) say: its run, its summary printed and its loss
+    plot."""
     from anyshard.trainer_integration.demos import ft_demo
 
     extra = _config_args(args)
-    cmd = ft_demo.ft_hsdp_command(run_dir, steps=args.ft_steps, extra=extra, **faults)
-    rc = yield from ft_demo.follow_ft_hsdp(run_dir, cmd, args.ft_steps, log)
+    cmd = ft_demo.ft_hsdp_command(run_dir, steps=steps, extra=extra, **faults)
+    rc = yield from ft_demo.follow_ft_hsdp(run_dir, cmd, steps, log)
     if rc != 0:
         name = {"ft-hsdp": "FT-HSDP"}.get(scenario, scenario)
         log(f"{name} failed (exit {rc}); see {run_dir}/launch.log")
@@ -158,12 +159,15 @@ def _parser() -> argparse.ArgumentParser:
         help="which to run (default all: each into RUN_DIR/<scenario>)",
     )
     p.add_argument("--storage", choices=("local", "s3"), default="local")
-    p.add_argument("--steps-a", type=int, default=12, help="restart: steps of phase A (4 ranks)")
+    p.add_argument("--steps-a", type=int, default=10, help="restart: steps of phase A (4 ranks)")
     p.add_argument(
-        "--steps-b", type=int, default=20, help="restart: total steps after phase B (2 ranks)"
+        "--steps-b", type=int, default=16, help="restart: total steps after phase B (2 ranks)"
     )
     p.add_argument("--kill-step", type=int, default=6, help="restart: step rank 3 is killed at")
-    p.add_argument("--ft-steps", type=int, default=20, help="ft-hsdp and elastic: steps of the run")
+    p.add_argument("--ft-steps", type=int, default=16, help="ft-hsdp: steps of the run")
+    # the lost node's return starts a launcher afresh (its imports, while the survivors train):
+    # the run is long enough that it rejoins with steps to spare on a loaded machine too
+    p.add_argument("--elastic-steps", type=int, default=18, help="elastic: steps of the run")
     p.add_argument(
         "--ft-kill-step",
         type=int,
@@ -173,9 +177,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--back-s", type=float, default=3.0, help="elastic: seconds until the lost node returns"
     )
-    p.add_argument("--auto-steps", type=int, default=36, help="autolayout: steps of the run")
+    p.add_argument("--auto-steps", type=int, default=34, help="autolayout: steps of the run")
     p.add_argument(
-        "--slow-step", type=int, default=20, help="autolayout: step rank 1 becomes a straggler at"
+        "--slow-step", type=int, default=18, help="autolayout: step rank 1 becomes a straggler at"
     )
     p.add_argument(
         "--slow-factor", type=float, default=2.0, help="autolayout: how much slower rank 1 gets"

@@ -2,10 +2,12 @@
 another with no idle gap between them.
 
 `launch_phase` starts one group of ranks under an elastic agent (`Phase`: the restart
-scenario's launches, the autolayout one's); `Launch.follow` follows a launcher process. A scenario is a generator: it starts its launcher processes, yields while they train (`TRAINED`
-once its last step is logged) and returns its summary (None where it failed). `run_in_turn`
-starts the next scenario's launch as soon as the one on screen has logged its last step, so that
-the next one's start-up (its interpreters importing torch, its rendezvous) runs while the
+scenario's launches, the autolayout one's); `Launch.follow` follows a launcher process, which
+is forked from the demo's own (it has imported torch and anyshard already). A scenario is a
+generator: it starts its launcher processes, yields while they train (`TRAINED` once its last
+step is logged) and returns its summary (None where it failed). `run_in_turn` starts the next
+scenario's launch as soon as the one on screen has logged its last step, so that the next
+one's start-up (its forkservers importing torch, its rendezvous) runs while the
 previous one saves its last checkpoint, shuts down and draws its plot: the previous one's steps
 are over, so none of its figures is disturbed. One scenario's output shows at a time; the next
 one's lines wait until the previous one's summary is out. `drive` runs one scenario alone.
@@ -24,13 +26,15 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
+import traceback
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any, NoReturn
 
 __all__ = [
     "TRAINED",
@@ -66,12 +70,94 @@ def last_step(run_dir: str) -> int:
     return recs[-1]["step"] if recs else 0
 
 
+def _die_with_parent() -> None:
+    """In a launcher: receive SIGTERM when the demo dies (Linux), so that no launcher, one
+    waiting for its turn included, outlives it."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class _Forked:
+    """The trainer's launcher, ``launch.main(argv)``, in a process forked from this one with
+    ``env`` as its environment and its output into ``out``: this process has imported torch
+    and anyshard already, which a new interpreter would spend 2-3 s of CPU on before the
+    launcher starts anything. Its ranks still start from a forkserver of their own. It answers
+    as a `subprocess.Popen` does."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], out: IO[str]):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.returncode: int | None = None
+        self.pid = os.fork()
+        if self.pid == 0:
+            _run_forked(argv, env, out)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(LAUNCH, timeout or 0.0)
+            time.sleep(0.05)
+        return self.returncode  # type: ignore[return-value]
+
+    def terminate(self) -> None:
+        os.kill(self.pid, signal.SIGTERM)
+
+    def kill(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+
+
+def _run_forked(argv: list[str], env: dict[str, str], out: IO[str]) -> NoReturn:
+    """In the forked launcher: its output, environment and exit (never this process's
+    cleanup: the demo's files and handlers are its parent's)."""
+    code = 1
+    try:
+        _die_with_parent()
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # a caller may have redirected them
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        os.environ.clear()
+        os.environ.update(env)
+        from anyshard.trainer_integration.gpt.launch import main
+
+        code = main(argv)
+    except SystemExit as e:  # argparse's usage errors
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    except BaseException:  # noqa: BLE001 (reported in the launch's log, then the exit code)
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 class Launch:
-    """A launcher process that the demo follows, its output in ``log_path``."""
+    """A launcher process that the demo follows, its output in ``log_path``. The trainer's
+    launcher (``cmd`` = python -m `LAUNCH` ...) runs forked from this process (`_Forked`);
+    another command runs as it is."""
 
     def __init__(self, cmd: list[str], env: dict[str, str], log_path: str):
         self._out = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=subprocess.STDOUT, env=env)
+        self.proc: subprocess.Popen | _Forked
+        if cmd[:3] == [sys.executable, "-m", LAUNCH]:
+            self.proc = _Forked(cmd[3:], env, self._out)
+        else:
+            self.proc = subprocess.Popen(
+                cmd, stdout=self._out, stderr=subprocess.STDOUT, env=env,
+                preexec_fn=_die_with_parent,
+            )  # fmt: skip
 
     def follow(self, progress: Callable[[], None], trained: Callable[[], bool]) -> Scenario:
         """Yield while the launcher runs (`TRAINED` once ``trained()``), showing ``progress``
@@ -84,14 +170,18 @@ class Launch:
             progress()
             return self.proc.returncode
         finally:
-            if self.proc.poll() is None:
-                self.proc.terminate()
-                try:
-                    self.proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait()
-            self._out.close()
+            self.stop()
+
+    def stop(self) -> None:
+        """Stop the launcher (and the groups it started) if it still runs."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._out.close()
 
 
 @dataclass(frozen=True)
@@ -112,14 +202,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_phase(phase: Phase, total: int, run_dir: str, extra: list[str]) -> Launch:
+def launch_phase(
+    phase: Phase, total: int, run_dir: str, extra: list[str], start_when: str | None = None
+) -> Launch:
     """Launch ``phase`` (a group of ``phase.nproc`` ranks under one elastic agent) to train to
     ``phase.stop_at`` of ``total`` steps; ``extra``: more trainer options (the storage's, the
-    config)."""
+    config). ``start_when``: a path; the launcher imports and starts its forkserver now, and
+    its ranks once the path exists (its rendezvous then takes a free port)."""
+    # a launch that waits binds its port only when it starts
+    where = ["--start-when", start_when] if start_when else [
+        "--rdzv-endpoint", f"127.0.0.1:{_free_port()}"
+    ]  # fmt: skip
     cmd = [
         sys.executable, "-m", LAUNCH,
         "--nproc-per-node", str(phase.nproc), "--max-restarts", "1",
-        "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+        *where,
         *phase.layout,
         "--stop-at", str(phase.stop_at),
         "--train.steps", str(total),
@@ -158,7 +255,7 @@ def follow_phase(launch: Launch, run_dir: str, stop_at: int | None, log) -> Scen
     return launch.follow(progress, lambda: stop_at is not None and last_step(run_dir) >= stop_at)
 
 
-def drive(scenario: Scenario, poll_s: float = 0.5) -> Any:
+def drive(scenario: Scenario, poll_s: float = 0.2) -> Any:
     """Run ``scenario`` to its end, alone; what it returns."""
     try:
         while True:
@@ -203,8 +300,8 @@ class _Running:
 
 
 def run_in_turn(
-    scenarios: Sequence[Callable[[Log], Scenario]], log: Log, poll_s: float = 0.5
-) -> Iterator[tuple[Any, float]]:
+    scenarios: Sequence[Callable[[Log], Scenario]], log: Log, poll_s: float = 0.2
+) -> Generator[tuple[Any, float], None, None]:
     """Run ``scenarios`` (each called with the ``log`` to write to) in turn, the next one
     launched once the one on screen has logged its last step; yields each one's summary and
     its seconds from launch to summary. After a failed one (None) the rest are stopped."""

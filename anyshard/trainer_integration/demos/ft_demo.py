@@ -257,8 +257,9 @@ def _faults(groups: dict, r: int, healthy: list[int]) -> list[dict]:
             parts = [_excess(times, f["step"])]
             if heal is not None:
                 parts.append(_excess(times, heal["step"]))
-            if all(x is not None for x in parts):
-                stalls.append(sum(parts))
+            known = [x for x in parts if x is not None]
+            if len(known) == len(parts):
+                stalls.append(sum(known))
         out.append(
             {
                 "step": f["step"],

@@ -6,7 +6,9 @@ a process that has imported torch, so that a restart does not import it again):
    agent restarts the group, which restores the newest committed step and goes on to
    ``--steps-a``;
 2. the job is relaunched under layout B (2 ranks: tp=2): the reshard engine loads layout A's
-   checkpoint into the new layout and training goes on to ``--steps-b``.
+   checkpoint into the new layout and training goes on to ``--steps-b``. The relaunch is
+   started with phase A, its ranks held back until phase A has exited (``launch
+   --start-when``), so that its imports are done by then.
 
 With ``--storage s3`` the checkpoints go to an S3 bucket through the tiered Checkpointer (local
 disk first, uploaded in the background); before the relaunch the local copies are deleted, as
@@ -24,6 +26,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
+from typing import Any
 
 from anyshard.trainer_integration.demos import figures
 from anyshard.trainer_integration.demos.follow import (
@@ -82,7 +85,7 @@ def _make_bucket(bucket: str) -> None:
         fs.mkdir(bucket)
 
 
-def _storage(args, run_dir: str, log) -> tuple[object | None, list[str]]:
+def _storage(args, run_dir: str, log) -> tuple[Any, list[str]]:
     """The S3 server started (None: none, or one already there) and the checkpoint options."""
     if args.storage != "s3":
         return None, ["--checkpoint.root", os.path.join(run_dir, "ckpt")]
@@ -128,27 +131,42 @@ def run_restart(args, run_dir: str, extra: list[str], log: Callable[[str], None]
     phase failed. ``extra``: trainer options for every phase (the config)."""
     server, storage = _storage(args, run_dir, log)
     started = time.time()
-    phases = _phases(args.steps_a, args.steps_b, args.kill_step)
+    phase_a, phase_b = _phases(args.steps_a, args.steps_b, args.kill_step)
+    options = [*storage, *extra]
+    go = os.path.join(run_dir, "phase-B.go")
+    relaunch = None
     try:
-        for phase in phases:
-            log(
-                f"phase {phase.name}: {phase.nproc} ranks, {_layout_text(phase.layout)}, to step "
-                f"{phase.stop_at}"
-                + (f"; rank 3 will be killed at step {args.kill_step}" if phase.fault else "")
-            )
-            if phase.name == "B" and args.storage == "s3":
-                shutil.rmtree(os.path.join(run_dir, "local"), ignore_errors=True)
-                log("  local checkpoint copies deleted (a replacement node): recovering from S3")
-            launch = launch_phase(phase, args.steps_b, run_dir, [*storage, *extra])
-            last = phase.stop_at if phase is phases[-1] else None
-            rc = yield from follow_phase(launch, run_dir, last, log)
-            if rc != 0:
-                log(f"phase {phase.name} failed (exit {rc}); see {run_dir}/phase-{phase.name}.log")
-                return None
+        _log_phase(phase_a, args.kill_step, log)
+        launch = launch_phase(phase_a, args.steps_b, run_dir, options)
+        # the relaunch's forkserver imports torch and the trainer alongside phase A's start-up
+        # (which keeps one core busy at a time); its ranks start once phase A has exited
+        relaunch = launch_phase(phase_b, args.steps_b, run_dir, options, start_when=go)
+        rc = yield from follow_phase(launch, run_dir, None, log)
+        if rc != 0:
+            log(f"phase A failed (exit {rc}); see {run_dir}/phase-A.log")
+            return None
+        _log_phase(phase_b, args.kill_step, log)
+        if args.storage == "s3":
+            shutil.rmtree(os.path.join(run_dir, "local"), ignore_errors=True)
+            log("  local checkpoint copies deleted (a replacement node): recovering from S3")
+        open(go, "w").close()
+        rc = yield from follow_phase(relaunch, run_dir, phase_b.stop_at, log)
+        if rc != 0:
+            log(f"phase B failed (exit {rc}); see {run_dir}/phase-B.log")
+            return None
     finally:
+        if relaunch is not None:
+            relaunch.stop()  # phase A failed, or the demo stopped: the relaunch never starts
         if server is not None:
             server.stop()
     return _report(args, run_dir, started, log)
+
+
+def _log_phase(phase: Phase, kill_step: int, log) -> None:
+    log(
+        f"phase {phase.name}: {phase.nproc} ranks, {_layout_text(phase.layout)}, to step "
+        f"{phase.stop_at}" + (f"; rank 3 will be killed at step {kill_step}" if phase.fault else "")
+    )
 
 
 def _report(args, run_dir: str, started: float, log) -> dict:

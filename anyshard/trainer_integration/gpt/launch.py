@@ -14,8 +14,10 @@ them all again. On 2 CPU cores that import is about 6 s of the 9-10 s a restart 
 trainer is the same: ``torchrun ... -m anyshard.trainer_integration.gpt.train`` runs it too.
 
 Options before the trainer's: ``--nproc-per-node N``, ``--max-restarts R``, ``--rdzv-endpoint
-HOST:PORT`` (default: a free port on 127.0.0.1); every other word goes to the trainer
-(``--config``, ``--stop-at``, ``--section.key value``).
+HOST:PORT`` (default: a free port on 127.0.0.1), ``--start-when PATH`` (import everything and
+start the forkserver now, but the agent only once PATH exists: a relaunch that is to follow a
+running job starts warm); every other word goes to the trainer (``--config``, ``--stop-at``,
+``--section.key value``).
 
 FT-HSDP: ``--replicas G`` runs G replica groups of ``--nproc-per-node`` ranks, each under its
 own elastic agent (so a fault restarts only its group), and a torchft lighthouse on 127.0.0.1
@@ -44,6 +46,7 @@ import sys
 import time
 import uuid
 from collections.abc import Mapping, Sequence
+from multiprocessing import forkserver
 
 from anyshard._compat import DYNAMO_MODULE
 
@@ -75,12 +78,42 @@ def launch(
     *,
     max_restarts: int = 0,
     rdzv_endpoint: str = "127.0.0.1:0",
+    start_when: str | None = None,
 ) -> None:
     """Run the trainer on ``nproc`` local ranks; raises torch's ``ChildFailedError`` when the
-    group still fails after ``max_restarts`` restarts."""
+    group still fails after ``max_restarts`` restarts. ``start_when``: a path whose existence
+    starts the agent; until then the forkserver imports `PRELOAD`, so that the ranks start as
+    soon as it appears."""
+    multiprocessing.set_forkserver_preload(list(PRELOAD))
+    saved = os.environ.get(_TUNABLES)
+    try:
+        tunables = _rank_env(trainer_args).get(_TUNABLES)
+        if tunables is not None:
+            os.environ[_TUNABLES] = tunables
+        if start_when is not None:
+            # the forkserver (with this environment) imports PRELOAD while the launch waits
+            forkserver.ensure_running()
+            _wait_for(start_when)
+        _elastic_launch(nproc, trainer_args, max_restarts, rdzv_endpoint)
+    finally:
+        if saved is None:
+            os.environ.pop(_TUNABLES, None)
+        else:
+            os.environ[_TUNABLES] = saved
+
+
+def _wait_for(path: str, poll_s: float = 0.05) -> None:
+    """Return once ``path`` exists."""
+    while not os.path.exists(path):
+        time.sleep(poll_s)
+
+
+def _elastic_launch(
+    nproc: int, trainer_args: Sequence[str], max_restarts: int, rdzv_endpoint: str
+) -> None:
+    """torchrun's elastic agent over ``nproc`` ranks forked from the forkserver."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    multiprocessing.set_forkserver_preload(list(PRELOAD))
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -92,17 +125,7 @@ def launch(
         monitor_interval=0.1,
         start_method="forkserver",
     )
-    saved = os.environ.get(_TUNABLES)
-    try:
-        tunables = _rank_env(trainer_args).get(_TUNABLES)
-        if tunables is not None:
-            os.environ[_TUNABLES] = tunables
-        elastic_launch(config, entrypoint=_rank_main)(list(trainer_args))
-    finally:
-        if saved is None:
-            os.environ.pop(_TUNABLES, None)
-        else:
-            os.environ[_TUNABLES] = saved
+    elastic_launch(config, entrypoint=_rank_main)(list(trainer_args))
 
 
 _TUNABLES = "GLIBC_TUNABLES"
@@ -352,6 +375,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--rdzv-endpoint", default="127.0.0.1:0", help="rendezvous HOST:PORT")
     p.add_argument(
+        "--start-when",
+        metavar="PATH",
+        help="import and start the forkserver now, the agent once PATH exists (a relaunch "
+        "that follows a running job)",
+    )
+    p.add_argument(
         "--replicas",
         type=int,
         default=1,
@@ -459,6 +488,7 @@ def _main_group(args: argparse.Namespace, trainer_args: list[str]) -> int:
             trainer_args,
             max_restarts=args.max_restarts,
             rdzv_endpoint=args.rdzv_endpoint,
+            start_when=args.start_when,
         )
     except ChildFailedError as e:
         print(f"launch: the trainer failed: {e}", file=sys.stderr)
@@ -473,6 +503,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--nproc-per-node must be at least 1")
     if args.replicas < 1:
         p.error("--replicas must be at least 1")
+    if args.start_when and args.replicas > 1:
+        p.error("--start-when is for a single group")
     if args.replicas > 1:
         try:
             return _main_replicas(args, trainer_args)
