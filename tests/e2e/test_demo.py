@@ -130,12 +130,9 @@ def test_demo_autolayout_leaves_the_poor_layout_and_rebalances_a_straggler(tmp_p
     and once rank 1 slows 3x it re-plans for the straggler."""
     run_dir = str(tmp_path / "demo")
     args = ["--scenario", "autolayout", "--auto-steps", "60", "--slow-step", "24"]
-    out = subprocess.run(
-        ["anyshard", "demo", "--run-dir", run_dir, *args, "--slow-factor", "3", "--config", TINY],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    # in this process, which has imported anyshard already, like the ft-hsdp scenario's test
+    with deadline(600):
+        out = cli("demo", "--run-dir", run_dir, *args, "--slow-factor", "3", "--config", TINY)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     with open(os.path.join(run_dir, "summary.json")) as f:
         summary = json.load(f)
