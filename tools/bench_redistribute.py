@@ -11,7 +11,9 @@ The cost of the transit checksums (every piece's crc32c computed by its sender a
 its receiver, `anyshard.format.transit`): per case, ``--crc-reps`` pairs of redistribute with
 the checks on and off (reused plans), alternating (on off, off on, ...), each ``--crc-calls``
 calls in a row; the CPU seconds of every rank process (user + sys, all threads) summed over the
-ranks, the pair's ratio, and the median of the ratios.
+ranks, the pair's ratio, and the median of the ratios. With them, the bytes a call checks (what
+every rank sends and receives: each is checksummed once at each end, what a rank keeps is not)
+and the checks' CPU seconds per GiB checked, the figure to set against crc32c's own speed.
 
     python tools/bench_redistribute.py --gib 1 --reps 3 --write-docs
     python tools/bench_redistribute.py --quick                 # smoke test: 0.1 GiB, 1 rep
@@ -196,6 +198,11 @@ def worker(rank: int, world: int, cfg: dict) -> dict | None:
 
         out = []
         run(True), run(False)  # warm: both plans made and kept
+        plan = anyshard.redistribute(src, dst, **kw)
+        sent = sum(
+            m.nbytes for (s, _), v in plan.messages.items() if s == rank for g in v for m in g
+        )
+        checked = sent + plan.received_bytes(rank)  # checksummed at this end, every call
         for rep in range(cfg["crc_reps"]):
             for on in (True, False) if rep % 2 == 0 else (False, True):
                 for v in dst_of(case).values():
@@ -204,7 +211,7 @@ def worker(rank: int, world: int, cfg: dict) -> dict | None:
                 dist.barrier()
                 rec = h.measure(lambda on=on: run(on))
                 dist.barrier()
-                mine = {"cpu_s": rec["cpu_s"], "wall_s": rec["wall_s"],
+                mine = {"cpu_s": rec["cpu_s"], "wall_s": rec["wall_s"], "checked": checked,
                         "bad": llama.mismatched(dst_of(case), want[case])[:3]}  # fmt: skip
                 ranks = [None] * world
                 dist.all_gather_object(ranks, mine)
@@ -283,7 +290,10 @@ def crc_summary(data: dict) -> tuple[list[list], list[tuple]]:
         ratios = [cpu[(k, True)] / cpu[(k, False)] for k in reps]
         bad = " MISMATCH" if any(x["bad"] for r in recs for x in r["ranks"]) else ""
         on, off = [cpu[(k, True)] for k in reps], [cpu[(k, False)] for k in reps]
+        gib = sum(x.get("checked", 0) for x in recs[0]["ranks"]) / h.GiB  # a call, all ranks
+        per_gib = [(a - b) / (data["crc_calls"] * gib) for a, b in zip(on, off, strict=True)]
         rows.append([case, h.fmt_spread(on) + bad, h.fmt_spread(off), h.fmt_spread(ratios, ".3f"),
+                     f"{gib:.2f}", h.fmt_spread(per_gib, ".3f") if gib else "-",
                      h.fmt_spread([wall[(k, True)] for k in reps]),
                      h.fmt_spread([wall[(k, False)] for k in reps])])  # fmt: skip
         x = h.median(ratios)
@@ -316,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     head += ["peak RSS over state MiB", "bytes received per rank MiB"]
     n = data["crc_calls"]
     crc_head = [f"case ({n} calls)", "CPU s, checks on", "CPU s, off", "on / off (paired)",
+                "GiB checked a call (both ends)", "checks' CPU s per GiB checked",
                 "time s, on", "time s, off"]  # fmt: skip
     sb = data["state_bytes"]
     run = (f"4 gloo ranks, one torch thread each; median [min-max] of {args.reps}; seed "
