@@ -291,9 +291,9 @@ def crc_summary(data: dict) -> tuple[list[list], list[tuple]]:
         bad = " MISMATCH" if any(x["bad"] for r in recs for x in r["ranks"]) else ""
         on, off = [cpu[(k, True)] for k in reps], [cpu[(k, False)] for k in reps]
         gib = sum(x.get("checked", 0) for x in recs[0]["ranks"]) / h.GiB  # a call, all ranks
-        per_gib = [(a - b) / (data["crc_calls"] * gib) for a, b in zip(on, off, strict=True)]
+        per_gib = [(a - b) / (data["crc_calls"] * gib) for a, b in zip(on, off, strict=True) if gib]
         rows.append([case, h.fmt_spread(on) + bad, h.fmt_spread(off), h.fmt_spread(ratios, ".3f"),
-                     f"{gib:.2f}", h.fmt_spread(per_gib, ".3f") if gib else "-",
+                     f"{gib:.2f}", h.fmt_spread(per_gib, ".3f") if per_gib else "-",
                      h.fmt_spread([wall[(k, True)] for k in reps]),
                      h.fmt_spread([wall[(k, False)] for k in reps])])  # fmt: skip
         x = h.median(ratios)
