@@ -592,12 +592,13 @@ class Scheduler:
         sh.moved_off, sh.promised = move.slow, move.gain
         own = [statistics.median(c) for c in zip(*busy, strict=True)]
         mean = sum(own) / n
+        where = "back to even, " if move.shares == tuple([gb // n] * n) else ""
         return Decision(
             "rebalance",
             shares=move.shares,
             reason=f"data rank {move.slow} works {own[move.slow] / mean:.2f}x the mean per step; "
-            f"shares {list(move.shares)} are predicted to save {move.gain:.1%} of the busiest "
-            f"rank's own work a step (bound {move.bound:.1%}: the floor, or {pol.z:g} standard "
-            "errors of the steps' noise)",
+            f"shares {where}{list(move.shares)}, are predicted to save {move.gain:.1%} of the "
+            f"busiest rank's own work a step (bound {move.bound:.1%}: the floor, or {pol.z:g} "
+            "standard errors of the steps' noise)",
             slow=move.slow,
         )
