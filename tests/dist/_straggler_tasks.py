@@ -12,8 +12,8 @@ import time
 def own_work(kinds: list[str], steps: int) -> dict[str, tuple[float, float] | None]:
     """For each of ``kinds``, ``steps`` steps (after one that warms up) with rank 1 slow by it:
     ``compute``, a fixed number of extra multiplies in each of its blocks' forwards;
-    ``data``, a fixed sleep after loading its batch, outside any collective; ``neighbour``,
-    each rank pinned to a core of its own and three busy processes beside rank 1 (None where
+    ``data``, a fixed sleep (0.2 s) after loading its batch, outside any collective; ``neighbour``,
+    each rank pinned to a core of its own and five busy processes beside rank 1 (None where
     fewer than 2 cores can be used, or none can be pinned). This rank's median (own work,
     blocked) seconds per step of each kind."""
     import torch
@@ -37,9 +37,11 @@ def own_work(kinds: list[str], steps: int) -> dict[str, tuple[float, float] | No
     blocks = [m for m in model.modules() if isinstance(m, TransformerBlock)]
     work = torch.randn(160, 160) / 16
 
-    def more(module, args, out) -> None:  # the same real work every time: 40 multiplies
+    # the same real work every time, 160 multiplies, several times a step's own: the other
+    # processes that share the two cores in the suite cannot make up for it on rank 0
+    def more(module, args, out) -> None:
         x = work
-        for _ in range(40):
+        for _ in range(160):
             x = torch.tanh(x @ work)
 
     out: dict[str, tuple[float, float] | None] = {}
@@ -53,7 +55,7 @@ def own_work(kinds: list[str], steps: int) -> dict[str, tuple[float, float] | No
             affinity = os.sched_getaffinity(0)
             pin_to_own_core(dist.get_rank())
             if slow:
-                straggler = Straggler(4, 0, False, mode="neighbour")
+                straggler = Straggler(6, 0, False, mode="neighbour")
                 straggler.arm(model, 0)
         if kind == "compute" and slow:
             hooks = [b.register_forward_hook(more) for b in blocks]
@@ -65,7 +67,7 @@ def own_work(kinds: list[str], steps: int) -> dict[str, tuple[float, float] | No
                     began = time.perf_counter()
                     inputs, targets = loader.next_batch()
                     if kind == "data" and slow:
-                        time.sleep(0.1)
+                        time.sleep(0.2)
                     step_fn(inputs, targets)
                     wall = time.perf_counter() - began
                     rows.append((clock.own(wall), clock.blocked_s))
