@@ -16,6 +16,7 @@ Run: python -m pytest tests/unit/test_crash_safety.py -q -s   (-s prints where t
 from __future__ import annotations
 
 import collections
+import functools
 import importlib.util
 import json
 import os
@@ -52,6 +53,9 @@ KILLS = 12
 MODES = ["random"] * 4 + ["data"] * 3 + ["manifest"] * 2 + ["commit"] * 2 + ["restart"] * 1
 ROUND_TIMEOUT = 30.0
 POLL = 0.0005
+# the object store's polls: each is a listing and a request per step, which the store serves on
+# the ranks' cores (the kills there land at random times after a commit, not at a phase)
+S3_POLL = 0.02
 
 
 class Group:
@@ -122,6 +126,20 @@ class Group:
 
 def _committed(root: str) -> list[int]:
     return [s.step for s in list_steps(root) if s.committed]
+
+
+def _committed_after(root: str, step: int) -> bool:
+    """Whether a step after ``step`` has committed: on a local ``root``, from one listing and a
+    stat per newer step (`list_steps` also walks every step's files for its size), for the
+    waits that ask it every `POLL` while the ranks save."""
+    if "://" in root:
+        return any(s > step for s in _committed(root))
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return False
+    newer = [n for n in names if n.startswith("step-") and n[5:].isdigit() and int(n[5:]) > step]
+    return any(os.path.exists(os.path.join(root, n, "manifest.json")) for n in newer)
 
 
 def _step_dir(root: str, step: int) -> str:
@@ -230,16 +248,17 @@ def _gc(root: str, *options: str) -> list[str]:
 # --- choosing the moment -----------------------------------------------------------------------
 
 
-def _wait_for(group: Group, cond, deadline: float) -> bool:
-    """Poll ``cond`` until it holds (True) or ``deadline`` passes (False); fail if a rank died."""
-    n = 0
+def _wait_for(group: Group, cond, deadline: float, poll: float = POLL) -> bool:
+    """Poll ``cond`` every ``poll`` s until it holds (True) or ``deadline`` passes (False); fail
+    if a rank died (checked every 0.1 s)."""
+    n, every = 0, max(1, round(0.1 / poll))
     while not cond():
         n += 1
-        if n % 200 == 0 and not group.alive():
+        if n % every == 0 and not group.alive():
             pytest.fail(f"a rank died before the kill:\n{group.logs()}")
         if time.monotonic() > deadline:
             return False
-        time.sleep(POLL)
+        time.sleep(poll)
     return True
 
 
@@ -264,7 +283,7 @@ def _kill_moment(group: Group, root: str, mode: str, rng: random.Random, before:
         return
     # a commit after ``before`` (under tiered saves, the step the group restored may be one
     # that committed on local disk only, and is never uploaded: the next one is)
-    if not _wait_for(group, lambda: any(s > before for s in _committed(root)), deadline):
+    if not _wait_for(group, lambda: _committed_after(root, before), deadline):
         pytest.fail(f"no step after {before} committed within {ROUND_TIMEOUT}s:\n{group.logs()}")
     before = max(_committed(root)) - 1
     if mode == "random":  # anywhere in the save loop
@@ -420,9 +439,8 @@ def test_sigkill_during_saves_to_an_object_store_never_loses_a_commit(tmp_path, 
                 time.sleep(rng.uniform(0.0, 1.5))
             else:
                 deadline = time.monotonic() + 60
-                if not _wait_for(
-                    group, lambda b=before: any(s > b for s in _committed(root)), deadline
-                ):
+                newer = functools.partial(_committed_after, root, before)
+                if not _wait_for(group, newer, deadline, poll=S3_POLL):
                     pytest.fail(f"no step after {before} committed within 60 s:\n{group.logs()}")
                 time.sleep(rng.uniform(0.0, 0.5))
             group.kill()
