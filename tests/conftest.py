@@ -11,6 +11,13 @@ settings.register_profile("repeatable", derandomize=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
+# Bytecode is cached, as Python does by default, for this session and the interpreters it starts
+# (launchers and their forkservers, CLI runs, tools: dozens, each compiling anyshard's 150
+# modules again, 0.3-0.5 CPU s, where PYTHONDONTWRITEBYTECODE is set), and so are the test
+# modules that pytest rewrites (the second xdist worker, and the next run, read them).
+if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
+    sys.dont_write_bytecode = False
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "dist"))
 sys.path.append(os.path.dirname(__file__))  # cli_runner, ft_events, s3_server
 
@@ -124,23 +131,24 @@ def s3_proxy(moto_server, monkeypatch):
     s3fs.S3FileSystem.clear_instance_cache()
 
 
-# Seconds each of the slowest files took in a full run on 2 cores (`pytest --durations=0`,
-# summed per file). The two xdist workers take whole files in collection order
+# Seconds each of the slowest files took in the last full runs on 2 cores (`pytest
+# --durations=0`, summed per file; test_ft_hsdp.py less the 25 s its shorter jobs gave back).
+# The two xdist workers take whole files in collection order
 # (--no-loadscope-reorder in pyproject); the slowest go first, so that neither worker is left
 # with a five-minute file when the other has finished (longest first: the classic greedy
 # schedule). Files not listed keep their order after these.
 _FILE_SECONDS = {
-    "tests/e2e/test_ft_hsdp.py": 300,
-    "tests/dist/test_trainer_elastic.py": 160,
+    "tests/e2e/test_ft_hsdp.py": 275,
+    "tests/dist/test_trainer_elastic.py": 180,
     "tests/e2e/test_demo.py": 115,
     "tests/unit/test_crash_safety.py": 110,
-    "tests/e2e/test_bench_tools.py": 100,
-    "tests/e2e/test_trainer_fault.py": 75,
+    "tests/e2e/test_bench_tools.py": 90,
+    "tests/e2e/test_trainer_fault.py": 85,
     "tests/dist/test_s3_reshard.py": 66,
-    "tests/unit/test_fuzz_checkpoints.py": 50,
+    "tests/e2e/test_bench_tools_trainer.py": 65,
+    "tests/unit/test_fuzz_checkpoints.py": 55,
     "tests/dist/test_trainer_torchtitan.py": 45,
     "tests/dist/test_trainer_megatron.py": 45,
-    "tests/e2e/test_bench_tools_trainer.py": 40,
     "tests/e2e/test_cli_and_demo.py": 32,
     "tests/dist/test_trainer_accelerate.py": 30,
     "tests/dist/test_dcp_backend.py": 25,
