@@ -25,16 +25,7 @@ from anyshard.api import collectives as coll
 from anyshard.api.spec_state import match_locals
 from anyshard.api.state import flatten_state, json_roundtrip
 from anyshard.api.tensor_layout import layout_of
-from anyshard.api.transfer import (  # noqa: F401 - the exchange's parts, where unit tests take them
-    Held,
-    _arrived,
-    _incoming,
-    _outgoing,
-    _Staging,
-    agree_on_transit,
-    execute_plan,
-)
-from anyshard.api.transfer import Held as _Held  # noqa: F401 - the name unit tests import
+from anyshard.api.transfer import Held, agree_on_transit, execute_plan
 from anyshard.errors import AnyshardError, LayoutError, StateDictMismatchError
 from anyshard.format import transit
 from anyshard.format.dtypes import DTYPE_TO_ST, ST_TO_DTYPE

@@ -9,7 +9,8 @@ import crc32c
 import pytest
 import torch
 
-from anyshard.api.redistribute import _arrived, _incoming, _outgoing, _Side, _Staging
+from anyshard.api.redistribute import _Side
+from anyshard.api.transfer import _arrived, _incoming, _outgoing, _Staging
 from anyshard.errors import ChecksumError, CorruptCheckpointError
 from anyshard.format import transit
 from anyshard.reshard.exchange import Move, Round
@@ -74,7 +75,7 @@ def test_enabled_by_default_and_turned_off_by_env_or_argument(monkeypatch):
 
 
 def _sides(shape):
-    from anyshard.api.redistribute import _Held
+    from anyshard.api.transfer import Held as _Held
     from anyshard.geometry.boxes import Piece, full_box
 
     src, dst = _Side(), _Side()
@@ -118,7 +119,7 @@ def test_a_message_sent_and_received_in_one_process(rows):
 
 
 def test_agreement_in_one_process_raises_what_it_found():
-    from anyshard.api.redistribute import agree_on_transit
+    from anyshard.api.transfer import agree_on_transit
 
     agree_on_transit([], None, "redistribute")  # nothing found: returns
     m = transit.Mismatch("w", ((0, 2),), 1, 0, 5, 6)
