@@ -184,10 +184,12 @@ class FaultConfig:
     only_first_attempt: bool = True  # fail only in the first attempt, not after a restart
     # a straggler (ANYSHARD_SLOW="rank:factor[:from_step[:until_step]][:mode]"): from step
     # slow_from until step slow_until (None: to the end), global rank slow_rank runs slow_factor
-    # times slower, the way slow_mode says (`SLOW_MODES`): "sleep", its transformer blocks sleep
-    # (factor - 1) times their compute as each forward and backward ends, where a slow device's
-    # compute would be; "compute", they compute that much more for real (extra multiplies);
-    # "data", its data loading takes (factor - 1) times its blocks' compute; "neighbour", every
+    # times slower, the way slow_mode says (`SLOW_MODES`, docs/trainer.md): "sleep", its
+    # transformer blocks sleep (factor - 1) times their compute as each forward and backward
+    # ends, and after loading its batch it sleeps (factor - 1) times its work outside the blocks
+    # in the step before; "compute", the same amounts computed for real (extra multiplies);
+    # "data", its data loading takes (factor - 1) times its whole own work of the step before;
+    # "neighbour", every
     # rank is pinned to a core of its own and factor - 1 busy processes share the slow rank's
     slow_rank: int | None = None
     slow_factor: float = 1.0
