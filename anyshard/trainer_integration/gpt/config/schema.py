@@ -189,8 +189,8 @@ class FaultConfig:
     # ends, and after loading its batch it sleeps (factor - 1) times its work outside the blocks
     # in the step before; "compute", the same amounts computed for real (extra multiplies);
     # "data", its data loading takes (factor - 1) times its whole own work of the step before;
-    # "neighbour", every
-    # rank is pinned to a core of its own and factor - 1 busy processes share the slow rank's
+    # "neighbour", every rank is pinned to a core of its own and factor - 1 busy processes
+    # share the slow rank's core
     slow_rank: int | None = None
     slow_factor: float = 1.0
     slow_from: int = 0
