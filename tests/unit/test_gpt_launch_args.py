@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
+
 import pytest
 
 from anyshard.trainer_integration.gpt import launch
@@ -23,9 +27,10 @@ def test_malformed_group_args_are_refused_with_what_was_expected(argv, expected,
     assert expected in capsys.readouterr().err
 
 
-def test_group_args_reach_only_their_group(monkeypatch, tmp_path):
-    """Group 1's options follow the shared ones on its command line; group 0's has none."""
-    started: list[list[str]] = []
+def test_group_args_and_faults_reach_only_their_group(monkeypatch, tmp_path):
+    """Group 1's options follow the shared ones on its command line and its fault is in its
+    environment; group 0's has neither, and a fault set for the launcher reaches no group."""
+    started: list[tuple[list[str], dict[str, str]]] = []
 
     class Done:
         returncode = 0
@@ -40,16 +45,40 @@ def test_group_args_reach_only_their_group(monkeypatch, tmp_path):
         def wait(self):
             return 0
 
+    monkeypatch.setenv("ANYSHARD_FAULT", "0:1")
     monkeypatch.setattr(launch, "start_lighthouse", lambda **_: (Done(), "http://127.0.0.1:1"))
-    monkeypatch.setattr(launch.subprocess, "Popen", lambda cmd, **_: started.append(cmd) or Done())
+
+    def start_agent(cmd, env):
+        started.append((cmd, env))
+        return Done()
+
+    monkeypatch.setattr(launch, "_start_agent", start_agent)
     shared = ["--run_dir", str(tmp_path), "--train.steps", "4"]
     code = launch.main(
-        ["--replicas", "2", "--nproc-per-node", "2", *shared,
+        ["--replicas", "2", "--nproc-per-node", "2", *shared, "--fault", "1:1:3",
          "--group-args", "1:--parallel.relayout_at 2:tp=2"]
     )  # fmt: skip
     assert code == 0 and len(started) == 2
-    g0, g1 = started
+    (g0, env0), (g1, env1) = started
+    assert g0[:3] == g1[:3] == [sys.executable, "-m", "anyshard.trainer_integration.gpt.launch"]
     assert "--parallel.relayout_at" not in g0
     i = g1.index("--parallel.relayout_at")
     assert g1[i + 1] == "2:tp=2" and g1.index("--train.steps") < i
     assert g1[g1.index("--ft.replica") + 1] == "1"
+    assert g0[g0.index("--nproc-per-node") + 1] == "2" and g0[g0.index("--ft.replica") + 1] == "0"
+    assert "ANYSHARD_FAULTS" not in env0 and env1["ANYSHARD_FAULTS"] == "1:3"
+    assert "ANYSHARD_FAULT" not in env0 and "ANYSHARD_FAULT" not in env1
+    assert env0["PATH"] == os.environ["PATH"]
+
+
+def test_an_agent_is_not_forked_while_another_thread_runs():
+    """A thread that may hold a lock at the fork (here one waiting on an event) sends the
+    groups' agents to new interpreters instead."""
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait, name="listener")
+    thread.start()
+    try:
+        assert not launch._fork_is_safe()
+    finally:
+        stop.set()
+        thread.join()
