@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from anyshard.trainer_integration.gpt import launch
+from anyshard.trainer_integration.gpt import forked, launch
 
 
 @pytest.mark.parametrize(
@@ -78,7 +78,31 @@ def test_an_agent_is_not_forked_while_another_thread_runs():
     thread = threading.Thread(target=stop.wait, name="listener")
     thread.start()
     try:
-        assert not launch._fork_is_safe()
+        assert not forked.fork_is_safe()
     finally:
         stop.set()
         thread.join()
+
+
+def test_a_launcher_forked_from_a_process_with_a_forkserver_starts_one_of_its_own():
+    """A test session or the demo may run a forkserver already: it is not the forked launcher's
+    child, so the launcher must start its own (waiting on the parent's fails with ECHILD)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    parents = ctx.Process(target=os.getpid)
+    parents.start()
+    parents.join()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            forked._as_a_new_interpreter(dict(os.environ))
+            own = ctx.Process(target=os.getpid)
+            own.start()
+            own.join()
+            code = own.exitcode if own.exitcode is not None else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

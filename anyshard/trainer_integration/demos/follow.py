@@ -26,15 +26,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
 import time
-import traceback
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import IO, Any, NoReturn
+from typing import Any
+
+from anyshard.trainer_integration.gpt import forked
 
 __all__ = [
     "TRAINED",
@@ -48,7 +48,7 @@ __all__ = [
     "run_in_turn",
 ]
 
-LAUNCH = "anyshard.trainer_integration.gpt.launch"
+LAUNCH = forked.LAUNCH
 
 TRAINED = "trained"  # what a scenario yields once its last step is logged
 
@@ -70,94 +70,14 @@ def last_step(run_dir: str) -> int:
     return recs[-1]["step"] if recs else 0
 
 
-def _die_with_parent() -> None:
-    """In a launcher: receive SIGTERM when the demo dies (Linux), so that no launcher, one
-    waiting for its turn included, outlives it."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-class _Forked:
-    """The trainer's launcher, ``launch.main(argv)``, in a process forked from this one with
-    ``env`` as its environment and its output into ``out``: this process has imported torch
-    and anyshard already, which a new interpreter would spend 2-3 s of CPU on before the
-    launcher starts anything. Its ranks still start from a forkserver of their own. It answers
-    as a `subprocess.Popen` does."""
-
-    def __init__(self, argv: list[str], env: dict[str, str], out: IO[str]):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        self.returncode: int | None = None
-        self.pid = os.fork()
-        if self.pid == 0:
-            _run_forked(argv, env, out)
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(LAUNCH, timeout or 0.0)
-            time.sleep(0.05)
-        return self.returncode  # type: ignore[return-value]
-
-    def terminate(self) -> None:
-        os.kill(self.pid, signal.SIGTERM)
-
-    def kill(self) -> None:
-        os.kill(self.pid, signal.SIGKILL)
-
-
-def _run_forked(argv: list[str], env: dict[str, str], out: IO[str]) -> NoReturn:
-    """In the forked launcher: its output, environment and exit (never this process's
-    cleanup: the demo's files and handlers are its parent's)."""
-    code = 1
-    try:
-        _die_with_parent()
-        os.dup2(out.fileno(), 1)
-        os.dup2(out.fileno(), 2)
-        sys.stdout = open(1, "w", buffering=1, closefd=False)  # a caller may have redirected them
-        sys.stderr = open(2, "w", buffering=1, closefd=False)
-        os.environ.clear()
-        os.environ.update(env)
-        from anyshard.trainer_integration.gpt.launch import main
-
-        code = main(argv)
-    except SystemExit as e:  # argparse's usage errors
-        code = e.code if isinstance(e.code, int) else int(e.code is not None)
-    except BaseException:  # noqa: BLE001 (reported in the launch's log, then the exit code)
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-
 class Launch:
     """A launcher process that the demo follows, its output in ``log_path``. The trainer's
-    launcher (``cmd`` = python -m `LAUNCH` ...) runs forked from this process (`_Forked`);
-    another command runs as it is."""
+    launcher (``cmd`` = python -m `LAUNCH` ...) runs forked from this process where that is
+    safe (`forked.start_launcher`); another command runs as it is."""
 
     def __init__(self, cmd: list[str], env: dict[str, str], log_path: str):
         self._out = open(log_path, "w")
-        self.proc: subprocess.Popen | _Forked
-        if cmd[:3] == [sys.executable, "-m", LAUNCH]:
-            self.proc = _Forked(cmd[3:], env, self._out)
-        else:
-            self.proc = subprocess.Popen(
-                cmd, stdout=self._out, stderr=subprocess.STDOUT, env=env,
-                preexec_fn=_die_with_parent,
-            )  # fmt: skip
+        self.proc = forked.start_launcher(cmd, env, out=self._out)
 
     def follow(self, progress: Callable[[], None], trained: Callable[[], bool]) -> Scenario:
         """Yield while the launcher runs (`TRAINED` once ``trained()``), showing ``progress``

@@ -44,15 +44,13 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
-import traceback
 import uuid
 from collections.abc import Mapping, Sequence
 from multiprocessing import forkserver
-from typing import NoReturn
 
 from anyshard._compat import DYNAMO_MODULE
+from anyshard.trainer_integration.gpt import forked
 
 __all__ = ["PRELOAD", "launch", "launch_replicas", "main", "start_lighthouse"]
 
@@ -157,18 +155,6 @@ def _rank_env(trainer_args: Sequence[str]) -> dict[str, str]:
     return malloc.hugepage_env(env) if lean else env
 
 
-def _die_with_parent() -> None:
-    """In a child: receive SIGTERM when the launcher dies (Linux), so that no group outlives a
-    launcher that was killed."""
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -193,7 +179,7 @@ def start_lighthouse(
     cmd = [binary, "--min_replicas", str(min_replicas), "--bind", f"127.0.0.1:{port}"]
     cmd += ["--heartbeat_timeout_ms", str(heartbeat_ms), "--join_timeout_ms", str(join_ms)]
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=forked.die_with_parent
     )
     deadline = time.time() + 30
     while True:
@@ -251,136 +237,16 @@ def _faults_by_group(faults: Sequence[str], replicas: int) -> dict[int, list[str
     return per_group
 
 
-_LAUNCH = "anyshard.trainer_integration.gpt.launch"
-
-
-# threads that touch only objects of their own, which a forked agent never uses: a
-# multiprocessing queue's feeder (a test session's process pool has some)
-_FORK_SAFE_THREADS = frozenset({"QueueFeederThread"})
-
-
-def _fork_is_safe() -> bool:
-    """Whether a group's agent may be forked from this process rather than started as a new
-    interpreter: no other thread started through `threading` is alive but those of
-    `_FORK_SAFE_THREADS` (a logging listener, an executor, a pool's handlers could hold a lock
-    that the child then waits on forever), this is the main thread (the agent installs signal
-    handlers), and CUDA is not initialized (a forked child cannot use it). The native threads
-    that importing torch starts (OpenBLAS's pool, which stops itself around a fork) and torch's
-    intra-op pool are not counted: the agent runs no tensor code, and its ranks start from a
-    forkserver that is a new interpreter. Nor is a thread started below `threading`, such as
-    pytest-xdist's reader blocked on its channel, which the agent never touches."""
-    if threading.current_thread() is not threading.main_thread():
-        return False
-    others = {t.name for t in threading.enumerate() if t is not threading.current_thread()}
-    if not others <= _FORK_SAFE_THREADS:
-        return False
-    torch = sys.modules.get("torch")
-    return torch is None or not torch.cuda.is_initialized()
-
-
-def _start_agent(cmd: list[str], env: dict[str, str]) -> subprocess.Popen | _ForkedAgent:
-    """Start a group's agent, ``cmd`` (python -m `_LAUNCH` ...), in a session of its own that
-    receives SIGTERM when this process dies: forked from this process, which has imported torch
-    and the trainer already (a new interpreter spends 2-3 s of CPU on that before the agent
-    starts its forkserver), where `_fork_is_safe`; else as a new interpreter."""
-    if cmd[:3] == [sys.executable, "-m", _LAUNCH] and _fork_is_safe():
-        return _ForkedAgent(cmd[3:], env)
-    return subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
-
-
-class _ForkedAgent:
-    """``main(argv)`` in a child forked from this process with ``env`` as its environment, in a
-    session of its own; it answers as the `subprocess.Popen` of ``python -m`` `_LAUNCH` would
-    (``pid``, ``poll``, ``wait``, ``returncode``: minus the signal that killed it)."""
-
-    def __init__(self, argv: list[str], env: dict[str, str]):
-        sys.stdout.flush()  # else what is buffered here is written twice
-        sys.stderr.flush()
-        self.returncode: int | None = None
-        self.pid = os.fork()
-        if self.pid == 0:
-            _run_agent(argv, env)
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-    def wait(self) -> int:
-        if self.returncode is None:
-            _, status = os.waitpid(self.pid, 0)
-            self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-
-def _run_agent(argv: list[str], env: dict[str, str]) -> NoReturn:
-    """In the forked agent: the state a new interpreter would start with where this process
-    changed it, then `main`, then the exit (never this process's cleanup: its files, atexit
-    handlers and finalizers are its own)."""
-    code = 1
-    try:
-        os.setsid()
-        _die_with_parent()
-        _as_a_new_interpreter(env)
-        code = main(argv)
-    except SystemExit as e:  # argparse's usage errors
-        code = e.code if isinstance(e.code, int) else int(e.code is not None)
-    except BaseException:  # noqa: BLE001 (as an interpreter reports an uncaught error: exit 1)
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-
-def _as_a_new_interpreter(env: dict[str, str]) -> None:
-    """Undo in a forked agent what its parent (a test session, a demo) may have set up: output
-    bound to fds 1 and 2, signal handlers, logging handlers, warning filters, randomness, and
-    multiprocessing's forkserver and resource tracker (the agent starts its own, with its
-    environment, in its session, so that losing the group kills its ranks too)."""
-    import logging
-    import random
-    import warnings
-    from multiprocessing import process, resource_tracker
-
-    sys.stdout = open(1, "w", buffering=1, closefd=False)  # a caller may have redirected them
-    sys.stderr = open(2, "w", buffering=1, closefd=False)
-    for sig in (signal.SIGTERM, signal.SIGALRM, signal.SIGHUP, signal.SIGUSR1, signal.SIGCHLD):
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    os.environ.clear()
-    os.environ.update(env)
-    for handler in logging.root.handlers[:]:
-        logging.root.removeHandler(handler)
-    logging.root.setLevel(logging.WARNING)
-    warnings.resetwarnings()
-    for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
-        warnings.simplefilter("ignore", category, append=True)
-    random.seed()
-    old_fd = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
-    if old_fd is not None:  # else the parent's forkserver lives on while this process does
-        os.close(old_fd)
-    server = forkserver._forkserver = forkserver.ForkServer()
-    forkserver.ensure_running = server.ensure_running
-    forkserver.get_inherited_fds = server.get_inherited_fds
-    forkserver.connect_to_new_process = server.connect_to_new_process
-    forkserver.set_forkserver_preload = server.set_forkserver_preload
-    old_fd = getattr(resource_tracker._resource_tracker, "_fd", None)
-    if old_fd is not None:
-        os.close(old_fd)
-    tracker = resource_tracker._resource_tracker = resource_tracker.ResourceTracker()
-    resource_tracker.ensure_running = tracker.ensure_running
-    resource_tracker.register = tracker.register
-    resource_tracker.unregister = tracker.unregister
-    resource_tracker.getfd = tracker.getfd
-    process._children.clear()  # type: ignore[attr-defined]  # the parent's children
+def _start_agent(cmd: list[str], env: dict[str, str]) -> subprocess.Popen | forked.Forked:
+    """Start a group's agent, ``cmd`` (python -m `forked.LAUNCH` ...), in a session of its own
+    that receives SIGTERM when this process dies: forked from this process where
+    `forked.fork_is_safe`, else as a new interpreter."""
+    return forked.start_launcher(cmd, env, new_session=True)
 
 
 class _Groups:
     """The replica groups of a job, each an elastic agent (``commands[g]``, forked from this
-    process where `_fork_is_safe`) in a session of its own, so that a lost node's agent and
+    process where `forked.fork_is_safe`) in a session of its own, so that a lost node's agent and
     ranks are killed at once; ``faults[g]`` are the faults of group g, the k-th striking in its
     k-th attempt."""
 
@@ -388,7 +254,7 @@ class _Groups:
         self.commands, self.faults = commands, faults
         self.procs = {g: self.start(g) for g in commands}
 
-    def start(self, g: int) -> subprocess.Popen | _ForkedAgent:
+    def start(self, g: int) -> subprocess.Popen | forked.Forked:
         """Launch group ``g`` (again)."""
         env = dict(os.environ)
         env.pop("ANYSHARD_FAULT", None)
@@ -474,7 +340,7 @@ def launch_replicas(
         heartbeat_ms=heartbeat_ms, join_ms=join_ms, min_replicas=min_replicas
     )
     run_dir = _run_dir(trainer_args)
-    head = [sys.executable, "-m", _LAUNCH]
+    head = [sys.executable, "-m", forked.LAUNCH]
     head += ["--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts)]
     tail = ["--ft.lighthouse", address, "--ft.min_replicas", str(min_replicas)]
     commands = {
