@@ -77,7 +77,9 @@ class Launch:
 
     def __init__(self, cmd: list[str], env: dict[str, str], log_path: str):
         self._out = open(log_path, "w")
-        self.proc = forked.start_launcher(cmd, env, out=self._out)
+        from anyshard.trainer_integration.gpt.launch import main
+
+        self.proc = forked.start_launcher(cmd, env, main, out=self._out)
 
     def follow(self, progress: Callable[[], None], trained: Callable[[], bool]) -> Scenario:
         """Yield while the launcher runs (`TRAINED` once ``trained()``), showing ``progress``

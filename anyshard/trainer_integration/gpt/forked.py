@@ -17,8 +17,11 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing import forkserver
 from typing import IO, NoReturn
+
+Main = Callable[[list[str]], int]  # the launcher's `launch.main`
 
 LAUNCH = "anyshard.trainer_integration.gpt.launch"
 
@@ -58,13 +61,19 @@ def fork_is_safe() -> bool:
 
 
 def start_launcher(
-    cmd: list[str], env: dict[str, str], *, out: IO[str] | None = None, new_session: bool = False
+    cmd: list[str],
+    env: dict[str, str],
+    main: Main,
+    *,
+    out: IO[str] | None = None,
+    new_session: bool = False,
 ) -> subprocess.Popen | Forked:
     """Start ``cmd`` with ``env``, its output into ``out`` (else this process's), in a session
-    of its own if ``new_session``, receiving SIGTERM when this process dies: forked (`Forked`)
-    where ``cmd`` is the trainer's launcher and `fork_is_safe`, else as it is."""
+    of its own if ``new_session``, receiving SIGTERM when this process dies: forked (`Forked`,
+    running ``main``, the launcher's own) where ``cmd`` is the trainer's launcher and
+    `fork_is_safe`, else as it is."""
     if cmd[:3] == [sys.executable, "-m", LAUNCH] and fork_is_safe():
-        return Forked(cmd[3:], env, out=out, new_session=new_session)
+        return Forked(cmd[3:], env, main, out=out, new_session=new_session)
     return subprocess.Popen(
         cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out is not None else None,
         start_new_session=new_session, preexec_fn=die_with_parent,
@@ -72,7 +81,7 @@ def start_launcher(
 
 
 class Forked:
-    """``launch.main(argv)`` in a child forked from this process (see the module docstring); it
+    """``main(argv)`` (the launcher's `launch.main`) in a child forked from this process (see the module docstring); it
     answers as a `subprocess.Popen` does (``pid``, ``poll``, ``wait``, ``terminate``, ``kill``,
     ``returncode``: minus the signal that killed it)."""
 
@@ -80,6 +89,7 @@ class Forked:
         self,
         argv: list[str],
         env: dict[str, str],
+        main: Main,
         *,
         out: IO[str] | None = None,
         new_session: bool = False,
@@ -89,7 +99,7 @@ class Forked:
         self.returncode: int | None = None
         self.pid = os.fork()
         if self.pid == 0:
-            _run(argv, env, out, new_session)
+            _run(main, argv, env, out, new_session)
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -118,7 +128,9 @@ class Forked:
         os.kill(self.pid, signal.SIGKILL)
 
 
-def _run(argv: list[str], env: dict[str, str], out: IO[str] | None, new_session: bool) -> NoReturn:
+def _run(
+    main: Main, argv: list[str], env: dict[str, str], out: IO[str] | None, new_session: bool
+) -> NoReturn:
     """In the forked launcher: the state a new interpreter would start with, then `main`, then
     the exit (never this process's cleanup: its files, atexit handlers and finalizers are the
     parent's)."""
@@ -131,8 +143,6 @@ def _run(argv: list[str], env: dict[str, str], out: IO[str] | None, new_session:
             os.dup2(out.fileno(), 1)
             os.dup2(out.fileno(), 2)
         _as_a_new_interpreter(env)
-        from anyshard.trainer_integration.gpt.launch import main
-
         code = main(argv)
     except SystemExit as e:  # argparse's usage errors
         code = e.code if isinstance(e.code, int) else int(e.code is not None)

@@ -241,7 +241,7 @@ def _start_agent(cmd: list[str], env: dict[str, str]) -> subprocess.Popen | fork
     """Start a group's agent, ``cmd`` (python -m `forked.LAUNCH` ...), in a session of its own
     that receives SIGTERM when this process dies: forked from this process where
     `forked.fork_is_safe`, else as a new interpreter."""
-    return forked.start_launcher(cmd, env, new_session=True)
+    return forked.start_launcher(cmd, env, main, new_session=True)
 
 
 class _Groups:
